@@ -1,0 +1,36 @@
+# Every dependency is a Debian package installed by scripts/setup.sh.
+find_package(OpenMP REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(Threads REQUIRED)
+
+# OpenBLAS built for OpenMP (libopenblas-openmp-dev): its threads are the same OpenMP pool our own
+# kernels use, so BLAS calls made inside our parallel regions run single-threaded instead of
+# oversubscribing the cores.
+find_library(OPENBLAS_OPENMP_LIB NAMES openblas
+             PATHS /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp NO_DEFAULT_PATH)
+find_path(CBLAS_INCLUDE_DIR NAMES cblas.h
+          PATHS /usr/include/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp /usr/include/openblas)
+if(NOT OPENBLAS_OPENMP_LIB OR NOT CBLAS_INCLUDE_DIR)
+  message(FATAL_ERROR "OpenBLAS (OpenMP build) not found: run scripts/setup.sh "
+                      "(Debian package libopenblas-openmp-dev)")
+endif()
+add_library(malleus_blas INTERFACE)
+target_link_libraries(malleus_blas INTERFACE ${OPENBLAS_OPENMP_LIB} OpenMP::OpenMP_CXX)
+target_include_directories(malleus_blas SYSTEM INTERFACE ${CBLAS_INCLUDE_DIR})
+
+find_path(XXHASH_INCLUDE_DIR NAMES xxhash.h)
+find_library(XXHASH_LIB NAMES xxhash)
+if(NOT XXHASH_INCLUDE_DIR OR NOT XXHASH_LIB)
+  message(FATAL_ERROR "xxHash not found: run scripts/setup.sh (Debian package libxxhash-dev)")
+endif()
+add_library(malleus_xxhash INTERFACE)
+target_link_libraries(malleus_xxhash INTERFACE ${XXHASH_LIB})
+target_include_directories(malleus_xxhash SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR})
+
+if(MALLEUS_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+if(MALLEUS_BUILD_BENCH)
+  find_package(benchmark REQUIRED)
+endif()

@@ -1,0 +1,160 @@
+// The compute-backend interface: every numeric operation of a training step goes through it, so a
+// CUDA backend can replace the CPU one without touching the model, the optimizer or the trainer.
+//
+// Conventions, shared by every implementation:
+//  - Tensors are dense and row-major. `n` is a number of token positions (micro-batch × sequence).
+//  - Linear weights use the PyTorch / Hugging Face layout [out_features, in_features].
+//  - Activations of attention are laid out [batch, seq, heads, head_dim].
+//  - Parameter gradients (dweight, dtable) are ACCUMULATED (+=), so gradient accumulation over
+//    micro-batches needs no extra buffer. Activation gradients (din, dq, ...) are OVERWRITTEN.
+//  - Reductions (sum_squares) accumulate in double and are deterministic for a fixed thread count,
+//    which bit-exact resume relies on.
+//  - Pointers refer to memory obtained from the same backend (host memory for the CPU backend).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+namespace malleus::backend {
+
+// Hyper-parameters of one AdamW update (decoupled weight decay, Loshchilov & Hutter 2019).
+struct AdamWStep {
+  float lr = 0;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0;
+  float grad_scale = 1;  // multiplies the gradient first (global-norm clipping)
+  int64_t step = 1;      // 1-based update count, for bias correction
+};
+
+template <typename T>
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual void set_num_threads(int threads) = 0;
+  virtual int num_threads() const = 0;
+
+  // ---- memory ------------------------------------------------------------------------------
+  // Zero-initialised storage for `count` elements of T (or of int32 tokens).
+  virtual T* allocate(size_t count) = 0;
+  virtual int32_t* allocate_tokens(size_t count) = 0;
+  virtual void release(void* pointer) = 0;
+  virtual void copy_to_host(T* host, const T* source, size_t count) = 0;
+  virtual void copy_from_host(T* destination, const T* host, size_t count) = 0;
+  virtual void copy_tokens_from_host(int32_t* destination, const int32_t* host, size_t count) = 0;
+
+  // ---- elementwise and reductions ------------------------------------------------------------
+  virtual void fill_zero(T* x, size_t count) = 0;
+  virtual void copy(T* destination, const T* source, size_t count) = 0;
+  virtual void add(T* y, const T* x, size_t count) = 0;  // y += x
+  virtual void scale(T* x, T factor, size_t count) = 0;  // x *= factor
+  virtual double sum_squares(const T* x, size_t count) = 0;
+
+  // ---- layers --------------------------------------------------------------------------------
+  // out[n, c] = table[tokens[i], :]
+  virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int n, int c) = 0;
+  // dtable[tokens[i], :] += dout[i, :]
+  virtual void embedding_backward(T* dtable, const T* dout, const int32_t* tokens, int n,
+                                  int c) = 0;
+
+  // out = in / rms(in) * weight, row-wise; rstd[n] = 1 / sqrt(mean(in²) + eps) saved for backward.
+  virtual void rmsnorm_forward(T* out, T* rstd, const T* in, const T* weight, int n, int c,
+                               float eps) = 0;
+  virtual void rmsnorm_backward(T* din, T* dweight, const T* dout, const T* in, const T* weight,
+                                const T* rstd, int n, int c) = 0;
+
+  // out[n, oc] = in[n, ic] · weight[oc, ic]ᵀ
+  virtual void matmul_forward(T* out, const T* in, const T* weight, int n, int ic, int oc) = 0;
+  // din[n, ic] = dout · weight (skipped when din is null); dweight[oc, ic] += doutᵀ · in
+  virtual void matmul_backward(T* din, T* dweight, const T* dout, const T* in, const T* weight,
+                               int n, int ic, int oc) = 0;
+
+  // Rotary position embedding, in place, on x[batch, seq, heads, head_dim], position = seq index.
+  // Hugging Face Llama convention ("rotate_half"): element i pairs with i + head_dim/2, angle
+  // pos * theta^(-2i/head_dim).
+  virtual void rope_forward(T* x, int batch, int seq, int heads, int head_dim, float theta) = 0;
+  // The transpose (inverse rotation), in place on the gradient.
+  virtual void rope_backward(T* dx, int batch, int seq, int heads, int head_dim, float theta) = 0;
+
+  // Causal scaled-dot-product attention with grouped KV heads: query head h reads kv head
+  // h / (q_heads / kv_heads). q, out: [batch, seq, q_heads, head_dim]; k, v: [batch, seq,
+  // kv_heads, head_dim]. probs [batch, q_heads, seq, seq] keeps the softmax for backward.
+  virtual void attention_forward(T* out, T* probs, const T* q, const T* k, const T* v, int batch,
+                                 int seq, int q_heads, int kv_heads, int head_dim) = 0;
+  virtual void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* probs, const T* q,
+                                  const T* k, const T* v, int batch, int seq, int q_heads,
+                                  int kv_heads, int head_dim) = 0;
+
+  // SwiGLU: out = silu(gate) * up, elementwise over `count` values.
+  virtual void swiglu_forward(T* out, const T* gate, const T* up, size_t count) = 0;
+  virtual void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
+                               size_t count) = 0;
+
+  // losses[i] = logsumexp(logits[i, :]) - logits[i, targets[i]]
+  virtual void cross_entropy_forward(T* losses, const T* logits, const int32_t* targets, int n,
+                                     int vocab) = 0;
+  // dlogits[i, :] = (softmax(logits[i, :]) - onehot(targets[i])) * loss_scale
+  virtual void cross_entropy_backward(T* dlogits, const T* logits, const int32_t* targets,
+                                      T loss_scale, int n, int vocab) = 0;
+
+  // ---- optimizer -----------------------------------------------------------------------------
+  // One AdamW update of `count` parameters with moments m, v (state kept in T).
+  virtual void adamw_update(T* param, const T* grad, T* m, T* v, size_t count,
+                            const AdamWStep& step) = 0;
+};
+
+// The CPU backend: OpenBLAS sgemm/dgemm for matmuls, OpenMP for our own kernels.
+template <typename T>
+std::unique_ptr<Backend<T>> make_cpu_backend(int threads);
+
+// Owning handle for backend memory: values of T, or int32 tokens with Element = int32_t.
+template <typename T, typename Element = T>
+class Buffer {
+  static_assert(std::is_same_v<Element, T> || std::is_same_v<Element, int32_t>);
+
+ public:
+  Buffer() = default;
+  Buffer(Backend<T>& backend, size_t count) : backend_(&backend), size_(count) {
+    if constexpr (std::is_same_v<Element, T>) {
+      data_ = backend.allocate(count);
+    } else {
+      data_ = backend.allocate_tokens(count);
+    }
+  }
+  ~Buffer() { reset(); }
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      backend_ = other.backend_;
+      data_ = other.data_;
+      size_ = other.size_;
+      other.data_ = nullptr;
+      other.size_ = 0;
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  Element* data() { return data_; }
+  const Element* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void reset() {
+    if (data_ != nullptr) backend_->release(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  Backend<T>* backend_ = nullptr;
+  Element* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace malleus::backend

@@ -1,0 +1,102 @@
+#include "common/files.h"
+
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace malleus {
+
+namespace {
+std::string errno_text() { return std::strerror(errno); }
+}  // namespace
+
+AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
+  temp_path_ = path_;
+  temp_path_ += ".tmp." + std::to_string(::getpid());
+  file_ = std::fopen(temp_path_.c_str(), "wb");
+  check(file_ != nullptr, "cannot create " + temp_path_.string() + ": " + errno_text());
+}
+
+AtomicFile::~AtomicFile() {
+  if (file_ != nullptr) {
+    std::fclose(file_);
+    std::error_code ignored;
+    fs::remove(temp_path_, ignored);
+  }
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  check(file_ != nullptr, "write to " + path_.string() + " after commit");
+  if (bytes == 0) return;
+  check(std::fwrite(data, 1, bytes, file_) == bytes,
+        "cannot write " + temp_path_.string() + ": " + errno_text());
+}
+
+void AtomicFile::commit() {
+  check(file_ != nullptr, "double commit of " + path_.string());
+  bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
+  ok = (std::fclose(file_) == 0) && ok;
+  file_ = nullptr;
+  if (!ok || std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    std::string reason = errno_text();
+    std::error_code ignored;
+    fs::remove(temp_path_, ignored);
+    throw Error("cannot write " + path_.string() + ": " + reason);
+  }
+  sync_directory(path_.has_parent_path() ? path_.parent_path() : fs::path("."));
+}
+
+void write_file_atomic(const fs::path& path, const std::string& contents) {
+  AtomicFile file(path);
+  file.write(contents);
+  file.commit();
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), "cannot open " + path.string() + ": " +
+                       (fs::exists(path) ? errno_text() : std::string("no such file")));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  check(!in.bad(), "cannot read " + path.string());
+  return buffer.str();
+}
+
+void sync_directory(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // best effort: some file systems do not allow opening directories
+  ::fsync(fd);
+  ::close(fd);
+}
+
+std::vector<fs::path> expand_files(const std::string& pattern) {
+  fs::path p(pattern);
+  std::string name = p.filename().string();
+  if (name.find_first_of("*?[") == std::string::npos) {
+    check(fs::is_regular_file(p), "no such file: " + pattern);
+    return {p};
+  }
+  fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  std::vector<fs::path> matches;
+  if (fs::is_directory(dir)) {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.is_regular_file() &&
+          ::fnmatch(name.c_str(), entry.path().filename().c_str(), 0) == 0) {
+        matches.push_back(entry.path());
+      }
+    }
+  }
+  check(!matches.empty(), "no files match " + pattern);
+  std::sort(matches.begin(), matches.end());
+  return matches;
+}
+
+}  // namespace malleus

@@ -1,0 +1,43 @@
+// The shape of a LLaMA-style decoder (what Hugging Face calls LlamaConfig), read from a JSON file
+// or a built-in preset (the files in configs/models, compiled in).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/json.h"
+
+namespace malleus::model {
+
+struct ModelConfig {
+  std::string name = "custom";
+  int vocab_size = 0;
+  int hidden_size = 0;
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;  // grouped-query attention when smaller than num_heads
+  int ffn_hidden_size = 0;
+  int max_seq_len = 0;
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
+  float init_std = 0.02f;  // normal(0, init_std) for weights; residual outputs scaled by 1/sqrt(2L)
+
+  int head_dim() const { return hidden_size / num_heads; }
+  int kv_dim() const { return num_kv_heads * head_dim(); }
+  int64_t num_parameters() const;
+  // Training FLOPs (forward + backward) per token at sequence length `seq`: 6 per parameter of the
+  // matmuls plus causal attention (QKᵀ and PV), the accounting used for MFU.
+  double train_flops_per_token(int seq) const;
+
+  // Throws Error naming `source` and the offending key if the shape is impossible.
+  void validate(const std::string& source) const;
+  static ModelConfig from_json(const Json& json, const std::string& source);
+  Json to_json() const;
+};
+
+// `name_or_path` is a preset name (see model_preset_names) or a path to a JSON file.
+ModelConfig load_model_config(const std::string& name_or_path);
+std::vector<std::string> model_preset_names();
+
+}  // namespace malleus::model
