@@ -1,4 +1,21 @@
 // `malleus prepare-data`: text files in, token shards out.
+//
+// Input selection:
+// - An input is a file or a directory. A directory contributes every regular file below it
+//   (recursively; symlinks to files are followed, symlinks to directories are not, so a link
+//   cycle cannot loop), in sorted path order so the output does not depend on the file system.
+// - Files met inside a directory whose names end in ".dat" or ".u8" are skipped: in a fortune
+//   directory (/usr/share/games/fortunes) the former are strfile's binary indexes and the latter
+//   UTF-8 duplicates (usually symlinks) of the plain files, which would put every fortune in the
+//   corpus twice. A file named explicitly as an input is never skipped for its name.
+// - With skip_binary, a file holding a NUL byte is skipped as binary.
+// - The same file reached twice (through symlinks, or named twice) is read once.
+//
+// Output: each document's bytes (ByteTokenizer) followed by the end-of-text token, streamed into
+// <output_dir>/train_000000.bin, train_000001.bin, ... and val_000000.bin, ..., each at most
+// shard_tokens tokens (a document may continue into the next shard), each written atomically.
+// Shards named like ours ("train_" or "val_", digits, ".bin") left in output_dir by an earlier run
+// and not rewritten by this one are deleted, so "train_*.bin" never picks up stale data.
 #pragma once
 
 #include <cstdint>
@@ -8,22 +25,30 @@
 namespace malleus::data {
 
 struct PrepareOptions {
-  std::vector<std::string> inputs;  // text files or directories (every regular file inside)
-  std::string output_dir;
-  // A line equal to this string ends a document (fortune files use "%"); empty: one file is one
-  // document. Documents are separated by the end-of-text token.
+  std::vector<std::string> inputs;  // text files or directories (see above)
+  std::string output_dir;           // created if missing
+  // A line equal to this string ends a document (fortune files use "%"; a trailing "\r" on the
+  // line is ignored, for CRLF files); empty: one file is one document. Documents that are empty
+  // or only whitespace are dropped.
   std::string document_separator;
-  double val_fraction = 0.05;  // every k-th document goes to the validation split
-  int64_t shard_tokens = 100'000'000;
-  bool skip_binary = true;  // files with NUL bytes (e.g. fortune's .dat indexes) are skipped
+  // Document k (0-based, counted over all files in order) goes to validation when
+  // floor((k + 1) * val_fraction) > floor(k * val_fraction): the validation documents are spread
+  // evenly through the corpus, and the split is deterministic. With val_fraction > 0 and at least
+  // two documents, the validation split gets at least one (the last document). Must be in [0, 1).
+  double val_fraction = 0.05;
+  int64_t shard_tokens = 100'000'000;  // 1 .. 2^31 - 1 (the header's count is an int32)
+  bool skip_binary = true;             // files with NUL bytes (e.g. fortune's .dat indexes)
 };
 
 struct PrepareSummary {
   int64_t files = 0, documents = 0, train_tokens = 0, val_tokens = 0;
-  std::vector<std::string> shards;
+  std::vector<std::string> shards;  // paths written: train shards in order, then val shards
+  int64_t train_documents = 0, val_documents = 0;
+  std::vector<std::string> skipped;  // input files not used, each as "path (reason)"
 };
 
-// Writes <output_dir>/train_000000.bin, ... and val_000000.bin, ... (atomically, each).
+// Throws Error for: no inputs, an input that does not exist, no usable text found, invalid
+// options, and any failure to read an input or write a shard.
 PrepareSummary prepare_data(const PrepareOptions& options);
 
 }  // namespace malleus::data

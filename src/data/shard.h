@@ -13,10 +13,17 @@ constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 constexpr int kShardHeaderInts = 256;
 
-// Written atomically (temporary file + rename).
+// Written atomically (temporary file + rename), so a reader never sees half a shard. Throws Error
+// if the tokens do not fit the header's int32 count.
 void write_shard(const std::filesystem::path& path, const std::vector<uint16_t>& tokens);
-// Throws Error naming the file for: missing file, short header, wrong magic or version, a token
-// count that disagrees with the file size.
+
+// Throws Error naming the file for: missing file ("no such file"), a file shorter than the header
+// ("truncated header"), wrong magic ("not a token shard: bad magic N"), an unsupported version,
+// and a token count that disagrees with the file size ("header says N tokens but file holds M").
 std::vector<uint16_t> read_shard(const std::filesystem::path& path);
+
+// read_shard, appending to `out`: a corpus of many shards is read straight into one buffer. On
+// error `out` is left as it was.
+void append_shard(const std::filesystem::path& path, std::vector<uint16_t>& out);
 
 }  // namespace malleus::data
