@@ -1,1 +1,756 @@
+// Checkpoint save/load (round trip, atomic replacement, refusal of every kind of damage), the
+// "latest" pointer, and the Hugging Face export read back by our reader and by the independent
+// NumPy reference (tests/hf_llama_reference.py).
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/checksum.h"
+#include "common/error.h"
+#include "common/files.h"
+#include "common/json.h"
+#include "model/config.h"
+#include "model/parameters.h"
+#include "train/checkpoint.h"
+#include "train/export.h"
+
+namespace malleus::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = fs::temp_directory_path() /
+            ("malleus_test_checkpoint_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+// Random values in every tensor, zero in the alignment gaps (the files store no padding, so only
+// zero gaps survive a round trip bit for bit).
+std::vector<float> random_buffer(const model::ParameterLayout& layout, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> buffer(static_cast<size_t>(layout.total_size()), 0.0f);
+  for (const auto& t : layout.tensors()) {
+    for (int64_t i = 0; i < t.size; ++i) buffer[static_cast<size_t>(t.offset + i)] = normal(rng);
+  }
+  return buffer;
+}
+
+Checkpoint make_checkpoint(uint32_t seed, bool with_optimizer = true) {
+  Checkpoint c;
+  c.model = model::load_model_config("tiny");
+  const model::ParameterLayout layout(c.model);
+  c.train_config =
+      Json{{"lr", 3e-4}, {"global_batch", 8}, {"note", "seed " + std::to_string(seed)}};
+  c.step = 100 + seed;
+  c.consumed_samples = 800 + 8 * int64_t{seed};
+  c.params = random_buffer(layout, seed);
+  if (with_optimizer) {
+    c.adam_m = random_buffer(layout, seed + 1000);
+    c.adam_v = random_buffer(layout, seed + 2000);
+    for (float& v : c.adam_v) v = v * v;
+  }
+  return c;
+}
+
+bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void expect_same(const Checkpoint& expected, const Checkpoint& actual, bool with_optimizer) {
+  EXPECT_EQ(actual.model.to_json(), expected.model.to_json());
+  EXPECT_EQ(actual.train_config, expected.train_config);
+  EXPECT_EQ(actual.step, expected.step);
+  EXPECT_EQ(actual.consumed_samples, expected.consumed_samples);
+  EXPECT_TRUE(bit_identical(actual.params, expected.params));
+  if (with_optimizer) {
+    EXPECT_TRUE(bit_identical(actual.adam_m, expected.adam_m));
+    EXPECT_TRUE(bit_identical(actual.adam_v, expected.adam_v));
+  } else {
+    EXPECT_TRUE(actual.adam_m.empty());
+    EXPECT_TRUE(actual.adam_v.empty());
+  }
+}
+
+// Runs `body`, expects a malleus::Error, and returns its message.
+template <typename F>
+std::string error_of(F&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected malleus::Error, got another exception: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected malleus::Error, nothing was thrown";
+  return "";
+}
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "message: " << (text)
+
+// Entries of `dir` other than the expected ones: leftovers such as "*.tmp.<pid>" or "*.old.<pid>".
+std::vector<std::string> leftovers(const fs::path& dir, const std::vector<std::string>& expected) {
+  std::vector<std::string> extra;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (std::find(expected.begin(), expected.end(), name) == expected.end()) extra.push_back(name);
+  }
+  return extra;
+}
+
+void flip_byte(const fs::path& path, uintmax_t position) {
+  std::string bytes = read_file(path);
+  ASSERT_LT(position, bytes.size());
+  bytes[position] = static_cast<char>(bytes[position] ^ 0x40);
+  write_file_atomic(path, bytes);
+}
+
+TEST(Checkpoint, RoundTripIsBitIdentical) {
+  TempDir tmp;
+  const Checkpoint saved = make_checkpoint(1);
+  const fs::path dir = tmp.path() / "step_00000101";
+  save_checkpoint(dir, saved);
+
+  for (const char* file : {"manifest.json", "params.bin", "optimizer.bin"}) {
+    EXPECT_TRUE(fs::is_regular_file(dir / file)) << file;
+  }
+  const model::ParameterLayout layout(saved.model);
+  const auto unpadded = static_cast<uintmax_t>(layout.num_parameters()) * sizeof(float);
+  EXPECT_EQ(fs::file_size(dir / "params.bin"), unpadded);
+  EXPECT_EQ(fs::file_size(dir / "optimizer.bin"), 2 * unpadded);
+
+  expect_same(saved, load_checkpoint(dir), true);
+  expect_same(saved, load_checkpoint(dir, /*with_optimizer=*/false), false);
+  EXPECT_TRUE(leftovers(tmp.path(), {"step_00000101"}).empty());
+}
+
+TEST(Checkpoint, ManifestDescribesTensorsAndFiles) {
+  TempDir tmp;
+  const Checkpoint saved = make_checkpoint(2);
+  const fs::path dir = tmp.path() / "ckpt";
+  save_checkpoint(dir, saved);
+
+  const Json manifest = read_json_file((dir / "manifest.json").string());
+  EXPECT_EQ(manifest["format"], "malleus-checkpoint");
+  EXPECT_EQ(manifest["version"], 1);
+  EXPECT_EQ(manifest["step"], saved.step);
+  EXPECT_EQ(manifest["consumed_samples"], saved.consumed_samples);
+  const model::ParameterLayout layout(saved.model);
+  ASSERT_EQ(manifest["tensors"].size(), layout.tensors().size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < layout.tensors().size(); ++i) {
+    const auto& spec = layout.tensors()[i];
+    const Json& entry = manifest["tensors"][i];
+    EXPECT_EQ(entry["name"], spec.name);
+    EXPECT_EQ(entry["shape"].get<std::vector<int64_t>>(), spec.shape);
+    EXPECT_EQ(entry["offset"], offset);
+    offset += spec.size * 4;
+  }
+  EXPECT_EQ(manifest["files"]["params.bin"]["bytes"], offset);
+  EXPECT_EQ(manifest["files"]["optimizer.bin"]["bytes"], 2 * offset);
+  const std::string params = read_file(dir / "params.bin");
+  EXPECT_EQ(manifest["files"]["params.bin"]["xxh3"], checksum_hex(params.data(), params.size()));
+
+  // params.bin is the tensors back to back, unpadded, as float32 in memory order.
+  std::string expected;
+  for (const auto& spec : layout.tensors()) {
+    expected.append(reinterpret_cast<const char*>(saved.params.data() + spec.offset),
+                    static_cast<size_t>(spec.size) * sizeof(float));
+  }
+  EXPECT_TRUE(params == expected);
+}
+
+TEST(Checkpoint, WithoutOptimizerState) {
+  TempDir tmp;
+  const Checkpoint saved = make_checkpoint(3, /*with_optimizer=*/false);
+  const fs::path dir = tmp.path() / "ckpt";
+  save_checkpoint(dir, saved);
+  EXPECT_FALSE(fs::exists(dir / "optimizer.bin"));
+  expect_same(saved, load_checkpoint(dir, false), false);
+  const std::string message = error_of([&] { load_checkpoint(dir, true); });
+  EXPECT_CONTAINS(message, dir.string());
+  EXPECT_CONTAINS(message, "optimizer.bin");
+}
+
+TEST(Checkpoint, TrailingSlashNamesTheSameDirectory) {
+  TempDir tmp;
+  const Checkpoint saved = make_checkpoint(4);
+  save_checkpoint(tmp.path() / "ckpt/", saved);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+  expect_same(saved, load_checkpoint(tmp.path() / "ckpt"), true);
+}
+
+TEST(Checkpoint, CreatesMissingParentDirectories) {
+  TempDir tmp;
+  const Checkpoint saved = make_checkpoint(5);
+  const fs::path dir = tmp.path() / "a" / "b" / "ckpt";
+  save_checkpoint(dir, saved);
+  expect_same(saved, load_checkpoint(dir), true);
+}
+
+TEST(Checkpoint, OverwriteReplacesTheOldCheckpoint) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  save_checkpoint(dir, make_checkpoint(6));
+  // A file only the old checkpoint has must not survive the replacement.
+  write_file_atomic(dir / "stray.txt", "old\n");
+  const Checkpoint second = make_checkpoint(7, /*with_optimizer=*/false);
+  save_checkpoint(dir, second);
+  expect_same(second, load_checkpoint(dir, false), false);
+  EXPECT_FALSE(fs::exists(dir / "stray.txt"));
+  EXPECT_FALSE(fs::exists(dir / "optimizer.bin"));
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+}
+
+TEST(Checkpoint, RejectsBuffersOfTheWrongSize) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const Checkpoint good = make_checkpoint(8);
+  save_checkpoint(dir, good);
+
+  Checkpoint bad = make_checkpoint(9);
+  bad.adam_v.pop_back();
+  EXPECT_CONTAINS(error_of([&] { save_checkpoint(dir, bad); }), "adam_v has");
+  bad = make_checkpoint(9);
+  bad.params.push_back(0.0f);
+  EXPECT_CONTAINS(error_of([&] { save_checkpoint(dir, bad); }), "params has");
+  bad = make_checkpoint(9);
+  bad.adam_v.clear();  // m without v
+  EXPECT_CONTAINS(error_of([&] { save_checkpoint(dir, bad); }), "adam_v has");
+
+  expect_same(good, load_checkpoint(dir), true);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+}
+
+// The data files are already written when the manifest cannot be: the temporary directory must go
+// and the previous checkpoint must stay as it was. Works as root, unlike a read-only directory.
+TEST(Checkpoint, FailureAfterDataFilesLeavesOldCheckpointIntact) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const Checkpoint good = make_checkpoint(10);
+  save_checkpoint(dir, good);
+
+  Checkpoint bad = make_checkpoint(11);
+  bad.train_config = Json{{"note", std::string("\xff\xfe not UTF-8")}};
+  const std::string message = error_of([&] { save_checkpoint(dir, bad); });
+  EXPECT_CONTAINS(message, "manifest.json");
+  expect_same(good, load_checkpoint(dir), true);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+}
+
+// The last step (moving the old checkpoint aside) fails because its parking place is taken.
+TEST(Checkpoint, FailureAtTheFinalRenameLeavesOldCheckpointIntact) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const Checkpoint good = make_checkpoint(12);
+  save_checkpoint(dir, good);
+
+  const std::string old_name = "ckpt.old." + std::to_string(::getpid());
+  fs::create_directories(tmp.path() / old_name);
+  write_file_atomic(tmp.path() / old_name / "blocker", "x");
+  const std::string message = error_of([&] { save_checkpoint(dir, make_checkpoint(13)); });
+  EXPECT_CONTAINS(message, dir.string());
+  expect_same(good, load_checkpoint(dir), true);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt", old_name}).empty());
+}
+
+TEST(Checkpoint, StaleTemporaryDirectoryIsReplaced) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const fs::path stale = tmp.path() / ("ckpt.tmp." + std::to_string(::getpid()));
+  fs::create_directories(stale);
+  write_file_atomic(stale / "params.bin", "garbage");
+  const Checkpoint saved = make_checkpoint(14);
+  save_checkpoint(dir, saved);
+  expect_same(saved, load_checkpoint(dir), true);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+}
+
+class CorruptCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = tmp_.path() / "step_00000042";
+    save_checkpoint(dir_, make_checkpoint(42));
+  }
+  Json manifest() const { return read_json_file((dir_ / "manifest.json").string()); }
+  void write_manifest(const Json& json) const {
+    write_file_atomic(dir_ / "manifest.json", json.dump(2));
+  }
+  // The message of loading, which must name the checkpoint.
+  std::string load_error(bool with_optimizer = true) const {
+    std::string message = error_of([&] { load_checkpoint(dir_, with_optimizer); });
+    EXPECT_CONTAINS(message, dir_.string());
+    return message;
+  }
+
+  TempDir tmp_;
+  fs::path dir_;
+};
+
+TEST_F(CorruptCheckpoint, MissingDirectory) {
+  fs::remove_all(dir_);
+  EXPECT_CONTAINS(load_error(), "not a checkpoint");
+}
+
+TEST_F(CorruptCheckpoint, MissingManifest) {
+  fs::remove(dir_ / "manifest.json");
+  EXPECT_CONTAINS(load_error(), "not a checkpoint: no manifest.json");
+}
+
+TEST_F(CorruptCheckpoint, MalformedManifest) {
+  write_file_atomic(dir_ / "manifest.json", "{\"format\": \"malleus-checkpoint\", ");
+  const std::string message = load_error();
+  EXPECT_CONTAINS(message, "manifest.json");
+  EXPECT_CONTAINS(message, "malformed JSON");
+}
+
+TEST_F(CorruptCheckpoint, WrongFormatOrVersion) {
+  Json json = manifest();
+  json["format"] = "something-else";
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "format is \"something-else\"");
+  json = manifest();
+  json["format"] = "malleus-checkpoint";
+  json["version"] = 2;
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "version 2 is not supported");
+}
+
+TEST_F(CorruptCheckpoint, ManifestMissingKey) {
+  Json json = manifest();
+  json.erase("step");
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "missing key \"step\"");
+}
+
+TEST_F(CorruptCheckpoint, MissingParams) {
+  fs::remove(dir_ / "params.bin");
+  EXPECT_CONTAINS(load_error(), "params.bin is missing");
+}
+
+TEST_F(CorruptCheckpoint, TruncatedParams) {
+  const auto size = fs::file_size(dir_ / "params.bin");
+  fs::resize_file(dir_ / "params.bin", size - 5);
+  EXPECT_CONTAINS(load_error(), "params.bin is truncated: " + std::to_string(size - 5) +
+                                    " bytes, manifest says " + std::to_string(size));
+}
+
+TEST_F(CorruptCheckpoint, ParamsWithTrailingData) {
+  const auto size = fs::file_size(dir_ / "params.bin");
+  fs::resize_file(dir_ / "params.bin", size + 4);
+  EXPECT_CONTAINS(load_error(), "params.bin has trailing data");
+}
+
+TEST_F(CorruptCheckpoint, FlippedByteInParams) {
+  flip_byte(dir_ / "params.bin", fs::file_size(dir_ / "params.bin") / 2);
+  const std::string message = load_error();
+  EXPECT_CONTAINS(message, "params.bin is corrupt: checksum ");
+  EXPECT_CONTAINS(message,
+                  "expected " + manifest()["files"]["params.bin"]["xxh3"].get<std::string>());
+}
+
+TEST_F(CorruptCheckpoint, FlippedByteInOptimizer) {
+  flip_byte(dir_ / "optimizer.bin", fs::file_size(dir_ / "optimizer.bin") - 1);
+  EXPECT_CONTAINS(load_error(), "optimizer.bin is corrupt: checksum ");
+  // Without optimizer state the damaged file is not needed, so the parameters still load.
+  EXPECT_EQ(load_checkpoint(dir_, false).step, make_checkpoint(42).step);
+}
+
+TEST_F(CorruptCheckpoint, TruncatedOptimizer) {
+  fs::resize_file(dir_ / "optimizer.bin", 0);
+  EXPECT_CONTAINS(load_error(), "optimizer.bin is truncated: 0 bytes");
+}
+
+TEST_F(CorruptCheckpoint, ChecksumInManifestChanged) {
+  Json json = manifest();
+  json["files"]["params.bin"]["xxh3"] = "0123456789abcdef";
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "params.bin is corrupt");
+}
+
+TEST_F(CorruptCheckpoint, TensorShapeChanged) {
+  Json json = manifest();
+  json["tensors"][3]["shape"] = {8, 32};
+  write_manifest(json);
+  const std::string message = load_error();
+  EXPECT_CONTAINS(message, "tensor 3");
+  EXPECT_CONTAINS(message, "[8, 32]");
+  EXPECT_CONTAINS(message, "model.layers.0.self_attn.k_proj.weight");
+}
+
+TEST_F(CorruptCheckpoint, TensorOrderChanged) {
+  Json json = manifest();
+  std::swap(json["tensors"][2]["name"], json["tensors"][3]["name"]);
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "but the model config expects");
+}
+
+TEST_F(CorruptCheckpoint, TensorMissing) {
+  Json json = manifest();
+  json["tensors"].erase(json["tensors"].size() - 1);
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "tensors, but its model config has");
+}
+
+TEST_F(CorruptCheckpoint, ModelConfigChanged) {
+  Json json = manifest();
+  json["model"]["hidden_size"] = 64;  // the tensor list no longer matches
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "but the model config expects");
+  json["model"]["hidden_size"] = "wide";
+  write_manifest(json);
+  EXPECT_CONTAINS(load_error(), "hidden_size");
+}
+
+TEST(Latest, DirectoryNamesAndLatestPointer) {
+  TempDir tmp;
+  const fs::path root = tmp.path() / "run";
+  EXPECT_EQ(checkpoint_dir(root, 100), root / "step_00000100");
+  EXPECT_EQ(checkpoint_dir(root, 123456789), root / "step_123456789");
+  EXPECT_THROW(checkpoint_dir(root, -1), Error);
+
+  fs::create_directories(root);
+  EXPECT_EQ(latest_checkpoint(root), std::nullopt);
+
+  const Checkpoint first = make_checkpoint(20);
+  save_checkpoint(checkpoint_dir(root, first.step), first);
+  mark_latest(root, checkpoint_dir(root, first.step));
+  EXPECT_EQ(read_file(root / "latest"), "step_00000120\n");
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_dir(root, first.step));
+
+  const Checkpoint second = make_checkpoint(21);
+  save_checkpoint(checkpoint_dir(root, second.step), second);
+  mark_latest(root, checkpoint_dir(root, second.step).string() + "/");
+  EXPECT_EQ(read_file(root / "latest"), "step_00000121\n");
+  const auto latest = latest_checkpoint(root);
+  ASSERT_TRUE(latest.has_value());
+  expect_same(second, load_checkpoint(*latest), true);
+  EXPECT_TRUE(leftovers(root, {"step_00000120", "step_00000121", "latest"}).empty());
+
+  EXPECT_CONTAINS(error_of([&] { mark_latest(root, root / "step_00000999"); }), "step_00000999");
+
+  fs::remove_all(checkpoint_dir(root, second.step));
+  const std::string message = error_of([&] { latest_checkpoint(root); });
+  EXPECT_CONTAINS(message, "latest");
+  EXPECT_CONTAINS(message, "step_00000121");
+
+  write_file_atomic(root / "latest", "../elsewhere\n");
+  EXPECT_CONTAINS(error_of([&] { latest_checkpoint(root); }), "expected the name of a checkpoint");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hugging Face export
+
+uint64_t header_length(const std::string& bytes) {
+  uint64_t n = 0;
+  for (size_t i = 0; i < 8; ++i) n |= uint64_t{static_cast<unsigned char>(bytes[i])} << (8 * i);
+  return n;
+}
+
+// A safetensors file from a header text and data bytes, header padded like ours.
+std::string safetensors_bytes(std::string header, const std::string& data) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  for (size_t i = 0; i < 8; ++i) {
+    bytes[i] = static_cast<char>((uint64_t{header.size()} >> (8 * i)) & 0xff);
+  }
+  return bytes + header + data;
+}
+
+TEST(Export, SafetensorsRoundTripIsBitIdentical) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(30);
+  const fs::path out = tmp.path() / "hf";
+  export_hf(c, out);
+  const auto tensors = read_safetensors(out / "model.safetensors");
+  const model::ParameterLayout layout(c.model);
+  ASSERT_EQ(tensors.size(), layout.tensors().size());
+  for (const auto& spec : layout.tensors()) {
+    const auto it = tensors.find(spec.name);
+    ASSERT_NE(it, tensors.end()) << spec.name;
+    EXPECT_EQ(it->second.shape, spec.shape) << spec.name;
+    ASSERT_EQ(it->second.data.size(), static_cast<size_t>(spec.size)) << spec.name;
+    EXPECT_EQ(std::memcmp(it->second.data.data(), c.params.data() + spec.offset,
+                          it->second.data.size() * sizeof(float)),
+              0)
+        << spec.name;
+  }
+  EXPECT_TRUE(tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight") &&
+              tensors.count("model.layers.1.mlp.down_proj.weight") &&
+              tensors.count("model.norm.weight"));
+}
+
+TEST(Export, SafetensorsFileLayout) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(31);
+  const fs::path out = tmp.path() / "hf";
+  export_hf(c, out);
+  const std::string bytes = read_file(out / "model.safetensors");
+  ASSERT_GE(bytes.size(), 8u);
+  const uint64_t n = header_length(bytes);
+  EXPECT_EQ(n % 8, 0u);
+  ASSERT_LE(8 + n, bytes.size());
+  const std::string text = bytes.substr(8, n);
+  EXPECT_EQ(text.front(), '{');
+  EXPECT_EQ(text.find_last_not_of(' '), text.rfind('}'));
+  const auto header = nlohmann::ordered_json::parse(text);
+
+  const model::ParameterLayout layout(c.model);
+  auto it = header.begin();
+  ASSERT_EQ(it.key(), "__metadata__");
+  EXPECT_EQ(it.value(), (nlohmann::ordered_json{{"format", "pt"}}));
+  int64_t offset = 0;
+  for (const auto& spec : layout.tensors()) {
+    ++it;
+    ASSERT_NE(it, header.end());
+    EXPECT_EQ(it.key(), spec.name);  // layout order
+    EXPECT_EQ(it.value()["dtype"], "F32");
+    EXPECT_EQ(it.value()["shape"].get<std::vector<int64_t>>(), spec.shape);
+    EXPECT_EQ(it.value()["data_offsets"].get<std::vector<int64_t>>(),
+              (std::vector<int64_t>{offset, offset + spec.size * 4}));
+    offset += spec.size * 4;
+  }
+  EXPECT_EQ(bytes.size(), 8 + n + static_cast<uint64_t>(offset));
+  EXPECT_TRUE(leftovers(out, {"model.safetensors", "config.json"}).empty());
+}
+
+TEST(Export, ConfigJsonHasLlamaConfigFields) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(32, /*with_optimizer=*/false);
+  const fs::path out = tmp.path() / "hf";
+  export_hf(c, out);
+  const Json config = read_json_file((out / "config.json").string());
+  EXPECT_EQ(config, hf_config_json(c.model));
+  EXPECT_EQ(config["architectures"], Json::array({"LlamaForCausalLM"}));
+  EXPECT_EQ(config["model_type"], "llama");
+  EXPECT_EQ(config["vocab_size"], 257);
+  EXPECT_EQ(config["hidden_size"], 32);
+  EXPECT_EQ(config["intermediate_size"], 64);
+  EXPECT_EQ(config["num_hidden_layers"], 2);
+  EXPECT_EQ(config["num_attention_heads"], 4);
+  EXPECT_EQ(config["num_key_value_heads"], 2);
+  EXPECT_EQ(config["head_dim"], 8);
+  EXPECT_EQ(config["max_position_embeddings"], 64);
+  // The decimal a Python config would hold, not float 1e-5 widened to double.
+  EXPECT_EQ(config["rms_norm_eps"].get<double>(), 1e-5);
+  EXPECT_EQ(config["rope_theta"].get<double>(), 10000.0);
+  EXPECT_EQ(config["initializer_range"].get<double>(), 0.02);
+  EXPECT_EQ(config["hidden_act"], "silu");
+  EXPECT_EQ(config["tie_word_embeddings"], false);
+  EXPECT_EQ(config["attention_bias"], false);
+  EXPECT_EQ(config["mlp_bias"], false);
+  EXPECT_EQ(config["torch_dtype"], "float32");
+  EXPECT_TRUE(config["bos_token_id"].is_null());
+  EXPECT_EQ(config["eos_token_id"], 256);
+
+  model::ModelConfig small = c.model;
+  small.vocab_size = 200;  // no room for the end-of-text token
+  EXPECT_TRUE(hf_config_json(small)["eos_token_id"].is_null());
+}
+
+TEST(Export, OverwritesAnEarlierExport) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "hf";
+  export_hf(make_checkpoint(33), out);
+  const Checkpoint second = make_checkpoint(34);
+  export_hf(second, out);
+  const auto tensors = read_safetensors(out / "model.safetensors");
+  const auto& embed = tensors.at("model.embed_tokens.weight");
+  EXPECT_EQ(std::memcmp(embed.data.data(), second.params.data(), embed.data.size() * sizeof(float)),
+            0);
+  EXPECT_TRUE(leftovers(out, {"model.safetensors", "config.json"}).empty());
+
+  Checkpoint bad = second;
+  bad.params.pop_back();
+  EXPECT_CONTAINS(error_of([&] { export_hf(bad, out); }), "params has");
+}
+
+TEST(Safetensors, RefusesTruncatedFiles) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "hf";
+  export_hf(make_checkpoint(35), out);
+  const std::string bytes = read_file(out / "model.safetensors");
+  const uint64_t n = header_length(bytes);
+  const fs::path cut = tmp.path() / "cut.safetensors";
+  const std::vector<std::pair<size_t, std::string>> cases = {
+      {0, "too short"},
+      {5, "too short"},
+      {8 + n / 2, "beyond the end of the file"},
+      {8 + n, "out of range"},
+      {8 + n + 100, "out of range"},
+      {bytes.size() - 1, "out of range"},
+  };
+  for (const auto& [size, expected] : cases) {
+    write_file_atomic(cut, bytes.substr(0, size));
+    const std::string message = error_of([&] { read_safetensors(cut); });
+    EXPECT_CONTAINS(message, cut.string());
+    EXPECT_CONTAINS(message, expected);
+  }
+  EXPECT_CONTAINS(error_of([&] { read_safetensors(tmp.path() / "missing.safetensors"); }),
+                  "missing.safetensors");
+}
+
+TEST(Safetensors, RefusesMalformedHeaders) {
+  TempDir tmp;
+  const fs::path path = tmp.path() / "bad.safetensors";
+  const std::string data(24, '\0');  // six floats
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"a": {"dtype": "F32", "shape": [2, 3], )", "malformed JSON"},
+      {R"([1, 2])", "not a JSON object"},
+      {R"({"a": {"dtype": "F16", "shape": [2, 3], "data_offsets": [0, 12]}})",
+       "unsupported dtype \"F16\""},
+      {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 24]}})",
+       "shape has 4 elements"},
+      {R"({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}})", "out of range"},
+      {R"({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [24, 0]}})", "out of range"},
+      {R"({"a": {"dtype": "F32", "shape": [2, 3]}})", "missing key \"data_offsets\""},
+      {R"({"a": {"dtype": "F32", "shape": [-2, -3], "data_offsets": [0, 24]}})",
+       "negative dimension"},
+      {R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296, 4], "data_offsets": [0, 24]}})",
+       "shape does not match"},
+  };
+  for (const auto& [header, expected] : cases) {
+    write_file_atomic(path, safetensors_bytes(header, data));
+    const std::string message = error_of([&] { read_safetensors(path); });
+    EXPECT_CONTAINS(message, path.string());
+    EXPECT_CONTAINS(message, expected);
+  }
+
+  // A well-formed hand-written file, with keys in any order and an empty tensor.
+  const float values[6] = {1.0f, -2.0f, 3.5f, 0.0f, 1e-30f, 6.0f};
+  write_file_atomic(
+      path, safetensors_bytes(R"({"z": {"dtype": "F32", "shape": [0], "data_offsets": [24, 24]},
+        "a": {"data_offsets": [0, 24], "shape": [3, 2], "dtype": "F32"}})",
+                              std::string(reinterpret_cast<const char*>(values), 24)));
+  const auto tensors = read_safetensors(path);
+  ASSERT_EQ(tensors.size(), 2u);
+  EXPECT_EQ(tensors.at("a").shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(std::memcmp(tensors.at("a").data.data(), values, sizeof values), 0);
+  EXPECT_TRUE(tensors.at("z").data.empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The independent NumPy reference of Hugging Face's LlamaForCausalLM (tests/hf_llama_reference.py)
+
+struct CommandResult {
+  int status = -1;
+  std::string output;
+};
+
+CommandResult run_command(const std::string& command) {
+  CommandResult result;
+  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0) result.output.append(buffer, n);
+  result.status = ::pclose(pipe);
+  return result;
+}
+
+const std::string kReference = std::string(MALLEUS_SOURCE_DIR) + "/tests/hf_llama_reference.py";
+
+TEST(HfReference, SelfTestPasses) {
+  const CommandResult result =
+      run_command(std::string(MALLEUS_PYTHON) + " '" + kReference + "' --selftest");
+  EXPECT_EQ(result.status, 0) << result.output;
+  EXPECT_CONTAINS(result.output, "selftest passed");
+}
+
+// With o_proj and down_proj zero every block is the identity, so the loss is a function of the
+// embedding, final norm and lm_head alone, computed here in a few lines. Agreement checks that the
+// reference reads our safetensors and config.json with the tensors in the orientation HF expects.
+TEST(HfReference, ReadsOurExport) {
+  TempDir tmp;
+  Checkpoint c = make_checkpoint(36, /*with_optimizer=*/false);
+  const model::ParameterLayout layout(c.model);
+  for (int l = 0; l < c.model.num_layers; ++l) {
+    for (int index : {layout.block(l).o_proj, layout.block(l).down_proj}) {
+      const auto& spec = layout.tensor(index);
+      std::fill_n(c.params.begin() + spec.offset, spec.size, 0.0f);
+    }
+  }
+  const fs::path out = tmp.path() / "hf";
+  export_hf(c, out);
+  const std::vector<std::vector<int>> sequences = {{5, 17, 200, 256, 3, 99, 0}, {256, 1, 2}};
+  std::string text;
+  for (const auto& sequence : sequences) {
+    for (int token : sequence) text += std::to_string(token) + " ";
+    text += "\n";
+  }
+  write_file_atomic(out / "tokens.txt", text);
+
+  const auto& embed = layout.tensor(layout.embedding());
+  const auto& norm = layout.tensor(layout.final_norm());
+  const auto& head = layout.tensor(layout.lm_head());
+  const int64_t hidden = c.model.hidden_size, vocab = c.model.vocab_size;
+  auto at = [&](const model::TensorSpec& spec, int64_t i) {
+    return double{c.params[static_cast<size_t>(spec.offset + i)]};
+  };
+  double total = 0.0;
+  int count = 0;
+  for (const auto& sequence : sequences) {
+    for (size_t t = 0; t + 1 < sequence.size(); ++t) {
+      std::vector<double> x(static_cast<size_t>(hidden));
+      double mean_square = 0.0;
+      for (int64_t i = 0; i < hidden; ++i) {
+        x[static_cast<size_t>(i)] = at(embed, sequence[t] * hidden + i);
+        mean_square += x[static_cast<size_t>(i)] * x[static_cast<size_t>(i)];
+      }
+      const double scale = 1.0 / std::sqrt(mean_square / static_cast<double>(hidden) + 1e-5);
+      for (int64_t i = 0; i < hidden; ++i) x[static_cast<size_t>(i)] *= scale * at(norm, i);
+      std::vector<double> logits(static_cast<size_t>(vocab));
+      double max_logit = -1e300;
+      for (int64_t v = 0; v < vocab; ++v) {
+        double dot = 0.0;
+        for (int64_t i = 0; i < hidden; ++i)
+          dot += at(head, v * hidden + i) * x[static_cast<size_t>(i)];
+        logits[static_cast<size_t>(v)] = dot;
+        max_logit = std::max(max_logit, dot);
+      }
+      double z = 0.0;
+      for (double logit : logits) z += std::exp(logit - max_logit);
+      total += max_logit + std::log(z) - logits[static_cast<size_t>(sequence[t + 1])];
+      ++count;
+    }
+  }
+  const double expected = total / count;
+
+  const CommandResult result =
+      run_command(std::string(MALLEUS_PYTHON) + " '" + kReference + "' '" + out.string() + "' '" +
+                  (out / "tokens.txt").string() + "'");
+  ASSERT_EQ(result.status, 0) << result.output;
+  const double reference = std::stod(result.output);
+  EXPECT_NEAR(reference, expected, 1e-9 * expected) << result.output;
+}
+
+}  // namespace
+}  // namespace malleus::train

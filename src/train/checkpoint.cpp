@@ -1,1 +1,351 @@
-// placeholder: being written
+#include "train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <bit>
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+#include <system_error>
+
+#include "common/checksum.h"
+#include "common/error.h"
+#include "common/files.h"
+#include "model/parameters.h"
+
+namespace malleus::train {
+
+namespace {
+
+// The files hold raw float32 in host order; declaring them little-endian is only true here.
+static_assert(std::endian::native == std::endian::little,
+              "checkpoint files are little-endian float32; a big-endian host needs byte swapping");
+
+constexpr const char* kFormat = "malleus-checkpoint";
+constexpr int64_t kVersion = 1;
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kParams = "params.bin";
+constexpr const char* kOptimizer = "optimizer.bin";
+
+// "a/step_1/" must give the siblings "a/step_1.tmp.<pid>", not entries inside "a/step_1".
+fs::path normalized(const fs::path& dir) {
+  fs::path p = dir.lexically_normal();
+  if (!p.has_filename() && p.has_parent_path()) p = p.parent_path();
+  return p;
+}
+
+fs::path with_suffix(const fs::path& path, const std::string& suffix) {
+  fs::path p = path;
+  p += suffix;
+  return p;
+}
+
+fs::path parent_of(const fs::path& path) {
+  return path.has_parent_path() ? path.parent_path() : fs::path(".");
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+int64_t tensor_bytes(const model::TensorSpec& tensor) {
+  return tensor.size * static_cast<int64_t>(sizeof(float));
+}
+
+struct FileEntry {
+  int64_t bytes = 0;
+  std::string xxh3;
+};
+
+// Removes the half-written temporary directory unless the save got to the final rename, so a
+// failed save leaves nothing behind but the previous checkpoint.
+class TempDirGuard {
+ public:
+  explicit TempDirGuard(fs::path dir) : dir_(std::move(dir)) {}
+  ~TempDirGuard() {
+    if (!dismissed_) {
+      std::error_code ignored;
+      fs::remove_all(dir_, ignored);
+    }
+  }
+  TempDirGuard(const TempDirGuard&) = delete;
+  TempDirGuard& operator=(const TempDirGuard&) = delete;
+  void dismiss() { dismissed_ = true; }
+
+ private:
+  fs::path dir_;
+  bool dismissed_ = false;
+};
+
+// Writes every tensor of each buffer in turn (unpadded), hashing the bytes as they go out so the
+// data is traversed once.
+FileEntry write_tensors(const fs::path& path, const model::ParameterLayout& layout,
+                        std::initializer_list<const std::vector<float>*> buffers) {
+  AtomicFile file(path);
+  Checksum sum;
+  FileEntry entry;
+  for (const std::vector<float>* buffer : buffers) {
+    for (const auto& tensor : layout.tensors()) {
+      const float* data = buffer->data() + tensor.offset;
+      const auto bytes = static_cast<size_t>(tensor_bytes(tensor));
+      file.write(data, bytes);
+      sum.update(data, bytes);
+      entry.bytes += tensor_bytes(tensor);
+    }
+  }
+  file.commit();
+  entry.xxh3 = sum.hex();
+  return entry;
+}
+
+FileEntry read_file_entry(JsonReader& files, const std::string& name) {
+  const Json object = files.required<Json>(name);
+  JsonReader reader(object, files.source() + " \"" + name + "\"");
+  FileEntry entry;
+  entry.bytes = reader.required<int64_t>("bytes");
+  entry.xxh3 = reader.required<std::string>("xxh3");
+  reader.finish();
+  return entry;
+}
+
+// Fills `buffers` (each resized to the padded layout, gaps zero) from a data file, after checking
+// its size against the manifest; the checksum is checked over the same bytes once all are read.
+void read_tensors(const fs::path& dir, const std::string& where, const std::string& name,
+                  const FileEntry& entry, const model::ParameterLayout& layout,
+                  std::initializer_list<std::vector<float>*> buffers) {
+  const fs::path path = dir / name;
+  int64_t expected = 0;
+  for (const auto& tensor : layout.tensors()) expected += tensor_bytes(tensor);
+  expected *= static_cast<int64_t>(buffers.size());
+  check(entry.bytes == expected, where + ": manifest.json says " + name + " has " +
+                                     std::to_string(entry.bytes) + " bytes, but the model's " +
+                                     "tensors need " + std::to_string(expected));
+
+  std::error_code ec;
+  check(fs::is_regular_file(path, ec), where + ": " + name + " is missing");
+  const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+  check(!ec, where + ": cannot stat " + name + ": " + ec.message());
+  check(size >= entry.bytes, where + ": " + name + " is truncated: " + std::to_string(size) +
+                                 " bytes, manifest says " + std::to_string(entry.bytes));
+  check(size == entry.bytes, where + ": " + name + " has trailing data: " + std::to_string(size) +
+                                 " bytes, manifest says " + std::to_string(entry.bytes));
+
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), where + ": cannot open " + name);
+  Checksum sum;
+  for (std::vector<float>* buffer : buffers) {
+    buffer->assign(static_cast<size_t>(layout.total_size()), 0.0f);
+    for (const auto& tensor : layout.tensors()) {
+      char* data = reinterpret_cast<char*>(buffer->data() + tensor.offset);
+      const int64_t bytes = tensor_bytes(tensor);
+      in.read(data, static_cast<std::streamsize>(bytes));
+      check(in.gcount() == bytes, where + ": cannot read " + name + " (it shrank while reading)");
+      sum.update(data, static_cast<size_t>(bytes));
+    }
+  }
+  const std::string actual = sum.hex();
+  check(actual == entry.xxh3, where + ": " + name + " is corrupt: checksum " + actual +
+                                  ", expected " + entry.xxh3 + " (from manifest.json)");
+}
+
+void check_sizes(const Checkpoint& checkpoint, const model::ParameterLayout& layout,
+                 const std::string& where) {
+  const auto total = static_cast<size_t>(layout.total_size());
+  auto check_size = [&](const std::vector<float>& buffer, const char* what) {
+    check(buffer.size() == total, where + ": " + what + " has " + std::to_string(buffer.size()) +
+                                      " elements, but the parameter layout of model \"" +
+                                      checkpoint.model.name + "\" has " + std::to_string(total));
+  };
+  check_size(checkpoint.params, "params");
+  if (!checkpoint.adam_m.empty() || !checkpoint.adam_v.empty()) {
+    check_size(checkpoint.adam_m, "adam_m");
+    check_size(checkpoint.adam_v, "adam_v");
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
+  const fs::path dir = normalized(dir_arg);
+  const std::string where = "checkpoint " + dir.string();
+  checkpoint.model.validate(where + ": model config");
+  const model::ParameterLayout layout(checkpoint.model);
+  check_sizes(checkpoint, layout, where);
+  const bool with_optimizer = !checkpoint.adam_m.empty();
+
+  std::error_code ec;
+  const fs::path parent = parent_of(dir);
+  fs::create_directories(parent, ec);
+  check(!ec, where + ": cannot create " + parent.string() + ": " + ec.message());
+  check(!fs::exists(dir, ec) || fs::is_directory(dir, ec),
+        where + ": exists and is not a directory");
+
+  const std::string pid = std::to_string(::getpid());
+  const fs::path tmp = with_suffix(dir, ".tmp." + pid);
+  const fs::path old = with_suffix(dir, ".old." + pid);
+  // Only this process uses this name, so whatever is there is left over from a crashed save.
+  fs::remove_all(tmp, ec);
+  check(!ec, where + ": cannot remove stale " + tmp.string() + ": " + ec.message());
+  fs::create_directory(tmp, ec);
+  check(!ec, where + ": cannot create " + tmp.string() + ": " + ec.message());
+  TempDirGuard guard(tmp);
+
+  Json files = Json::object();
+  const FileEntry params = write_tensors(tmp / kParams, layout, {&checkpoint.params});
+  files[kParams] = {{"bytes", params.bytes}, {"xxh3", params.xxh3}};
+  if (with_optimizer) {
+    const FileEntry optimizer =
+        write_tensors(tmp / kOptimizer, layout, {&checkpoint.adam_m, &checkpoint.adam_v});
+    files[kOptimizer] = {{"bytes", optimizer.bytes}, {"xxh3", optimizer.xxh3}};
+  }
+
+  Json tensors = Json::array();
+  int64_t offset = 0;
+  for (const auto& tensor : layout.tensors()) {
+    tensors.push_back({{"name", tensor.name}, {"shape", tensor.shape}, {"offset", offset}});
+    offset += tensor_bytes(tensor);
+  }
+  const Json manifest = {{"format", kFormat},
+                         {"version", kVersion},
+                         {"model", checkpoint.model.to_json()},
+                         {"train_config", checkpoint.train_config},
+                         {"step", checkpoint.step},
+                         {"consumed_samples", checkpoint.consumed_samples},
+                         {"tensors", tensors},
+                         {"files", files}};
+  std::string text;
+  try {
+    text = manifest.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& e) {
+    // e.g. a train_config string that is not valid UTF-8
+    throw Error(where + ": cannot write manifest.json: " + e.what());
+  }
+  // Written last: a directory with a manifest is a complete checkpoint.
+  write_file_atomic(tmp / kManifest, text);
+
+  // Two renames rather than one: rename(2) cannot replace a non-empty directory.
+  const bool replacing = fs::exists(dir, ec);
+  if (replacing) {
+    fs::rename(dir, old, ec);
+    check(!ec, where + ": cannot move the previous checkpoint aside to " + old.string() + ": " +
+                   ec.message());
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    const std::string reason = ec.message();
+    if (replacing) fs::rename(old, dir, ec);
+    throw Error(where + ": cannot rename " + tmp.string() + " into place: " + reason);
+  }
+  guard.dismiss();
+  sync_directory(parent);
+  // The new checkpoint is complete and durable; a leftover old copy only wastes space.
+  if (replacing) fs::remove_all(old, ec);
+}
+
+Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
+  const fs::path dir = normalized(dir_arg);
+  const std::string where = "checkpoint " + dir.string();
+  std::error_code ec;
+  check(fs::is_directory(dir, ec), where + ": not a checkpoint: no such directory");
+  check(fs::is_regular_file(dir / kManifest, ec), where + ": not a checkpoint: no manifest.json");
+
+  const std::string source = where + ": manifest.json";
+  const Json manifest = parse_json(read_file(dir / kManifest), source);
+  JsonReader reader(manifest, source);
+  // Checked before anything else so that some other JSON file reports what it is not.
+  const auto format = reader.optional<std::string>("format", "");
+  check(format == kFormat,
+        source + ": format is \"" + format + "\", expected \"" + std::string(kFormat) + "\"");
+  const auto version = reader.required<int64_t>("version");
+  check(version == kVersion, source + ": version " + std::to_string(version) +
+                                 " is not supported (this build reads version " +
+                                 std::to_string(kVersion) + ")");
+
+  Checkpoint checkpoint;
+  checkpoint.model =
+      model::ModelConfig::from_json(reader.required<Json>("model"), source + " model");
+  checkpoint.train_config = reader.required<Json>("train_config");
+  checkpoint.step = reader.required<int64_t>("step");
+  checkpoint.consumed_samples = reader.required<int64_t>("consumed_samples");
+  check(checkpoint.step >= 0 && checkpoint.consumed_samples >= 0,
+        source + ": step and consumed_samples must not be negative");
+  const Json tensors = reader.required<Json>("tensors");
+  const Json files = reader.required<Json>("files");
+  reader.finish();
+
+  const model::ParameterLayout layout(checkpoint.model);
+  const auto& specs = layout.tensors();
+  check(tensors.is_array(), source + ": \"tensors\" must be an array");
+  check(tensors.size() == specs.size(), source + ": lists " + std::to_string(tensors.size()) +
+                                            " tensors, but its model config has " +
+                                            std::to_string(specs.size()));
+  int64_t offset = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    JsonReader entry(tensors[i], source + " tensors[" + std::to_string(i) + "]");
+    const auto name = entry.required<std::string>("name");
+    const auto shape = entry.required<std::vector<int64_t>>("shape");
+    const auto tensor_offset = entry.required<int64_t>("offset");
+    entry.finish();
+    check(name == specs[i].name && shape == specs[i].shape,
+          source + ": tensor " + std::to_string(i) + " is \"" + name + "\" " + shape_text(shape) +
+              ", but the model config expects \"" + specs[i].name + "\" " +
+              shape_text(specs[i].shape));
+    check(tensor_offset == offset, source + ": tensor \"" + name + "\" is at byte offset " +
+                                       std::to_string(tensor_offset) + ", expected " +
+                                       std::to_string(offset));
+    offset += tensor_bytes(specs[i]);
+  }
+
+  JsonReader files_reader(files, source + " files");
+  const FileEntry params = read_file_entry(files_reader, kParams);
+  const bool has_optimizer = files_reader.has(kOptimizer);
+  const FileEntry optimizer =
+      has_optimizer ? read_file_entry(files_reader, kOptimizer) : FileEntry{};
+  files_reader.finish();
+
+  read_tensors(dir, where, kParams, params, layout, {&checkpoint.params});
+  if (with_optimizer) {
+    check(has_optimizer, where + ": has no optimizer state (no optimizer.bin in manifest.json)");
+    read_tensors(dir, where, kOptimizer, optimizer, layout,
+                 {&checkpoint.adam_m, &checkpoint.adam_v});
+  }
+  return checkpoint;
+}
+
+fs::path checkpoint_dir(const fs::path& root, int64_t step) {
+  check(step >= 0, "checkpoint step must not be negative (got " + std::to_string(step) + ")");
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
+  return root / name;
+}
+
+void mark_latest(const fs::path& root, const fs::path& dir) {
+  const std::string name = normalized(dir).filename().string();
+  check(!name.empty() && name != "." && name != "..",
+        "mark_latest: \"" + dir.string() + "\" does not name a checkpoint directory");
+  std::error_code ec;
+  check(fs::is_directory(root / name, ec),
+        "mark_latest: " + (root / name).string() + " is not a directory");
+  // Relative, so that the whole root can be moved or copied elsewhere.
+  write_file_atomic(root / "latest", name + "\n");
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& root) {
+  const fs::path file = root / "latest";
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return std::nullopt;
+  std::string name = read_file(file);
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  check(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+        file.string() + ": expected the name of a checkpoint directory, got \"" + name + "\"");
+  const fs::path dir = root / name;
+  check(fs::is_directory(dir, ec),
+        file.string() + " names \"" + name + "\", but " + dir.string() + " does not exist");
+  return dir;
+}
+
+}  // namespace malleus::train
