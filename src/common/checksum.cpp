@@ -6,8 +6,12 @@
 
 namespace malleus {
 
-Checksum::Checksum() : state_(XXH3_createState()) { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)); }
-Checksum::~Checksum() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+Checksum::Checksum() : state_(XXH3_createState()) {
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+Checksum::~Checksum() {
+  XXH3_freeState(static_cast<XXH3_state_t*>(state_));
+}
 
 void Checksum::update(const void* data, size_t bytes) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
@@ -15,8 +19,9 @@ void Checksum::update(const void* data, size_t bytes) {
 
 std::string Checksum::hex() const {
   char text[17];
-  std::snprintf(text, sizeof text, "%016llx",
-                static_cast<unsigned long long>(XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_))));
+  std::snprintf(
+      text, sizeof text, "%016llx",
+      static_cast<unsigned long long>(XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_))));
   return text;
 }
 

@@ -15,7 +15,9 @@
 namespace malleus {
 
 namespace {
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 }  // namespace
 
 AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {

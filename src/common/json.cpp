@@ -12,7 +12,9 @@ Json parse_json(const std::string& text, const std::string& source) {
   }
 }
 
-Json read_json_file(const std::string& path) { return parse_json(read_file(path), path); }
+Json read_json_file(const std::string& path) {
+  return parse_json(read_file(path), path);
+}
 
 JsonReader::JsonReader(const Json& object, std::string source)
     : object_(object), source_(std::move(source)) {

@@ -27,8 +27,8 @@ double ModelConfig::train_flops_per_token(int seq) const {
 
 void ModelConfig::validate(const std::string& source) const {
   auto positive = [&](const char* key, double value) {
-    check(value > 0, source + ": \"" + key + "\" must be positive (got " + std::to_string(value) +
-                         ")");
+    check(value > 0,
+          source + ": \"" + key + "\" must be positive (got " + std::to_string(value) + ")");
   };
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
@@ -40,14 +40,15 @@ void ModelConfig::validate(const std::string& source) const {
   positive("rope_theta", rope_theta);
   positive("norm_eps", norm_eps);
   positive("init_std", init_std);
-  check(hidden_size % num_heads == 0,
-        source + ": \"num_heads\" (" + std::to_string(num_heads) +
-            ") must divide \"hidden_size\" (" + std::to_string(hidden_size) + ")");
+  check(hidden_size % num_heads == 0, source + ": \"num_heads\" (" + std::to_string(num_heads) +
+                                          ") must divide \"hidden_size\" (" +
+                                          std::to_string(hidden_size) + ")");
   check(num_heads % num_kv_heads == 0,
         source + ": \"num_kv_heads\" (" + std::to_string(num_kv_heads) +
             ") must divide \"num_heads\" (" + std::to_string(num_heads) + ")");
   check(head_dim() % 2 == 0, source + ": head dimension hidden_size/num_heads (" +
-                                 std::to_string(head_dim()) + ") must be even for rotary embedding");
+                                 std::to_string(head_dim()) +
+                                 ") must be even for rotary embedding");
 }
 
 ModelConfig ModelConfig::from_json(const Json& json, const std::string& source) {

@@ -18,7 +18,8 @@ ParameterLayout::ParameterLayout(const ModelConfig& config) {
     b.k_proj = add(p + "self_attn.k_proj.weight", {kv, c}, l, true, A::kRows, U::kKvHead);
     b.v_proj = add(p + "self_attn.v_proj.weight", {kv, c}, l, true, A::kRows, U::kKvHead);
     b.o_proj = add(p + "self_attn.o_proj.weight", {c, q}, l, true, A::kColumns, U::kHead);
-    b.mlp_norm = add(p + "post_attention_layernorm.weight", {c}, l, false, A::kReplicated, U::kNone);
+    b.mlp_norm =
+        add(p + "post_attention_layernorm.weight", {c}, l, false, A::kReplicated, U::kNone);
     b.gate_proj = add(p + "mlp.gate_proj.weight", {f, c}, l, true, A::kRows, U::kFfnColumn);
     b.up_proj = add(p + "mlp.up_proj.weight", {f, c}, l, true, A::kRows, U::kFfnColumn);
     b.down_proj = add(p + "mlp.down_proj.weight", {c, f}, l, true, A::kColumns, U::kFfnColumn);
