@@ -1,1 +1,157 @@
+// The whole model's backward against finite differences, in double precision, and float/double
+// agreement of the forward pass.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "model/transformer.h"
+
+using namespace malleus;
+
+namespace {
+
+model::ModelConfig small_config() {
+  model::ModelConfig c;
+  c.name = "gradcheck";
+  c.vocab_size = 13;
+  c.hidden_size = 16;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;  // exercise grouped KV heads
+  c.ffn_hidden_size = 24;
+  c.max_seq_len = 8;
+  c.init_std = 0.3f;  // large enough that every path carries gradient
+  return c;
+}
+
+struct Batch {
+  std::vector<int32_t> inputs, targets;
+};
+
+Batch random_batch(const model::ModelConfig& c, int micro, int seq, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Batch b;
+  for (int i = 0; i < micro * seq; ++i) {
+    b.inputs.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size)));
+    b.targets.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size)));
+  }
+  return b;
+}
+
+}  // namespace
+
+TEST(Model, WholeModelGradientMatchesFiniteDifferences) {
+  const auto config = small_config();
+  const int micro = 2, seq = 6;
+  auto backend = backend::make_cpu_backend<double>(2);
+  model::Transformer<double> m(config, *backend, micro, seq);
+  m.init_parameters(7);
+  const Batch batch = random_batch(config, micro, seq, 11);
+  const double scale = 1.0 / (micro * seq);
+
+  m.zero_grads();
+  m.forward(batch.inputs.data(), batch.targets.data());
+  m.backward(scale);
+
+  const auto& layout = m.layout();
+  std::vector<double> grads(static_cast<size_t>(layout.total_size()));
+  backend->copy_to_host(grads.data(), m.grads(), grads.size());
+  std::vector<double> params(grads.size());
+  backend->copy_to_host(params.data(), m.params(), params.size());
+
+  auto loss_at = [&](size_t index, double value) {
+    const double saved = params[index];
+    params[index] = value;
+    backend->copy_from_host(m.params(), params.data(), params.size());
+    const double loss = m.forward(batch.inputs.data(), batch.targets.data()) * scale;
+    params[index] = saved;
+    backend->copy_from_host(m.params(), params.data(), params.size());
+    return loss;
+  };
+
+  std::mt19937_64 rng(3);
+  const double h = 1e-5;
+  double worst = 0;
+  for (const auto& t : layout.tensors()) {
+    // Several elements of every tensor, so every op's backward is on some checked path.
+    for (int k = 0; k < 6; ++k) {
+      const size_t index = static_cast<size_t>(t.offset) + rng() % static_cast<size_t>(t.size);
+      const double numeric =
+          (loss_at(index, params[index] + h) - loss_at(index, params[index] - h)) / (2 * h);
+      const double analytic = grads[index];
+      // Central differences in double are accurate to ~1e-10 absolute (rounding of a loss of
+      // order one over h, plus h² truncation); the bound leaves room for both.
+      const double error = std::abs(analytic - numeric);
+      const double bound = 1e-6 * std::max(std::abs(analytic), std::abs(numeric)) + 1e-9;
+      worst = std::max(worst, error / std::max(std::abs(numeric), 1e-12));
+      EXPECT_LE(error, bound) << t.name << " element " << index - t.offset << ": analytic "
+                              << analytic << " numeric " << numeric;
+    }
+  }
+  RecordProperty("worst_relative_error", std::to_string(worst));
+}
+
+TEST(Model, GradientsAccumulateAcrossMicroBatches) {
+  const auto config = small_config();
+  auto backend = backend::make_cpu_backend<double>(2);
+  model::Transformer<double> m(config, *backend, 2, 6);
+  m.init_parameters(1);
+  const Batch batch = random_batch(config, 2, 6, 5);
+  const size_t total = static_cast<size_t>(m.layout().total_size());
+
+  m.zero_grads();
+  m.forward(batch.inputs.data(), batch.targets.data());
+  m.backward(1.0);
+  std::vector<double> once(total);
+  backend->copy_to_host(once.data(), m.grads(), total);
+  m.forward(batch.inputs.data(), batch.targets.data());
+  m.backward(1.0);
+  std::vector<double> twice(total);
+  backend->copy_to_host(twice.data(), m.grads(), total);
+  for (size_t i = 0; i < total; ++i)
+    ASSERT_NEAR(twice[i], 2 * once[i], 1e-12 + 1e-12 * std::abs(once[i]));
+}
+
+TEST(Model, FloatForwardAgreesWithDouble) {
+  const auto config = small_config();
+  auto bf = backend::make_cpu_backend<float>(2);
+  auto bd = backend::make_cpu_backend<double>(2);
+  model::Transformer<float> mf(config, *bf, 2, 6);
+  model::Transformer<double> md(config, *bd, 2, 6);
+  mf.init_parameters(9);
+  md.init_parameters(9);
+  const Batch batch = random_batch(config, 2, 6, 4);
+  const double lf = mf.forward(batch.inputs.data(), batch.targets.data());
+  const double ld = md.forward(batch.inputs.data(), batch.targets.data());
+  EXPECT_NEAR(lf, ld, 1e-4 * std::abs(ld));
+}
+
+TEST(Model, InitialisationIsSeededAndPerTensor) {
+  const auto config = small_config();
+  auto backend = backend::make_cpu_backend<float>(1);
+  model::Transformer<float> a(config, *backend, 1, 4), b(config, *backend, 1, 4),
+      c(config, *backend, 1, 4);
+  a.init_parameters(42);
+  b.init_parameters(42);
+  c.init_parameters(43);
+  const size_t total = static_cast<size_t>(a.layout().total_size());
+  std::vector<float> pa(total), pb(total), pc(total);
+  backend->copy_to_host(pa.data(), a.params(), total);
+  backend->copy_to_host(pb.data(), b.params(), total);
+  backend->copy_to_host(pc.data(), c.params(), total);
+  EXPECT_EQ(pa, pb);
+  EXPECT_NE(pa, pc);
+  // Norm gains start at one; the initial loss is close to log(vocab) (an untrained model).
+  const auto& norm = a.layout().tensor(a.layout().final_norm());
+  EXPECT_EQ(pa[static_cast<size_t>(norm.offset)], 1.0f);
+}
+
+TEST(Model, RefusesOutOfRangeTokensAndSequences) {
+  const auto config = small_config();
+  auto backend = backend::make_cpu_backend<float>(1);
+  EXPECT_THROW(model::Transformer<float>(config, *backend, 1, config.max_seq_len + 1), Error);
+  model::Transformer<float> m(config, *backend, 1, 4);
+  std::vector<int32_t> inputs{1, 2, 3, 13}, targets{1, 2, 3, 4};
+  EXPECT_THROW(m.forward(inputs.data(), targets.data()), Error);
+}
