@@ -31,6 +31,3 @@ target_include_directories(malleus_xxhash SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR}
 if(MALLEUS_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()
-if(MALLEUS_BUILD_BENCH)
-  find_package(benchmark REQUIRED)
-endif()

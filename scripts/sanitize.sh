@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# AddressSanitizer + UndefinedBehaviorSanitizer build of the unit tests (the long training tests
+# are left to the optimised build, where they take seconds rather than minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMALLEUS_SANITIZE=ON \
+  -DMALLEUS_WERROR=ON -DMALLEUS_BUILD_BENCH=OFF > build-asan-configure.log ||
+  { cat build-asan-configure.log; exit 1; }
+cmake --build build-asan --parallel "$(nproc)"
+# OpenMP's runtime keeps thread pools alive at exit; those are not our leaks.
+ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E "${SANITIZE_EXCLUDE:-Slow}"

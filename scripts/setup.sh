@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what malleus needs from Debian's packages. Idempotent: installs only what is missing.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ pkg-config
+  libopenblas-openmp-dev  # BLAS (OpenMP build, sharing one thread pool with our kernels)
+  libopenmpi-dev openmpi-bin  # the multi-rank runtime
+  nlohmann-json3-dev libcli11-dev libxxhash-dev
+  libgtest-dev libgmock-dev
+  fortunes  # the default training corpus (plain-text English)
+  python3 python3-numpy  # the independent Hugging Face reference used by the export test
+  clang-format
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "setup: all packages present"
+  exit 0
+fi
+
+echo "setup: installing ${missing[*]}"
+sudo_cmd=()
+if [[ $(id -u) -ne 0 ]]; then sudo_cmd=(sudo); fi
+"${sudo_cmd[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}"
