@@ -1,1 +1,804 @@
+// Tests of the CPU backend's kernels: every backward against central differences in double
+// precision, float against double, the semantics the trainer relies on (accumulating parameter
+// gradients, causal masking, AdamW's exact update) and bit-exact determinism.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/vector_math.h"
+
+namespace malleus::backend {
+namespace {
+
+using Vector = std::vector<double>;
+using Tensors = std::vector<Vector>;
+
+Vector random_vector(size_t count, uint64_t seed, double low = -1, double high = 1) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> distribution(low, high);
+  Vector values(count);
+  for (double& value : values) value = distribution(rng);
+  return values;
+}
+
+std::vector<int32_t> random_tokens(size_t count, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> distribution(0, vocab - 1);
+  std::vector<int32_t> tokens(count);
+  for (int32_t& token : tokens) token = distribution(rng);
+  return tokens;
+}
+
+// A backend with helpers to move host vectors in and out of its memory.
+template <typename T>
+struct Device {
+  explicit Device(int threads) : backend(make_cpu_backend<T>(threads)) {}
+
+  template <typename Source>
+  Buffer<T> put(const std::vector<Source>& host) {
+    std::vector<T> converted(host.begin(), host.end());
+    Buffer<T> buffer(*backend, converted.size());
+    backend->copy_from_host(buffer.data(), converted.data(), converted.size());
+    return buffer;
+  }
+  Buffer<T, int32_t> put_tokens(const std::vector<int32_t>& host) {
+    Buffer<T, int32_t> buffer(*backend, host.size());
+    backend->copy_tokens_from_host(buffer.data(), host.data(), host.size());
+    return buffer;
+  }
+  Buffer<T> zeros(size_t count) { return Buffer<T>(*backend, count); }
+  std::vector<T> get(const Buffer<T>& buffer) {
+    std::vector<T> host(buffer.size());
+    backend->copy_to_host(host.data(), buffer.data(), buffer.size());
+    return host;
+  }
+  Vector get_double(const Buffer<T>& buffer) {
+    const std::vector<T> host = get(buffer);
+    return Vector(host.begin(), host.end());
+  }
+
+  std::unique_ptr<Backend<T>> backend;
+};
+
+double dot(const Vector& a, const Vector& b) {
+  double sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// ||a − b|| / ||(|a| + |b|)||: scale-free, and 0 when both vanish.
+double relative_error(const Vector& a, const Vector& b) {
+  double difference = 0;
+  double magnitude = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    difference += (a[i] - b[i]) * (a[i] - b[i]);
+    magnitude += (std::abs(a[i]) + std::abs(b[i])) * (std::abs(a[i]) + std::abs(b[i]));
+  }
+  return magnitude == 0 ? 0 : std::sqrt(difference / magnitude);
+}
+
+// Largest elementwise difference relative to the largest magnitude: catches one wrong element
+// that the norm would average away.
+double max_relative_error(const Vector& a, const Vector& b) {
+  double difference = 0;
+  double magnitude = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    difference = std::max(difference, std::abs(a[i] - b[i]));
+    magnitude = std::max({magnitude, std::abs(a[i]), std::abs(b[i])});
+  }
+  return magnitude == 0 ? 0 : difference / magnitude;
+}
+
+// Checks backward against central differences of L = Σ w ⊙ forward(inputs) for a fixed random w.
+// backward(inputs, w) returns dL/d(input) for every input, in order. The tests run backward on two
+// threads and the many forward evaluations on one: a parallel region per tiny call only adds
+// barrier waits, which get slow when other processes load the cores.
+void check_gradients(const std::string& op, const Tensors& inputs, size_t output_size,
+                     const std::function<Vector(const Tensors&)>& forward,
+                     const std::function<Tensors(const Tensors&, const Vector&)>& backward) {
+  const Vector weights = random_vector(output_size, 7, -1, 1);
+  ASSERT_EQ(forward(inputs).size(), output_size) << op;
+  const Tensors analytic = backward(inputs, weights);
+  ASSERT_EQ(analytic.size(), inputs.size()) << op;
+  const double eps = 1e-6;
+  for (size_t which = 0; which < inputs.size(); ++which) {
+    Vector numeric(inputs[which].size());
+    Tensors perturbed = inputs;
+    for (size_t i = 0; i < numeric.size(); ++i) {
+      const double original = perturbed[which][i];
+      perturbed[which][i] = original + eps;
+      const double plus = dot(weights, forward(perturbed));
+      perturbed[which][i] = original - eps;
+      const double minus = dot(weights, forward(perturbed));
+      perturbed[which][i] = original;
+      numeric[i] = (plus - minus) / (2 * eps);
+    }
+    ASSERT_EQ(analytic[which].size(), numeric.size()) << op << " input " << which;
+    EXPECT_LT(relative_error(analytic[which], numeric), 3e-8) << op << " input " << which;
+    EXPECT_LT(max_relative_error(analytic[which], numeric), 1e-7) << op << " input " << which;
+  }
+}
+
+// ---- the ops as functions of host vectors, for any precision ----------------------------------
+
+template <typename T>
+Vector matmul(Device<T>& d, const Vector& in, const Vector& weight, int n, int ic, int oc) {
+  auto x = d.put(in);
+  auto w = d.put(weight);
+  auto out = d.zeros(static_cast<size_t>(n) * oc);
+  d.backend->matmul_forward(out.data(), x.data(), w.data(), n, ic, oc);
+  return d.get_double(out);
+}
+
+template <typename T>
+Vector rmsnorm(Device<T>& d, const Vector& in, const Vector& weight, int n, int c) {
+  auto x = d.put(in);
+  auto w = d.put(weight);
+  auto out = d.zeros(in.size());
+  auto rstd = d.zeros(static_cast<size_t>(n));
+  d.backend->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), n, c, 1e-5f);
+  return d.get_double(out);
+}
+
+template <typename T>
+Vector embedding(Device<T>& d, const std::vector<int32_t>& tokens, const Vector& table, int c) {
+  auto t = d.put_tokens(tokens);
+  auto table_buffer = d.put(table);
+  auto out = d.zeros(tokens.size() * c);
+  d.backend->embedding_forward(out.data(), t.data(), table_buffer.data(),
+                               static_cast<int>(tokens.size()), c);
+  return d.get_double(out);
+}
+
+struct RopeShape {
+  int batch, seq, heads, head_dim;
+  float theta;
+  size_t size() const { return static_cast<size_t>(batch) * seq * heads * head_dim; }
+};
+
+template <typename T>
+Vector rope(Device<T>& d, const Vector& in, const RopeShape& s) {
+  auto x = d.put(in);
+  d.backend->rope_forward(x.data(), s.batch, s.seq, s.heads, s.head_dim, s.theta);
+  return d.get_double(x);
+}
+
+struct AttentionShape {
+  int batch, seq, q_heads, kv_heads, head_dim;
+  size_t q_size() const { return static_cast<size_t>(batch) * seq * q_heads * head_dim; }
+  size_t kv_size() const { return static_cast<size_t>(batch) * seq * kv_heads * head_dim; }
+  size_t probs_size() const { return static_cast<size_t>(batch) * q_heads * seq * seq; }
+};
+
+// Returns the output and fills `probs` when given.
+template <typename T>
+Vector attention(Device<T>& d, const Vector& q, const Vector& k, const Vector& v,
+                 const AttentionShape& s, Vector* probs = nullptr) {
+  auto qb = d.put(q);
+  auto kb = d.put(k);
+  auto vb = d.put(v);
+  auto out = d.zeros(s.q_size());
+  auto p = d.zeros(s.probs_size());
+  d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
+                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+  if (probs != nullptr) *probs = d.get_double(p);
+  return d.get_double(out);
+}
+
+template <typename T>
+Tensors attention_grad(Device<T>& d, const Vector& q, const Vector& k, const Vector& v,
+                       const Vector& dout, const AttentionShape& s) {
+  auto qb = d.put(q);
+  auto kb = d.put(k);
+  auto vb = d.put(v);
+  auto out = d.zeros(s.q_size());
+  auto p = d.zeros(s.probs_size());
+  d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
+                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+  auto dob = d.put(dout);
+  auto dq = d.zeros(s.q_size());
+  auto dk = d.zeros(s.kv_size());
+  auto dv = d.zeros(s.kv_size());
+  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dob.data(), p.data(), qb.data(),
+                                kb.data(), vb.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
+                                s.head_dim);
+  return {d.get_double(dq), d.get_double(dk), d.get_double(dv)};
+}
+
+template <typename T>
+Vector swiglu(Device<T>& d, const Vector& gate, const Vector& up) {
+  auto g = d.put(gate);
+  auto u = d.put(up);
+  auto out = d.zeros(gate.size());
+  d.backend->swiglu_forward(out.data(), g.data(), u.data(), gate.size());
+  return d.get_double(out);
+}
+
+template <typename T>
+Vector cross_entropy(Device<T>& d, const Vector& logits, const std::vector<int32_t>& targets,
+                     int vocab) {
+  auto x = d.put(logits);
+  auto t = d.put_tokens(targets);
+  auto losses = d.zeros(targets.size());
+  d.backend->cross_entropy_forward(losses.data(), x.data(), t.data(),
+                                   static_cast<int>(targets.size()), vocab);
+  return d.get_double(losses);
+}
+
+// ---- gradient checks (double) ------------------------------------------------------------------
+
+TEST(Gradients, Matmul) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const int n = 5, ic = 7, oc = 4;
+  check_gradients(
+      "matmul", {random_vector(n * ic, 1), random_vector(oc * ic, 2)}, n * oc,
+      [&](const Tensors& x) { return matmul(serial, x[0], x[1], n, ic, oc); },
+      [&](const Tensors& x, const Vector& dout) -> Tensors {
+        auto in = d.put(x[0]);
+        auto w = d.put(x[1]);
+        auto g = d.put(dout);
+        auto din = d.zeros(x[0].size());
+        auto dw = d.zeros(x[1].size());
+        d.backend->matmul_backward(din.data(), dw.data(), g.data(), in.data(), w.data(), n, ic, oc);
+        return {d.get_double(din), d.get_double(dw)};
+      });
+}
+
+TEST(Gradients, RmsNorm) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const int n = 6, c = 8;
+  check_gradients(
+      "rmsnorm", {random_vector(n * c, 3), random_vector(c, 4, 0.5, 1.5)}, n * c,
+      [&](const Tensors& x) { return rmsnorm(serial, x[0], x[1], n, c); },
+      [&](const Tensors& x, const Vector& dout) -> Tensors {
+        auto in = d.put(x[0]);
+        auto w = d.put(x[1]);
+        auto out = d.zeros(x[0].size());
+        auto rstd = d.zeros(n);
+        d.backend->rmsnorm_forward(out.data(), rstd.data(), in.data(), w.data(), n, c, 1e-5f);
+        auto g = d.put(dout);
+        auto din = d.zeros(x[0].size());
+        auto dw = d.zeros(x[1].size());
+        d.backend->rmsnorm_backward(din.data(), dw.data(), g.data(), in.data(), w.data(),
+                                    rstd.data(), n, c);
+        return {d.get_double(din), d.get_double(dw)};
+      });
+}
+
+TEST(Gradients, Embedding) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const int vocab = 5, c = 3;
+  const std::vector<int32_t> tokens = {1, 4, 1, 0, 1, 3, 4};  // repeats must add up
+  check_gradients(
+      "embedding", {random_vector(vocab * c, 5)}, tokens.size() * c,
+      [&](const Tensors& x) { return embedding(serial, tokens, x[0], c); },
+      [&](const Tensors& x, const Vector& dout) -> Tensors {
+        auto t = d.put_tokens(tokens);
+        auto g = d.put(dout);
+        auto dtable = d.zeros(x[0].size());
+        d.backend->embedding_backward(dtable.data(), g.data(), t.data(),
+                                      static_cast<int>(tokens.size()), c);
+        return {d.get_double(dtable)};
+      });
+}
+
+TEST(Gradients, Rope) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const RopeShape s{2, 5, 3, 6, 10000.0f};
+  check_gradients(
+      "rope", {random_vector(s.size(), 6)}, s.size(),
+      [&](const Tensors& x) { return rope(serial, x[0], s); },
+      [&](const Tensors&, const Vector& dout) -> Tensors {
+        auto g = d.put(dout);
+        d.backend->rope_backward(g.data(), s.batch, s.seq, s.heads, s.head_dim, s.theta);
+        return {d.get_double(g)};
+      });
+}
+
+void check_attention_gradients(const AttentionShape& s) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  check_gradients(
+      "attention",
+      {random_vector(s.q_size(), 8), random_vector(s.kv_size(), 9), random_vector(s.kv_size(), 10)},
+      s.q_size(), [&](const Tensors& x) { return attention(serial, x[0], x[1], x[2], s); },
+      [&](const Tensors& x, const Vector& dout) {
+        return attention_grad(d, x[0], x[1], x[2], dout, s);
+      });
+}
+
+TEST(Gradients, Attention) {
+  check_attention_gradients({2, 5, 2, 2, 4});
+}
+TEST(Gradients, AttentionGroupedQuery) {
+  check_attention_gradients({2, 6, 4, 2, 3});
+}
+// Longer than one causal block of the kernel, so the blocked products are checked too.
+TEST(Gradients, AttentionLongSequence) {
+  check_attention_gradients({1, 70, 2, 1, 2});
+}
+
+TEST(Gradients, SwiGlu) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const size_t count = 24;
+  check_gradients(
+      "swiglu", {random_vector(count, 11, -6, 6), random_vector(count, 12)}, count,
+      [&](const Tensors& x) { return swiglu(serial, x[0], x[1]); },
+      [&](const Tensors& x, const Vector& dout) -> Tensors {
+        auto g = d.put(x[0]);
+        auto u = d.put(x[1]);
+        auto dy = d.put(dout);
+        auto dg = d.zeros(count);
+        auto du = d.zeros(count);
+        d.backend->swiglu_backward(dg.data(), du.data(), dy.data(), g.data(), u.data(), count);
+        return {d.get_double(dg), d.get_double(du)};
+      });
+}
+
+TEST(Gradients, CrossEntropy) {
+  Device<double> d(2);
+  Device<double> serial(1);
+  const int n = 4, vocab = 7;
+  const std::vector<int32_t> targets = {3, 0, 6, 3};
+  // backward takes one loss scale for all rows, so the objective is the (weighted) total loss and
+  // its weight is the loss scale.
+  check_gradients(
+      "cross_entropy", {random_vector(n * vocab, 13, -3, 3)}, 1,
+      [&](const Tensors& x) {
+        const Vector losses = cross_entropy(serial, x[0], targets, vocab);
+        return Vector{dot(losses, Vector(n, 1.0))};
+      },
+      [&](const Tensors& x, const Vector& dout) -> Tensors {
+        auto logits = d.put(x[0]);
+        auto t = d.put_tokens(targets);
+        auto dlogits = d.zeros(x[0].size());
+        d.backend->cross_entropy_backward(dlogits.data(), logits.data(), t.data(), dout[0], n,
+                                          vocab);
+        return {d.get_double(dlogits)};
+      });
+}
+
+// ---- accumulation of parameter gradients -----------------------------------------------------
+
+TEST(Accumulation, ParameterGradientsAdd) {
+  Device<double> d(2);
+  const int n = 9, c = 6, oc = 5, vocab = 4;
+  const Vector in = random_vector(n * c, 20);
+  const Vector weight = random_vector(oc * c, 21);
+  const Vector norm_weight = random_vector(c, 22, 0.5, 1.5);
+  const Vector dout = random_vector(n * oc, 23);
+  const Vector dnorm = random_vector(n * c, 24);
+  const std::vector<int32_t> tokens = random_tokens(n, vocab, 25);
+  const Vector start = random_vector(oc * c, 26);
+
+  auto x = d.put(in);
+  auto w = d.put(weight);
+  auto nw = d.put(norm_weight);
+  auto g = d.put(dout);
+  auto gn = d.put(dnorm);
+  auto t = d.put_tokens(tokens);
+  auto out = d.zeros(n * c);
+  auto rstd = d.zeros(n);
+  d.backend->rmsnorm_forward(out.data(), rstd.data(), x.data(), nw.data(), n, c, 1e-5f);
+
+  // Runs each backward `times` times into gradients that start at `initial`.
+  const auto run = [&](int times, const Vector& initial) {
+    auto dw = d.put(Vector(initial.begin(), initial.begin() + oc * c));
+    auto dnw = d.put(Vector(initial.begin(), initial.begin() + c));
+    auto dtable = d.put(Vector(initial.begin(), initial.begin() + vocab * c));
+    auto din = d.zeros(n * c);
+    for (int i = 0; i < times; ++i) {
+      // A null din skips the input gradient, as for the first layer.
+      d.backend->matmul_backward(i == 0 ? din.data() : nullptr, dw.data(), g.data(), x.data(),
+                                 w.data(), n, c, oc);
+      d.backend->rmsnorm_backward(din.data(), dnw.data(), gn.data(), x.data(), nw.data(),
+                                  rstd.data(), n, c);
+      d.backend->embedding_backward(dtable.data(), gn.data(), t.data(), n, c);
+    }
+    return Tensors{d.get_double(dw), d.get_double(dnw), d.get_double(dtable)};
+  };
+  const Tensors once = run(1, Vector(oc * c, 0.0));
+  const Tensors twice = run(2, Vector(oc * c, 0.0));
+  const Tensors offset = run(1, start);
+  for (size_t which = 0; which < once.size(); ++which) {
+    for (size_t i = 0; i < once[which].size(); ++i) {
+      EXPECT_NEAR(twice[which][i], 2 * once[which][i], 1e-14 * std::abs(once[which][i]))
+          << which << " " << i;
+      EXPECT_NEAR(offset[which][i], start[i] + once[which][i], 1e-14) << which << " " << i;
+    }
+  }
+}
+
+// ---- float against double --------------------------------------------------------------------
+
+// Inputs are rounded to float first, so both precisions compute the same function of the same
+// numbers and only the arithmetic differs.
+Vector as_float(const Vector& x) {
+  Vector rounded(x.size());
+  for (size_t i = 0; i < x.size(); ++i) rounded[i] = static_cast<float>(x[i]);
+  return rounded;
+}
+
+TEST(FloatMatchesDouble, Forward) {
+  Device<float> f(2);
+  Device<double> d(2);
+  const auto expect_close = [](const Vector& a, const Vector& b, const char* op) {
+    ASSERT_EQ(a.size(), b.size()) << op;
+    EXPECT_LT(relative_error(a, b), 1e-6) << op;
+    EXPECT_LT(max_relative_error(a, b), 1e-5) << op;
+  };
+  {
+    const int n = 33, ic = 70, oc = 50;
+    const Vector in = as_float(random_vector(n * ic, 30));
+    const Vector w = as_float(random_vector(oc * ic, 31));
+    expect_close(matmul(f, in, w, n, ic, oc), matmul(d, in, w, n, ic, oc), "matmul");
+  }
+  {
+    const int n = 17, c = 96;
+    const Vector in = as_float(random_vector(n * c, 32));
+    const Vector w = as_float(random_vector(c, 33, 0.5, 1.5));
+    expect_close(rmsnorm(f, in, w, n, c), rmsnorm(d, in, w, n, c), "rmsnorm");
+  }
+  {
+    const int c = 40;
+    const Vector table = as_float(random_vector(11 * c, 34));
+    const std::vector<int32_t> tokens = random_tokens(23, 11, 35);
+    EXPECT_EQ(embedding(f, tokens, table, c), embedding(d, tokens, table, c));
+  }
+  {
+    const RopeShape s{2, 300, 3, 16, 500000.0f};
+    const Vector x = as_float(random_vector(s.size(), 36));
+    expect_close(rope(f, x, s), rope(d, x, s), "rope");
+  }
+  {
+    const AttentionShape s{2, 100, 4, 2, 16};
+    const Vector q = as_float(random_vector(s.q_size(), 37, -2, 2));
+    const Vector k = as_float(random_vector(s.kv_size(), 38, -2, 2));
+    const Vector v = as_float(random_vector(s.kv_size(), 39));
+    Vector pf, pd;
+    expect_close(attention(f, q, k, v, s, &pf), attention(d, q, k, v, s, &pd), "attention");
+    expect_close(pf, pd, "attention probs");
+  }
+  {
+    const Vector gate = as_float(random_vector(5000, 40, -20, 20));
+    const Vector up = as_float(random_vector(5000, 41));
+    expect_close(swiglu(f, gate, up), swiglu(d, gate, up), "swiglu");
+  }
+  {
+    const int n = 9, vocab = 1000;
+    const Vector logits = as_float(random_vector(n * vocab, 42, -10, 10));
+    const std::vector<int32_t> targets = random_tokens(n, vocab, 43);
+    expect_close(cross_entropy(f, logits, targets, vocab), cross_entropy(d, logits, targets, vocab),
+                 "cross_entropy");
+  }
+}
+
+// The float exponential is our own polynomial; hold it against libm.
+TEST(FloatMatchesDouble, VectorExp) {
+  double worst = 0;
+  for (double x = -87.0; x <= 88.0; x += 0.0137) {
+    const float xf = static_cast<float>(x);
+    const double exact = std::exp(static_cast<double>(xf));
+    worst = std::max(worst, std::abs(static_cast<double>(vexp(xf)) - exact) / exact);
+  }
+  EXPECT_LT(worst, 3e-7);
+  EXPECT_EQ(vexp(0.0f), 1.0f);
+  EXPECT_EQ(vexp(-1000.0f), 0.0f);
+  EXPECT_EQ(vexp(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isnan(vexp(std::numeric_limits<float>::quiet_NaN())));
+}
+
+// ---- single-op semantics ---------------------------------------------------------------------
+
+TEST(Kernels, MatmulMatchesDefinition) {
+  Device<double> d(2);
+  const int n = 3, ic = 4, oc = 2;
+  const Vector in = random_vector(n * ic, 50);
+  const Vector w = random_vector(oc * ic, 51);
+  const Vector out = matmul(d, in, w, n, ic, oc);
+  for (int i = 0; i < n; ++i) {
+    for (int o = 0; o < oc; ++o) {
+      double expected = 0;
+      for (int j = 0; j < ic; ++j) expected += in[i * ic + j] * w[o * ic + j];
+      EXPECT_NEAR(out[i * oc + o], expected, 1e-14);
+    }
+  }
+}
+
+TEST(Kernels, RopeMatchesRotateHalf) {
+  Device<double> d(1);
+  const RopeShape s{1, 4, 2, 8, 10000.0f};
+  const Vector x = random_vector(s.size(), 52);
+  const Vector y = rope(d, x, s);
+  const int half = s.head_dim / 2;
+  for (int t = 0; t < s.seq; ++t) {
+    for (int h = 0; h < s.heads; ++h) {
+      const size_t base = (static_cast<size_t>(t) * s.heads + h) * s.head_dim;
+      for (int i = 0; i < half; ++i) {
+        const double angle = t * std::pow(10000.0, -2.0 * i / s.head_dim);
+        const double x0 = x[base + i], x1 = x[base + i + half];
+        EXPECT_NEAR(y[base + i], x0 * std::cos(angle) - x1 * std::sin(angle), 1e-14);
+        EXPECT_NEAR(y[base + i + half], x1 * std::cos(angle) + x0 * std::sin(angle), 1e-14);
+      }
+    }
+  }
+  // Backward is the inverse rotation; a longer sequence later reuses and grows the cached table.
+  auto buffer = d.put(y);
+  d.backend->rope_backward(buffer.data(), s.batch, s.seq, s.heads, s.head_dim, s.theta);
+  EXPECT_LT(max_relative_error(d.get_double(buffer), x), 1e-15);
+  const RopeShape longer{1, 9, 2, 8, 10000.0f};
+  const Vector x2 = random_vector(longer.size(), 53);
+  const Vector y2 = rope(d, x2, longer);
+  const Vector prefix(x2.begin(), x2.begin() + static_cast<long>(s.size()));
+  const Vector y_prefix = rope(d, prefix, s);
+  for (size_t i = 0; i < s.size(); ++i) EXPECT_EQ(y2[i], y_prefix[i]);
+}
+
+TEST(Kernels, CrossEntropyMatchesDefinitionAndIsStable) {
+  Device<double> d(2);
+  const int vocab = 5;
+  const Vector logits = {1, 2, 3, 4, 5, 1000, 1001, 999, 998, 1000.5};
+  const std::vector<int32_t> targets = {2, 1};
+  const Vector losses = cross_entropy(d, logits, targets, vocab);
+  for (int i = 0; i < 2; ++i) {
+    double top = -1e300;
+    for (int j = 0; j < vocab; ++j) top = std::max(top, logits[i * vocab + j]);
+    double sum = 0;
+    for (int j = 0; j < vocab; ++j) sum += std::exp(logits[i * vocab + j] - top);
+    EXPECT_NEAR(losses[i], std::log(sum) + top - logits[i * vocab + targets[i]], 1e-12);
+  }
+  Device<float> f(2);
+  for (double loss : cross_entropy(f, logits, targets, vocab)) EXPECT_TRUE(std::isfinite(loss));
+}
+
+TEST(Kernels, AttentionIsCausalAndNormalized) {
+  for (const bool use_float : {false, true}) {
+    const AttentionShape s{2, 80, 4, 2, 8};
+    const Vector q = random_vector(s.q_size(), 60, -2, 2);
+    const Vector k = random_vector(s.kv_size(), 61, -2, 2);
+    const Vector v = random_vector(s.kv_size(), 62);
+    Device<float> f(2);
+    Device<double> d(2);
+    const auto run = [&](const Vector& qq, const Vector& kk, const Vector& vv, Vector* probs) {
+      return use_float ? attention(f, qq, kk, vv, s, probs) : attention(d, qq, kk, vv, s, probs);
+    };
+    Vector probs;
+    const Vector out = run(q, k, v, &probs);
+    // Every probability row sums to one and is zero above the diagonal.
+    for (size_t row = 0; row < static_cast<size_t>(s.batch) * s.q_heads * s.seq; ++row) {
+      const size_t t = row % s.seq;
+      double sum = 0;
+      for (int j = 0; j < s.seq; ++j) {
+        const double p = probs[row * s.seq + j];
+        if (static_cast<size_t>(j) > t) {
+          EXPECT_EQ(p, 0.0);
+        }
+        sum += p;
+      }
+      EXPECT_NEAR(sum, 1.0, use_float ? 1e-5 : 1e-13);
+    }
+    // Changing every token after position `cut` leaves the outputs up to `cut` bit-identical.
+    for (const int cut : {0, 37, 63, 64, 78}) {
+      Vector q2 = q, k2 = k, v2 = v;
+      for (int b = 0; b < s.batch; ++b) {
+        for (int t = cut + 1; t < s.seq; ++t) {
+          for (int e = 0; e < s.q_heads * s.head_dim; ++e) {
+            q2[(static_cast<size_t>(b) * s.seq + t) * s.q_heads * s.head_dim + e] += 3.0;
+          }
+          for (int e = 0; e < s.kv_heads * s.head_dim; ++e) {
+            k2[(static_cast<size_t>(b) * s.seq + t) * s.kv_heads * s.head_dim + e] -= 1.5;
+            v2[(static_cast<size_t>(b) * s.seq + t) * s.kv_heads * s.head_dim + e] += 2.5;
+          }
+        }
+      }
+      const Vector out2 = run(q2, k2, v2, nullptr);
+      const size_t row = static_cast<size_t>(s.q_heads) * s.head_dim;
+      for (int b = 0; b < s.batch; ++b) {
+        for (int t = 0; t < s.seq; ++t) {
+          const size_t begin = (static_cast<size_t>(b) * s.seq + t) * row;
+          const bool same = std::equal(out.begin() + static_cast<long>(begin),
+                                       out.begin() + static_cast<long>(begin + row),
+                                       out2.begin() + static_cast<long>(begin));
+          EXPECT_EQ(same, t <= cut) << "cut " << cut << " b " << b << " t " << t;
+        }
+      }
+    }
+  }
+}
+
+// ---- AdamW -------------------------------------------------------------------------------------
+
+template <typename T>
+void check_adamw(double tolerance) {
+  Device<T> d(2);
+  AdamWStep step;
+  step.lr = 0.01f;
+  step.beta1 = 0.9f;
+  step.beta2 = 0.95f;
+  step.eps = 1e-8f;
+  step.weight_decay = 0.1f;
+  step.grad_scale = 0.5f;
+  const Vector start = {0.5, -1.2, 2.0};
+  const Tensors grads = {{0.4, 0.3, -2.0}, {-0.1, 0.25, 1.0}, {0.2, -0.6, 0.0}};
+  auto param = d.put(start);
+  auto m = d.zeros(3);
+  auto v = d.zeros(3);
+  // Reference: PyTorch's AdamW, written out with the same (float) hyper-parameters.
+  const double lr = step.lr, beta1 = step.beta1, beta2 = step.beta2, eps = step.eps;
+  const double wd = step.weight_decay, grad_scale = step.grad_scale;
+  Vector p_ref = start, m_ref(3, 0.0), v_ref(3, 0.0);
+  for (int s = 1; s <= 3; ++s) {
+    step.step = s;
+    auto g = d.put(grads[s - 1]);
+    d.backend->adamw_update(param.data(), g.data(), m.data(), v.data(), 3, step);
+    for (int i = 0; i < 3; ++i) {
+      const double gi = grads[s - 1][i] * grad_scale;
+      m_ref[i] = beta1 * m_ref[i] + (1 - beta1) * gi;
+      v_ref[i] = beta2 * v_ref[i] + (1 - beta2) * gi * gi;
+      const double m_hat = m_ref[i] / (1 - std::pow(beta1, s));
+      const double v_hat = v_ref[i] / (1 - std::pow(beta2, s));
+      p_ref[i] *= 1 - lr * wd;
+      p_ref[i] -= lr * m_hat / (std::sqrt(v_hat) + eps);
+    }
+    const Vector p = d.get_double(param);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_NEAR(p[i], p_ref[i], tolerance) << "step " << s << " element " << i;
+    }
+    if (s == 1) {
+      // By hand: after one step m̂ = g', v̂ = g'², so p = p₀(1 − lr·wd) − lr·g'/(|g'| + eps); for
+      // p₀ = 0.5, g' = 0.2: 0.4995 − 0.0099999995 = 0.4895000005. The zero gradient of element
+      // 2 on step 3 below still moves the parameter through momentum and decay.
+      EXPECT_NEAR(p[0], 0.4895000005, 1e-9 + tolerance);
+    }
+  }
+  const Vector m_out = d.get_double(m), v_out = d.get_double(v);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(m_out[i], m_ref[i], tolerance);
+    EXPECT_NEAR(v_out[i], v_ref[i], tolerance);
+  }
+}
+
+TEST(AdamW, MatchesReferenceDouble) {
+  check_adamw<double>(1e-14);
+}
+TEST(AdamW, MatchesReferenceFloat) {
+  check_adamw<float>(1e-6);
+}
+
+// ---- determinism -------------------------------------------------------------------------------
+
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Runs rmsnorm_backward, embedding_backward, attention and matmul on fixed inputs and returns all
+// their outputs, concatenated: first those of our own kernels, then those of the matmuls.
+struct Outputs {
+  std::vector<float> kernels, matmuls;
+};
+Outputs backward_outputs(int threads) {
+  Device<float> d(threads);
+  const int n = 300, c = 100, vocab = 7;
+  auto x = d.put(random_vector(n * c, 70));
+  auto w = d.put(random_vector(c, 71, 0.5, 1.5));
+  auto dy = d.put(random_vector(n * c, 72));
+  auto t = d.put_tokens(random_tokens(n, vocab, 73));
+  auto out = d.zeros(n * c);
+  auto rstd = d.zeros(n);
+  auto din = d.zeros(n * c);
+  auto dw = d.zeros(c);
+  auto dtable = d.zeros(vocab * c);
+  d.backend->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), n, c, 1e-5f);
+  d.backend->rmsnorm_backward(din.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), n,
+                              c);
+  d.backend->embedding_backward(dtable.data(), dy.data(), t.data(), n, c);
+
+  const AttentionShape s{2, 130, 4, 2, 16};
+  auto q = d.put(random_vector(s.q_size(), 74));
+  auto k = d.put(random_vector(s.kv_size(), 75));
+  auto v = d.put(random_vector(s.kv_size(), 76));
+  auto dout = d.put(random_vector(s.q_size(), 77));
+  auto att = d.zeros(s.q_size());
+  auto probs = d.zeros(s.probs_size());
+  auto dq = d.zeros(s.q_size());
+  auto dk = d.zeros(s.kv_size());
+  auto dv = d.zeros(s.kv_size());
+  d.backend->attention_forward(att.data(), probs.data(), q.data(), k.data(), v.data(), s.batch,
+                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs.data(),
+                                q.data(), k.data(), v.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
+                                s.head_dim);
+  // Large enough for OpenBLAS to split the products between threads.
+  const int ic = 300, oc = 200;
+  auto mw = d.put(random_vector(oc * ic, 78));
+  auto min = d.put(random_vector(n * ic, 79));
+  auto mout = d.zeros(n * oc);
+  auto mdin = d.zeros(n * ic);
+  auto mdw = d.zeros(oc * ic);
+  d.backend->matmul_forward(mout.data(), min.data(), mw.data(), n, ic, oc);
+  d.backend->matmul_backward(mdin.data(), mdw.data(), mout.data(), min.data(), mw.data(), n, ic,
+                             oc);
+  Outputs outputs;
+  for (const Buffer<float>* b : {&din, &dw, &dtable, &att, &dq, &dk, &dv}) {
+    const std::vector<float> host = d.get(*b);
+    outputs.kernels.insert(outputs.kernels.end(), host.begin(), host.end());
+  }
+  for (const Buffer<float>* b : {&mout, &mdin, &mdw}) {
+    const std::vector<float> host = d.get(*b);
+    outputs.matmuls.insert(outputs.matmuls.end(), host.begin(), host.end());
+  }
+  return outputs;
+}
+
+TEST(Determinism, BackwardIsBitExactRunToRun) {
+  const Outputs first = backward_outputs(2);
+  const Outputs second = backward_outputs(2);
+  EXPECT_TRUE(bitwise_equal(first.kernels, second.kernels));
+  EXPECT_TRUE(bitwise_equal(first.matmuls, second.matmuls));
+  // Our kernels give every output element to one thread and sum over tokens in a fixed order, so
+  // they do not even depend on the thread count (a resume on another core count stays exact). The
+  // matmuls are OpenBLAS's, which promises no such thing, so they are left out here.
+  EXPECT_TRUE(bitwise_equal(first.kernels, backward_outputs(1).kernels));
+}
+
+TEST(Determinism, SumSquares) {
+  const Vector values = random_vector((size_t{1} << 20) + 12345, 80, -3, 3);
+  const auto run = [&](int threads) {
+    Device<float> d(threads);
+    auto x = d.put(values);
+    return d.backend->sum_squares(x.data(), values.size());
+  };
+  const double two = run(2);
+  EXPECT_EQ(two, run(2));
+  // Fixed chunks make the sum independent of the thread count, not only repeatable.
+  EXPECT_EQ(two, run(1));
+  long double exact = 0;
+  for (double value : values) {
+    const long double rounded = static_cast<float>(value);
+    exact += rounded * rounded;
+  }
+  EXPECT_NEAR(two, static_cast<double>(exact), 1e-12 * static_cast<double>(exact));
+}
+
+// ---- small ops and memory
+// ------------------------------------------------------------------------
+
+TEST(Kernels, ElementwiseAndMemory) {
+  Device<double> d(2);
+  const size_t count = 100000;  // long enough to run on several threads
+  const Vector a = random_vector(count, 90), b = random_vector(count, 91);
+  auto x = d.put(a);
+  auto y = d.put(b);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(x.data()) % 64, 0u);
+  for (double value : d.get(d.zeros(1000))) EXPECT_EQ(value, 0.0);
+  d.backend->add(y.data(), x.data(), count);
+  d.backend->scale(y.data(), 0.5, count);
+  Vector expected(count);
+  for (size_t i = 0; i < count; ++i) expected[i] = (b[i] + a[i]) * 0.5;
+  EXPECT_EQ(d.get(y), expected);
+  d.backend->copy(y.data(), x.data(), count);
+  EXPECT_EQ(d.get(y), a);
+  d.backend->fill_zero(y.data(), count);
+  EXPECT_EQ(d.get(y), Vector(count, 0.0));
+  EXPECT_EQ(d.backend->num_threads(), 2);
+  d.backend->set_num_threads(1);
+  EXPECT_EQ(d.backend->num_threads(), 1);
+}
+
+}  // namespace
+}  // namespace malleus::backend
