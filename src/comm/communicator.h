@@ -1,0 +1,132 @@
+// The runtime's view of MPI: one Communicator per TP group, pipeline and gradient-sync owner
+// set, rebuilt whenever a re-plan changes the groups. Ownership is shared and freeing is
+// automatic, so dropping an old plan's groups cannot leak MPI communicators, and every entry
+// point checks its arguments (ranks, counts, sizes) so that a plan/layout bug surfaces as a
+// malleus::Error naming the problem instead of a hang or silent corruption inside MPI.
+//
+// MPI errors keep the default handler (MPI_ERRORS_ARE_FATAL): a failed MPI call aborts the job.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace malleus::comm {
+
+// One outstanding nonblocking send or receive. Movable, not copyable. A Request is never
+// abandoned: the destructor (and move-assignment over a pending request) waits for it, so a
+// buffer can never be freed while MPI still reads or writes it. Destroy requests before the
+// buffers they use.
+class Request {
+ public:
+  Request() = default;  // already complete
+  ~Request();
+  Request(Request&& other) noexcept;
+  Request& operator=(Request&& other) noexcept;
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+
+  // Blocks until the operation completes; a no-op if it already has. For a receive, throws Error
+  // if the message that arrived is shorter than the posted length (a longer one is an MPI
+  // truncation error, fatal under MPI_ERRORS_ARE_FATAL).
+  void wait();
+  // Completes the operation if it is done (with the same check as wait()); returns whether it is.
+  bool test();
+  bool pending() const { return request_ != MPI_REQUEST_NULL; }
+
+  // Waits for all requests (pending or not) in one MPI_Waitall; then checks receives as wait().
+  static void wait_all(std::vector<Request>& requests);
+
+ private:
+  friend class Communicator;
+  Request(MPI_Request request, bool is_receive, size_t bytes, int peer, int tag)
+      : request_(request), is_receive_(is_receive), bytes_(bytes), peer_(peer), tag_(tag) {}
+  // Checks a completed receive's length; request_ must already be MPI_REQUEST_NULL.
+  void check_completed(const MPI_Status& status) const;
+  // Waits without checking (destructor, move-assignment).
+  void complete_quietly() noexcept;
+
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool is_receive_ = false;
+  size_t bytes_ = 0;
+  int peer_ = -1;
+  int tag_ = 0;
+};
+
+// An MPI communicator with shared ownership: copies refer to the same MPI_Comm, which is freed
+// (MPI_Comm_free) when the last copy goes away, unless it is MPI_COMM_WORLD or MPI was
+// already finalized. A default-constructed Communicator is empty; using it throws Error.
+// (MPI_Comm_free is formally collective; Open MPI frees locally, and in any case the runtime
+// drops a plan's communicators on all members together.)
+//
+// Collectives must be called by every rank of the communicator, in the same order, with the
+// same counts (and root). Only the thread that constructed the MpiSession may call MPI.
+class Communicator {
+ public:
+  Communicator() = default;
+
+  // All processes of the job (MPI_COMM_WORLD). Throws Error if MPI is not initialized.
+  static Communicator world();
+
+  bool valid() const { return state_ != nullptr; }
+  int rank() const;
+  int size() const;
+  // World rank of rank `rank_in_this` of this communicator.
+  int world_rank(int rank_in_this) const;
+  // world_ranks()[i] is the world rank of rank i.
+  const std::vector<int>& world_ranks() const;
+  // Rank in this communicator of world rank `world_rank`, or -1 if it is not a member.
+  int rank_of_world(int world_rank) const;
+
+  // A new communicator of exactly `world_ranks`, in this order: its rank i is world_ranks[i].
+  // The ranks must be distinct members of this communicator, and the calling rank must be one
+  // of them. Collective over the listed ranks only (MPI_Comm_create_group): non-members do not
+  // call it, so disjoint groups can be built concurrently. Overlapping groups must be created
+  // in the same relative order on all their members (for example, every rank walks the plan's
+  // group list in the same order and creates the groups it belongs to), otherwise two ranks
+  // can wait on each other forever. A group of one rank is a duplicate of MPI_COMM_SELF.
+  Communicator subgroup(const std::vector<int>& world_ranks) const;
+
+  // In-place element-wise reductions over all ranks (MPI_IN_PLACE); counts above INT_MAX are
+  // reduced in chunks of 2^30 elements.
+  void all_reduce_sum(float* data, size_t count) const;
+  void all_reduce_sum(double* data, size_t count) const;
+  void all_reduce_max(float* data, size_t count) const;
+  void all_reduce_max(double* data, size_t count) const;
+  // Scalar forms; pass a double or an int64_t (a plain int argument is ambiguous).
+  double all_reduce_sum(double value) const;
+  int64_t all_reduce_sum(int64_t value) const;
+  double all_reduce_max(double value) const;
+
+  // Copies `bytes` bytes from rank `root`'s buffer into every other rank's buffer.
+  void broadcast(void* data, size_t bytes, int root) const;
+  void barrier() const;
+  // Ends every process of the job (MPI_Abort): for an error on one rank that the others, waiting
+  // in a collective, would never hear about.
+  [[noreturn]] void abort(int code) const;
+
+  // Nonblocking byte point-to-point; dest/source are ranks of this communicator, tags are in
+  // [0, MPI_TAG_UB]. Messages are limited to INT_MAX bytes (checked, Error otherwise): the
+  // runtime's activations and migration pieces are far smaller, and one message per request
+  // keeps a receive's length check exact. A receive must be posted with the exact length sent.
+  Request isend(const void* data, size_t bytes, int dest, int tag) const;
+  Request irecv(void* data, size_t bytes, int source, int tag) const;
+
+  // The underlying handle, for MPI calls this class does not wrap. Do not free it.
+  MPI_Comm handle() const;
+
+ private:
+  struct State;
+  explicit Communicator(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+  // Throws Error if empty; live_state() also if MPI is not usable (for calls into MPI).
+  const State& state() const;
+  const State& live_state() const;
+
+  std::shared_ptr<const State> state_;
+};
+
+}  // namespace malleus::comm
