@@ -149,13 +149,17 @@ Vector rmsnorm(Device<T>& d, const Vector& in, const Vector& weight, int n, int 
   return d.get_double(out);
 }
 
+// The whole table, or the slice of rows [vocab_begin, vocab_begin + table.size() / c) of it.
 template <typename T>
-Vector embedding(Device<T>& d, const std::vector<int32_t>& tokens, const Vector& table, int c) {
+Vector embedding(Device<T>& d, const std::vector<int32_t>& tokens, const Vector& table, int c,
+                 int vocab_begin = 0) {
   auto t = d.put_tokens(tokens);
   auto table_buffer = d.put(table);
-  auto out = d.zeros(tokens.size() * c);
-  d.backend->embedding_forward(out.data(), t.data(), table_buffer.data(),
-                               static_cast<int>(tokens.size()), c);
+  // Garbage in the output first: rows of tokens held elsewhere must be written as zeros.
+  auto out = d.put(random_vector(tokens.size() * c, 99, 5, 6));
+  d.backend->embedding_forward(out.data(), t.data(), table_buffer.data(), vocab_begin,
+                               static_cast<int>(table.size()) / c, static_cast<int>(tokens.size()),
+                               c);
   return d.get_double(out);
 }
 
@@ -223,14 +227,93 @@ Vector swiglu(Device<T>& d, const Vector& gate, const Vector& up) {
   return d.get_double(out);
 }
 
+// Cross-entropy over the whole vocabulary (one slice, so no reduction between the passes): the
+// losses, and dlogits for `loss_scale` when `dlogits` is given.
 template <typename T>
 Vector cross_entropy(Device<T>& d, const Vector& logits, const std::vector<int32_t>& targets,
-                     int vocab) {
+                     int vocab, Vector* dlogits = nullptr, double loss_scale = 1) {
+  const int n = static_cast<int>(targets.size());
   auto x = d.put(logits);
   auto t = d.put_tokens(targets);
+  auto top = d.zeros(targets.size());
+  auto sums = d.zeros(targets.size());
+  auto target_logit = d.zeros(targets.size());
   auto losses = d.zeros(targets.size());
-  d.backend->cross_entropy_forward(losses.data(), x.data(), t.data(),
-                                   static_cast<int>(targets.size()), vocab);
+  d.backend->logits_row_max(top.data(), x.data(), n, vocab);
+  d.backend->logits_softmax_sums(sums.data(), target_logit.data(), x.data(), top.data(), t.data(),
+                                 0, n, vocab);
+  d.backend->cross_entropy_loss(losses.data(), top.data(), sums.data(), target_logit.data(), n);
+  if (dlogits != nullptr) {
+    auto dx = d.zeros(logits.size());
+    d.backend->cross_entropy_backward(dx.data(), x.data(), top.data(), sums.data(), t.data(), 0,
+                                      static_cast<T>(loss_scale), n, vocab);
+    *dlogits = d.get_double(dx);
+  }
+  return d.get_double(losses);
+}
+
+// The same with the vocabulary split at `bounds` (0 = bounds.front() < ... < bounds.back() =
+// vocab) between ranks that each hold logits[:, bounds[r], bounds[r + 1]), the all-reduces done
+// here on the host: max over the slices, then the sums in slice order. Returns the losses and the
+// slices' dlogits, put back together into [n, vocab].
+template <typename T>
+Vector sliced_cross_entropy(Device<T>& d, const Vector& logits, const std::vector<int32_t>& targets,
+                            int vocab, const std::vector<int>& bounds, double loss_scale,
+                            Vector* dlogits) {
+  const size_t n = targets.size();
+  const int rows = static_cast<int>(n);
+  const size_t slices = bounds.size() - 1;
+  auto t = d.put_tokens(targets);
+  std::vector<Buffer<T>> parts;
+  for (size_t r = 0; r < slices; ++r) {
+    Vector part;
+    for (size_t i = 0; i < n; ++i) {
+      part.insert(part.end(), logits.begin() + static_cast<long>(i * vocab + bounds[r]),
+                  logits.begin() + static_cast<long>(i * vocab + bounds[r + 1]));
+    }
+    parts.push_back(d.put(part));
+  }
+  const auto width = [&](size_t r) { return bounds[r + 1] - bounds[r]; };
+  // Pass 1 and all-reduce(max).
+  std::vector<T> top(n, -std::numeric_limits<T>::infinity());
+  for (size_t r = 0; r < slices; ++r) {
+    auto local = d.zeros(n);
+    d.backend->logits_row_max(local.data(), parts[r].data(), rows, width(r));
+    const std::vector<T> host = d.get(local);
+    for (size_t i = 0; i < n; ++i) top[i] = std::max(top[i], host[i]);
+  }
+  auto top_buffer = d.put(top);
+  // Pass 2 and all-reduce(sum), of the exponentials and of the target logits.
+  std::vector<T> sums(n, T(0)), target_logit(n, T(0));
+  for (size_t r = 0; r < slices; ++r) {
+    auto local_sums = d.zeros(n);
+    auto local_target = d.zeros(n);
+    d.backend->logits_softmax_sums(local_sums.data(), local_target.data(), parts[r].data(),
+                                   top_buffer.data(), t.data(), bounds[r], rows, width(r));
+    const std::vector<T> host_sums = d.get(local_sums), host_target = d.get(local_target);
+    for (size_t i = 0; i < n; ++i) {
+      sums[i] += host_sums[i];
+      target_logit[i] += host_target[i];
+    }
+  }
+  auto sums_buffer = d.put(sums);
+  auto target_buffer = d.put(target_logit);
+  auto losses = d.zeros(n);
+  d.backend->cross_entropy_loss(losses.data(), top_buffer.data(), sums_buffer.data(),
+                                target_buffer.data(), rows);
+  dlogits->assign(n * vocab, 0.0);
+  for (size_t r = 0; r < slices; ++r) {
+    auto dx = d.zeros(n * width(r));
+    d.backend->cross_entropy_backward(dx.data(), parts[r].data(), top_buffer.data(),
+                                      sums_buffer.data(), t.data(), bounds[r],
+                                      static_cast<T>(loss_scale), rows, width(r));
+    const Vector host = d.get_double(dx);
+    for (size_t i = 0; i < n; ++i) {
+      std::copy(host.begin() + static_cast<long>(i * width(r)),
+                host.begin() + static_cast<long>((i + 1) * width(r)),
+                dlogits->begin() + static_cast<long>(i * vocab + bounds[r]));
+    }
+  }
   return d.get_double(losses);
 }
 
@@ -288,7 +371,7 @@ TEST(Gradients, Embedding) {
         auto t = d.put_tokens(tokens);
         auto g = d.put(dout);
         auto dtable = d.zeros(x[0].size());
-        d.backend->embedding_backward(dtable.data(), g.data(), t.data(),
+        d.backend->embedding_backward(dtable.data(), g.data(), t.data(), 0, vocab,
                                       static_cast<int>(tokens.size()), c);
         return {d.get_double(dtable)};
       });
@@ -363,12 +446,9 @@ TEST(Gradients, CrossEntropy) {
         return Vector{dot(losses, Vector(n, 1.0))};
       },
       [&](const Tensors& x, const Vector& dout) -> Tensors {
-        auto logits = d.put(x[0]);
-        auto t = d.put_tokens(targets);
-        auto dlogits = d.zeros(x[0].size());
-        d.backend->cross_entropy_backward(dlogits.data(), logits.data(), t.data(), dout[0], n,
-                                          vocab);
-        return {d.get_double(dlogits)};
+        Vector dlogits;
+        cross_entropy(d, x[0], targets, vocab, &dlogits, dout[0]);
+        return {dlogits};
       });
 }
 
@@ -407,7 +487,7 @@ TEST(Accumulation, ParameterGradientsAdd) {
                                  w.data(), n, c, oc);
       d.backend->rmsnorm_backward(din.data(), dnw.data(), gn.data(), x.data(), nw.data(),
                                   rstd.data(), n, c);
-      d.backend->embedding_backward(dtable.data(), gn.data(), t.data(), n, c);
+      d.backend->embedding_backward(dtable.data(), gn.data(), t.data(), 0, vocab, n, c);
     }
     return Tensors{d.get_double(dw), d.get_double(dnw), d.get_double(dtable)};
   };
@@ -482,8 +562,10 @@ TEST(FloatMatchesDouble, Forward) {
     const int n = 9, vocab = 1000;
     const Vector logits = as_float(random_vector(n * vocab, 42, -10, 10));
     const std::vector<int32_t> targets = random_tokens(n, vocab, 43);
-    expect_close(cross_entropy(f, logits, targets, vocab), cross_entropy(d, logits, targets, vocab),
-                 "cross_entropy");
+    Vector df, dd;
+    expect_close(cross_entropy(f, logits, targets, vocab, &df, 0.25),
+                 cross_entropy(d, logits, targets, vocab, &dd, 0.25), "cross_entropy");
+    expect_close(df, dd, "cross_entropy dlogits");
   }
 }
 
@@ -562,7 +644,124 @@ TEST(Kernels, CrossEntropyMatchesDefinitionAndIsStable) {
     EXPECT_NEAR(losses[i], std::log(sum) + top - logits[i * vocab + targets[i]], 1e-12);
   }
   Device<float> f(2);
-  for (double loss : cross_entropy(f, logits, targets, vocab)) EXPECT_TRUE(std::isfinite(loss));
+  Vector dlogits;
+  for (double loss : cross_entropy(f, logits, targets, vocab, &dlogits)) {
+    EXPECT_TRUE(std::isfinite(loss));
+  }
+  for (double g : dlogits) EXPECT_TRUE(std::isfinite(g));
+  // Each row of dlogits is softmax − one-hot, which sums to zero.
+  for (int i = 0; i < 2; ++i) {
+    double sum = 0;
+    for (int j = 0; j < vocab; ++j) sum += dlogits[i * vocab + j];
+    EXPECT_NEAR(sum, 0.0, 1e-6);
+  }
+}
+
+// Vocabulary parallelism: the logits split into uneven slices, with the all-reduces between the
+// passes done on the host, give the single-slice losses and dlogits.
+template <typename T>
+void check_sliced_cross_entropy(double tolerance) {
+  Device<T> d(2);
+  const int n = 7, vocab = 37;
+  // Large logits too, so the shift by the (global) max matters.
+  Vector logits = as_float(random_vector(n * vocab, 44, -8, 8));
+  for (int j = 0; j < vocab; ++j) logits[5 * vocab + j] += 500;
+  // Targets on both sides of every slice boundary.
+  const std::vector<int32_t> targets = {0, 10, 11, 36, 19, 20, 4};
+  Vector dfull;
+  const Vector full = cross_entropy(d, logits, targets, vocab, &dfull, 0.3);
+  for (const std::vector<int>& bounds :
+       {std::vector<int>{0, 11, vocab}, std::vector<int>{0, 5, 20, vocab},
+        std::vector<int>{0, vocab}}) {
+    Vector dsliced;
+    const Vector sliced = sliced_cross_entropy(d, logits, targets, vocab, bounds, 0.3, &dsliced);
+    EXPECT_LT(max_relative_error(sliced, full), tolerance) << bounds.size() - 1 << " slices";
+    EXPECT_LT(max_relative_error(dsliced, dfull), tolerance) << bounds.size() - 1 << " slices";
+    for (int i = 0; i < n; ++i) {
+      EXPECT_NEAR(sliced[i], full[i], tolerance * std::abs(full[i])) << i;
+      for (int j = 0; j < vocab; ++j) {
+        const size_t k = static_cast<size_t>(i) * vocab + j;
+        EXPECT_NEAR(dsliced[k], dfull[k], tolerance * std::max(std::abs(dfull[k]), 1e-3))
+            << i << " " << j;
+      }
+    }
+  }
+}
+
+TEST(Kernels, CrossEntropyOverVocabularySlicesDouble) {
+  check_sliced_cross_entropy<double>(1e-12);
+}
+TEST(Kernels, CrossEntropyOverVocabularySlicesFloat) {
+  check_sliced_cross_entropy<float>(1e-5);
+}
+
+// Vocabulary parallelism of the embedding: ranks holding uneven slices of rows give outputs that
+// add up to the full table's, and gradients that put together give the full table's, bit for bit.
+TEST(Kernels, EmbeddingOverVocabularySlices) {
+  Device<double> d(2);
+  const int vocab = 9, c = 70;  // more than two column blocks
+  const std::vector<int> bounds = {0, 4, vocab};
+  const std::vector<int32_t> tokens = {3, 4, 8, 0, 3, 5, 3, 4, 1, 7, 8, 3};
+  const int n = static_cast<int>(tokens.size());
+  const Vector table = random_vector(static_cast<size_t>(vocab) * c, 45);
+  const Vector dout = random_vector(tokens.size() * c, 46);
+  const Vector start = random_vector(table.size(), 47);
+  auto t = d.put_tokens(tokens);
+  auto g = d.put(dout);
+
+  const Vector full = embedding(d, tokens, table, c);
+  auto dfull_buffer = d.put(start);
+  d.backend->embedding_backward(dfull_buffer.data(), g.data(), t.data(), 0, vocab, n, c);
+  const Vector dfull = d.get_double(dfull_buffer);
+
+  Vector summed(full.size(), 0.0);
+  Vector dconcatenated;
+  for (size_t r = 0; r + 1 < bounds.size(); ++r) {
+    const int rows = bounds[r + 1] - bounds[r];
+    const auto first = static_cast<long>(bounds[r]) * c;
+    const auto last = static_cast<long>(bounds[r + 1]) * c;
+    const Vector slice(table.begin() + first, table.begin() + last);
+    const Vector out = embedding(d, tokens, slice, c, bounds[r]);
+    for (int i = 0; i < n; ++i) {
+      const bool held = tokens[i] >= bounds[r] && tokens[i] < bounds[r + 1];
+      for (int j = 0; j < c; ++j) {
+        const size_t k = static_cast<size_t>(i) * c + j;
+        if (!held) {
+          EXPECT_EQ(out[k], 0.0) << "slice " << r << " token " << i;
+        }
+        summed[k] += out[k];
+      }
+    }
+    // The slice's gradient starts from the same values as the full one, between two guard rows
+    // that must stay as they are.
+    Vector guarded = random_vector(static_cast<size_t>(rows + 2) * c, 48);
+    std::copy(start.begin() + first, start.begin() + last, guarded.begin() + c);
+    auto dslice = d.put(guarded);
+    d.backend->embedding_backward(dslice.data() + c, g.data(), t.data(), bounds[r], rows, n, c);
+    const Vector after = d.get_double(dslice);
+    EXPECT_TRUE(std::equal(after.begin(), after.begin() + c, guarded.begin()));
+    EXPECT_TRUE(std::equal(after.end() - c, after.end(), guarded.end() - c));
+    dconcatenated.insert(dconcatenated.end(), after.begin() + c, after.end() - c);
+  }
+  EXPECT_EQ(summed, full);
+  EXPECT_EQ(dconcatenated, dfull);
+  // Rows that no token hits keep their starting values (row 2 and 6 here).
+  for (const int row : {2, 6}) {
+    for (int j = 0; j < c; ++j) {
+      const size_t k = static_cast<size_t>(row) * c + j;
+      EXPECT_EQ(dfull[k], start[k]);
+    }
+  }
+  // A rank whose slice holds none of the tokens writes zeros and leaves its gradient alone.
+  const std::vector<int32_t> low = {0, 1, 2, 3, 0};
+  auto low_tokens = d.put_tokens(low);
+  const Vector slice(table.begin() + 4 * c, table.end());
+  for (double value : embedding(d, low, slice, c, 4)) EXPECT_EQ(value, 0.0);
+  const Vector untouched = random_vector(slice.size(), 49);
+  auto dslice = d.put(untouched);
+  d.backend->embedding_backward(dslice.data(), g.data(), low_tokens.data(), 4, vocab - 4,
+                                static_cast<int>(low.size()), c);
+  EXPECT_EQ(d.get_double(dslice), untouched);
 }
 
 TEST(Kernels, AttentionIsCausalAndNormalized) {
@@ -686,8 +885,9 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
-// Runs rmsnorm_backward, embedding_backward, attention and matmul on fixed inputs and returns all
-// their outputs, concatenated: first those of our own kernels, then those of the matmuls.
+// Runs rmsnorm_backward, embedding_backward, attention, cross-entropy and matmul on fixed inputs
+// and returns all their outputs, concatenated: first those of our own kernels, then those of the
+// matmuls.
 struct Outputs {
   std::vector<float> kernels, matmuls;
 };
@@ -706,7 +906,7 @@ Outputs backward_outputs(int threads) {
   d.backend->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), n, c, 1e-5f);
   d.backend->rmsnorm_backward(din.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), n,
                               c);
-  d.backend->embedding_backward(dtable.data(), dy.data(), t.data(), n, c);
+  d.backend->embedding_backward(dtable.data(), dy.data(), t.data(), 0, vocab, n, c);
 
   const AttentionShape s{2, 130, 4, 2, 16};
   auto q = d.put(random_vector(s.q_size(), 74));
@@ -738,6 +938,14 @@ Outputs backward_outputs(int threads) {
     const std::vector<float> host = d.get(*b);
     outputs.kernels.insert(outputs.kernels.end(), host.begin(), host.end());
   }
+  // Cross-entropy: the losses and dlogits (float values, exact through double).
+  const int logits_vocab = 500;
+  Vector dlogits;
+  const Vector losses =
+      cross_entropy(d, random_vector(static_cast<size_t>(n) * logits_vocab, 80, -5, 5),
+                    random_tokens(n, logits_vocab, 81), logits_vocab, &dlogits, 0.01);
+  outputs.kernels.insert(outputs.kernels.end(), losses.begin(), losses.end());
+  outputs.kernels.insert(outputs.kernels.end(), dlogits.begin(), dlogits.end());
   for (const Buffer<float>* b : {&mout, &mdin, &mdw}) {
     const std::vector<float> host = d.get(*b);
     outputs.matmuls.insert(outputs.matmuls.end(), host.begin(), host.end());

@@ -56,11 +56,14 @@ class Backend {
   virtual double sum_squares(const T* x, size_t count) = 0;
 
   // ---- layers --------------------------------------------------------------------------------
-  // out[n, c] = table[tokens[i], :]
-  virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int n, int c) = 0;
-  // dtable[tokens[i], :] += dout[i, :]
-  virtual void embedding_backward(T* dtable, const T* dout, const int32_t* tokens, int n,
-                                  int c) = 0;
+  // Vocabulary-parallel embedding: `table` holds rows [vocab_begin, vocab_begin + rows) of the
+  // full table. out[i, :] is the row of tokens[i] when this rank holds it and zero otherwise (the
+  // tensor-parallel all-reduce then sums the ranks' outputs). With one rank, rows = vocabulary.
+  virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int vocab_begin,
+                                 int rows, int n, int c) = 0;
+  // dtable[tokens[i] - vocab_begin, :] += dout[i, :] for the tokens held here.
+  virtual void embedding_backward(T* dtable, const T* dout, const int32_t* tokens, int vocab_begin,
+                                  int rows, int n, int c) = 0;
 
   // out = in / rms(in) * weight, row-wise; rstd[n] = 1 / sqrt(mean(in²) + eps) saved for backward.
   virtual void rmsnorm_forward(T* out, T* rstd, const T* in, const T* weight, int n, int c,
@@ -95,11 +98,22 @@ class Backend {
   virtual void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
                                size_t count) = 0;
 
-  // losses[i] = logsumexp(logits[i, :]) - logits[i, targets[i]]
-  virtual void cross_entropy_forward(T* losses, const T* logits, const int32_t* targets, int n,
-                                     int vocab) = 0;
-  // dlogits[i, :] = (softmax(logits[i, :]) - onehot(targets[i])) * loss_scale
-  virtual void cross_entropy_backward(T* dlogits, const T* logits, const int32_t* targets,
+  // Cross-entropy over logits[n, vocab] that may be one rank's slice [vocab_begin, vocab_begin +
+  // vocab) of the full vocabulary. Three passes, with an all-reduce across the vocabulary-parallel
+  // group after the first (max) and the second (sum); with one rank no reduction is needed.
+  // row_max[i] = max_j logits[i, j]
+  virtual void logits_row_max(T* row_max, const T* logits, int n, int vocab) = 0;
+  // sum_exp[i] = Σ_j exp(logits[i, j] - row_max[i]); target_logit[i] = the logit of targets[i]
+  // when this slice holds it, else 0.
+  virtual void logits_softmax_sums(T* sum_exp, T* target_logit, const T* logits, const T* row_max,
+                                   const int32_t* targets, int vocab_begin, int n, int vocab) = 0;
+  // losses[i] = log(sum_exp[i]) + row_max[i] - target_logit[i]
+  virtual void cross_entropy_loss(T* losses, const T* row_max, const T* sum_exp,
+                                  const T* target_logit, int n) = 0;
+  // dlogits[i, j] = (exp(logits[i, j] - row_max[i]) / sum_exp[i] - [vocab_begin + j ==
+  // targets[i]]) * loss_scale, from the reduced row_max and sum_exp.
+  virtual void cross_entropy_backward(T* dlogits, const T* logits, const T* row_max,
+                                      const T* sum_exp, const int32_t* targets, int vocab_begin,
                                       T loss_scale, int n, int vocab) = 0;
 
   // ---- optimizer -----------------------------------------------------------------------------

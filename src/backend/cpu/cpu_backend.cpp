@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <type_traits>
@@ -170,18 +171,26 @@ class CpuBackend final : public Backend<T> {
   }
 
   // ---- layers --------------------------------------------------------------------------------
-  void embedding_forward(T* out, const int32_t* tokens, const T* table, int n, int c) override {
+  void embedding_forward(T* out, const int32_t* tokens, const T* table, int vocab_begin, int rows,
+                         int n, int c) override {
     const size_t width = static_cast<size_t>(c);
 #pragma omp parallel for schedule(static) num_threads(threads_)
     for (int i = 0; i < n; ++i) {
-      std::memcpy(out + i * width, table + static_cast<size_t>(tokens[i]) * width,
-                  width * sizeof(T));
+      T* y = out + i * width;
+      const int row = tokens[i] - vocab_begin;
+      if (row >= 0 && row < rows) {
+        std::memcpy(y, table + static_cast<size_t>(row) * width, width * sizeof(T));
+      } else {
+        std::fill(y, y + width, T(0));
+      }
     }
   }
 
-  void embedding_backward(T* dtable, const T* dout, const int32_t* tokens, int n, int c) override {
+  void embedding_backward(T* dtable, const T* dout, const int32_t* tokens, int vocab_begin,
+                          int rows, int n, int c) override {
     // Each thread owns a range of columns and walks the tokens in order, so repeated tokens add
-    // up in the same order whatever the thread count, without atomics.
+    // up in the same order whatever the thread count, without atomics. Tokens held by another
+    // rank are skipped.
     const size_t width = static_cast<size_t>(c);
     const int blocks = column_blocks(c);
 #pragma omp parallel for schedule(static) num_threads(threads_)
@@ -189,7 +198,9 @@ class CpuBackend final : public Backend<T> {
       const size_t begin = static_cast<size_t>(block) * kColumnBlock;
       const size_t end = std::min(width, begin + kColumnBlock);
       for (int i = 0; i < n; ++i) {
-        T* row = dtable + static_cast<size_t>(tokens[i]) * width;
+        const int local = tokens[i] - vocab_begin;
+        if (local < 0 || local >= rows) continue;
+        T* row = dtable + static_cast<size_t>(local) * width;
         const T* grad = dout + i * width;
 #pragma omp simd
         for (size_t j = begin; j < end; ++j) row[j] += grad[j];
@@ -431,39 +442,55 @@ class CpuBackend final : public Backend<T> {
     });
   }
 
-  void cross_entropy_forward(T* losses, const T* logits, const int32_t* targets, int n,
-                             int vocab) override {
+  // Cross-entropy in three passes so that the vocabulary may be split between ranks: the row max
+  // and the sum of exponentials are all-reduced by the caller between the passes. Every row is
+  // handled by one thread, and the sums run in a fixed order.
+  void logits_row_max(T* row_max_out, const T* logits, int n, int vocab) override {
+    const size_t width = static_cast<size_t>(vocab);
+#pragma omp parallel for schedule(static) num_threads(threads_)
+    for (int i = 0; i < n; ++i) {
+      // An empty slice contributes the identity of max.
+      row_max_out[i] =
+          width == 0 ? -std::numeric_limits<T>::infinity() : row_max(logits + i * width, width);
+    }
+  }
+
+  void logits_softmax_sums(T* sum_exp, T* target_logit, const T* logits, const T* row_max_in,
+                           const int32_t* targets, int vocab_begin, int n, int vocab) override {
     const size_t width = static_cast<size_t>(vocab);
 #pragma omp parallel for schedule(static) num_threads(threads_)
     for (int i = 0; i < n; ++i) {
       const T* x = logits + i * width;
-      const T top = row_max(x, width);
+      const T top = row_max_in[i];
       T sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (size_t j = 0; j < width; ++j) sum += vexp(x[j] - top);
-      losses[i] = std::log(sum) + top - x[targets[i]];
+      sum_exp[i] = sum;
+      const int local = targets[i] - vocab_begin;
+      target_logit[i] = local >= 0 && local < vocab ? x[local] : T(0);
     }
   }
 
-  void cross_entropy_backward(T* dlogits, const T* logits, const int32_t* targets, T loss_scale,
-                              int n, int vocab) override {
+  void cross_entropy_loss(T* losses, const T* row_max_in, const T* sum_exp, const T* target_logit,
+                          int n) override {
+#pragma omp parallel for schedule(static) num_threads(threads_) if (n >= 4096)
+    for (int i = 0; i < n; ++i) losses[i] = std::log(sum_exp[i]) + row_max_in[i] - target_logit[i];
+  }
+
+  void cross_entropy_backward(T* dlogits, const T* logits, const T* row_max_in, const T* sum_exp,
+                              const int32_t* targets, int vocab_begin, T loss_scale, int n,
+                              int vocab) override {
     const size_t width = static_cast<size_t>(vocab);
 #pragma omp parallel for schedule(static) num_threads(threads_)
     for (int i = 0; i < n; ++i) {
       const T* x = logits + i * width;
       T* dx = dlogits + i * width;
-      const T top = row_max(x, width);
-      T sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (size_t j = 0; j < width; ++j) {
-        const T e = vexp(x[j] - top);
-        dx[j] = e;
-        sum += e;
-      }
-      const T factor = loss_scale / sum;
+      const T top = row_max_in[i];
+      const T factor = loss_scale / sum_exp[i];
 #pragma omp simd
-      for (size_t j = 0; j < width; ++j) dx[j] *= factor;
-      dx[targets[i]] -= loss_scale;
+      for (size_t j = 0; j < width; ++j) dx[j] = vexp(x[j] - top) * factor;
+      const int local = targets[i] - vocab_begin;
+      if (local >= 0 && local < vocab) dx[local] -= loss_scale;
     }
   }
 
