@@ -56,38 +56,63 @@ class NormalStream {
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, backend::Backend<T>& backend,
                             int micro_batch, int seq_len)
+    : Transformer(config, ShardSpec::full(config), backend, micro_batch, seq_len, 1, nullptr) {}
+
+template <typename T>
+Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
+                            backend::Backend<T>& backend, int micro_batch, int seq_len, int slots,
+                            TensorParallelGroup<T>* tp)
     : config_(config),
-      layout_(config),
+      layout_(config, shard),
       backend_(backend),
+      tp_(tp),
       micro_batch_(micro_batch),
-      seq_len_(seq_len) {
+      seq_len_(seq_len),
+      heads_(shard.heads),
+      kv_heads_(shard.kv_heads(config)),
+      ffn_(shard.ffn),
+      vocab_(shard.vocab) {
   config_.validate("model \"" + config.name + "\"");
   check(micro_batch > 0, "micro-batch size must be positive");
+  check(slots > 0, "a model shard needs at least one activation slot");
   check(seq_len > 0 && seq_len <= config.max_seq_len,
         "sequence length " + std::to_string(seq_len) + " must be in [1, max_seq_len=" +
             std::to_string(config.max_seq_len) + "] of model \"" + config.name + "\"");
+  const bool sharded =
+      heads_ != config.num_heads || ffn_ != config.ffn_hidden_size || vocab_ != config.vocab_size;
+  check(!sharded || tp != nullptr, "a tensor-parallel shard needs its group's collectives");
   const size_t n = static_cast<size_t>(micro_batch) * seq_len;
-  const size_t c = config.hidden_size, f = config.ffn_hidden_size, v = config.vocab_size;
-  const size_t q = static_cast<size_t>(config.num_heads) * config.head_dim(), kv = config.kv_dim();
-  const size_t probs = static_cast<size_t>(micro_batch) * config.num_heads * seq_len * seq_len;
+  const size_t c = config.hidden_size, f = ffn_, v = vocab_;
+  const size_t q = static_cast<size_t>(heads_) * config.head_dim();
+  const size_t kv = static_cast<size_t>(kv_heads_) * config.head_dim();
+  const size_t probs = static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len;
+  const int blocks = shard.layer_end - shard.layer_begin;
   auto buf = [&](size_t count) { return backend::Buffer<T>(backend, count); };
 
   params_ = buf(layout_.total_size());
   grads_ = buf(layout_.total_size());
-  inputs_ = backend::Buffer<T, int32_t>(backend, n);
-  targets_ = backend::Buffer<T, int32_t>(backend, n);
-  for (int l = 0; l <= config.num_layers; ++l) residual_.push_back(buf(n * c));
-  for (int l = 0; l < config.num_layers; ++l) {
-    blocks_.push_back({buf(n * c), buf(n), buf(n * q), buf(n * kv), buf(n * kv), buf(probs),
-                       buf(n * q), buf(n * c), buf(n * c), buf(n), buf(n * f), buf(n * f),
-                       buf(n * f)});
+  for (int s = 0; s < slots; ++s) {
+    Slot slot;
+    if (shard.has_embedding) slot.inputs = backend::Buffer<T, int32_t>(backend, n);
+    for (int b = 0; b <= blocks; ++b) slot.residual.push_back(buf(n * c));
+    for (int b = 0; b < blocks; ++b) {
+      slot.blocks.push_back({buf(n * c), buf(n), buf(n * q), buf(n * kv), buf(n * kv), buf(probs),
+                             buf(n * q), buf(n * c), buf(n * c), buf(n), buf(n * f), buf(n * f),
+                             buf(n * f)});
+    }
+    if (shard.has_head) {
+      slot.targets = backend::Buffer<T, int32_t>(backend, n);
+      slot.final_ln = buf(n * c);
+      slot.final_rstd = buf(n);
+      slot.logits = buf(n * v);
+      slot.losses = buf(n);
+      slot.row_max = buf(n);
+      slot.softmax_sums = buf(2 * n);  // sum_exp then target_logit: one all-reduce for both
+    }
+    slots_.push_back(std::move(slot));
   }
-  final_ln_ = buf(n * c);
-  final_rstd_ = buf(n);
-  logits_ = buf(n * v);
-  losses_ = buf(n);
   dres_ = buf(n * c);
-  dnorm_ = buf(n * std::max(c, q));
+  dnorm_ = buf(n * c);
   dnorm2_ = buf(n * c);
   dtmp_ = buf(n * c);
   dq_ = buf(n * q);
@@ -97,7 +122,7 @@ Transformer<T>::Transformer(const ModelConfig& config, backend::Backend<T>& back
   dgate_ = buf(n * f);
   dup_ = buf(n * f);
   dact_ = buf(n * f);
-  dlogits_ = buf(n * v);
+  if (shard.has_head) dlogits_ = buf(n * v);
 }
 
 template <typename T>
@@ -105,17 +130,29 @@ void Transformer<T>::init_parameters(uint64_t seed) {
   // Residual-branch outputs are scaled down by 1/sqrt(2L) (GPT-2) so the residual stream's
   // variance does not grow with depth.
   const double residual_scale = 1.0 / std::sqrt(2.0 * config_.num_layers);
-  std::vector<T> host;
+  std::vector<T> whole, part;
   for (const TensorSpec& t : layout_.tensors()) {
-    host.assign(static_cast<size_t>(t.size), T(1));
-    if (t.shape.size() > 1) {
+    int64_t whole_size = 1;
+    for (int64_t d : t.full_shape) whole_size *= d;
+    whole.assign(static_cast<size_t>(whole_size), T(1));
+    if (t.full_shape.size() > 1) {
       NormalStream normal(mix(seed ^ mix(hash_name(t.name))));
       const bool residual_out =
           t.name.ends_with("o_proj.weight") || t.name.ends_with("down_proj.weight");
       const double std = config_.init_std * (residual_out ? residual_scale : 1.0);
-      for (T& x : host) x = static_cast<T>(std * normal.next());
+      for (T& x : whole) x = static_cast<T>(std * normal.next());
     }
-    backend_.copy_from_host(params_.data() + t.offset, host.data(), host.size());
+    part.resize(static_cast<size_t>(t.size));
+    if (t.shard_axis == ShardAxis::kColumns) {
+      const int64_t cols = t.full_shape[1], keep = t.shape[1];
+      for (int64_t r = 0; r < t.shape[0]; ++r) {
+        std::copy_n(whole.begin() + r * cols + t.shard_begin, keep, part.begin() + r * keep);
+      }
+    } else {
+      const int64_t row = t.full_shape.size() > 1 ? t.full_shape[1] : 0;
+      std::copy_n(whole.begin() + t.shard_begin * row, t.size, part.begin());
+    }
+    backend_.copy_from_host(params_.data() + t.offset, part.data(), part.size());
   }
 }
 
@@ -125,106 +162,130 @@ void Transformer<T>::zero_grads() {
 }
 
 template <typename T>
-double Transformer<T>::forward(const int32_t* inputs, const int32_t* targets) {
+void Transformer<T>::all_reduce_sum(T* data, size_t count) {
+  if (tp_ != nullptr && tp_->size() > 1) tp_->all_reduce_sum(data, count);
+}
+
+template <typename T>
+T* Transformer<T>::input_activation(int slot) {
+  return slots_.at(slot).residual.front().data();
+}
+
+template <typename T>
+const T* Transformer<T>::output_activation(int slot) {
+  return slots_.at(slot).residual.back().data();
+}
+
+template <typename T>
+double Transformer<T>::forward(int slot_index, const int32_t* inputs, const int32_t* targets) {
+  Slot& slot = slots_.at(slot_index);
+  const ShardSpec& shard = layout_.shard();
   const size_t n = static_cast<size_t>(tokens_per_micro_batch());
-  for (size_t i = 0; i < n; ++i) {
-    check(inputs[i] >= 0 && inputs[i] < config_.vocab_size && targets[i] >= 0 &&
-              targets[i] < config_.vocab_size,
-          "token id out of range [0, " + std::to_string(config_.vocab_size) + ") at position " +
-              std::to_string(i));
+  auto check_tokens = [&](const int32_t* tokens, const char* what) {
+    for (size_t i = 0; i < n; ++i) {
+      check(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
+            std::string(what) + " token " + std::to_string(tokens[i]) + " at position " +
+                std::to_string(i) + " is outside the vocabulary [0, " +
+                std::to_string(config_.vocab_size) + ")");
+    }
+  };
+  if (shard.has_embedding) {
+    check_tokens(inputs, "input");
+    backend_.copy_tokens_from_host(slot.inputs.data(), inputs, n);
+    backend_.embedding_forward(slot.residual[0].data(), slot.inputs.data(),
+                               param(layout_.embedding()), shard.vocab_begin, vocab_,
+                               tokens_per_micro_batch(), config_.hidden_size);
+    all_reduce_sum(slot.residual[0].data(), n * config_.hidden_size);
   }
-  backend_.copy_tokens_from_host(inputs_.data(), inputs, n);
-  backend_.copy_tokens_from_host(targets_.data(), targets, n);
-  embed_forward();
-  for (int l = 0; l < config_.num_layers; ++l) {
-    block_forward(l, residual_[l].data(), residual_[l + 1].data());
+  for (size_t b = 0; b < slot.blocks.size(); ++b) {
+    block_forward(slot, static_cast<int>(b), slot.residual[b].data(), slot.residual[b + 1].data());
   }
-  head_forward(residual_[config_.num_layers].data());
-  double sum = 0;
-  for (T loss : token_losses()) sum += static_cast<double>(loss);
-  return sum;
+  if (!shard.has_head) return 0;
+  check_tokens(targets, "target");
+  backend_.copy_tokens_from_host(slot.targets.data(), targets, n);
+  return head_forward(slot);
 }
 
 template <typename T>
-void Transformer<T>::backward(T loss_scale) {
-  head_backward(loss_scale, residual_[config_.num_layers].data(), dres_.data());
-  for (int l = config_.num_layers - 1; l >= 0; --l) {
-    block_backward(l, residual_[l].data(), dres_.data());
+void Transformer<T>::backward(int slot_index, T loss_scale) {
+  Slot& slot = slots_.at(slot_index);
+  const ShardSpec& shard = layout_.shard();
+  if (shard.has_head) head_backward(slot, loss_scale);
+  for (int b = static_cast<int>(slot.blocks.size()) - 1; b >= 0; --b) {
+    block_backward(slot, b, slot.residual[static_cast<size_t>(b)].data(), dres_.data());
   }
-  embed_backward(dres_.data());
+  if (shard.has_embedding) {
+    backend_.embedding_backward(grad(layout_.embedding()), dres_.data(), slot.inputs.data(),
+                                shard.vocab_begin, vocab_, tokens_per_micro_batch(),
+                                config_.hidden_size);
+  }
 }
 
 template <typename T>
-std::vector<T> Transformer<T>::token_losses() {
-  std::vector<T> host(losses_.size());
-  backend_.copy_to_host(host.data(), losses_.data(), host.size());
+std::vector<T> Transformer<T>::token_losses(int slot) {
+  const auto& losses = slots_.at(slot).losses;
+  std::vector<T> host(losses.size());
+  backend_.copy_to_host(host.data(), losses.data(), host.size());
   return host;
 }
 
 template <typename T>
-void Transformer<T>::embed_forward() {
-  backend_.embedding_forward(residual_[0].data(), inputs_.data(), param(layout_.embedding()),
-                             tokens_per_micro_batch(), config_.hidden_size);
-}
-
-template <typename T>
-void Transformer<T>::embed_backward(const T* dx) {
-  backend_.embedding_backward(grad(layout_.embedding()), dx, inputs_.data(),
-                              tokens_per_micro_batch(), config_.hidden_size);
-}
-
-template <typename T>
-void Transformer<T>::block_forward(int layer, const T* x, T* out) {
+void Transformer<T>::block_forward(Slot& slot, int index, const T* x, T* out) {
   auto& be = backend_;
-  BlockActivations& a = blocks_[layer];
-  const BlockTensors& w = layout_.block(layer);
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, f = config_.ffn_hidden_size;
-  const int hq = config_.num_heads, hkv = config_.num_kv_heads, hd = config_.head_dim();
-  const int q = hq * hd, kv = hkv * hd;
+  BlockActivations& a = slot.blocks[static_cast<size_t>(index)];
+  const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
+  const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
+  const int q = heads_ * hd, kv = kv_heads_ * hd;
+  const size_t nc = static_cast<size_t>(n) * c;
 
+  // Attention: q/k/v are column-parallel (this rank's heads), o_proj row-parallel; the partial
+  // outputs are summed over the group before the residual is added (once).
   be.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, param(w.attn_norm), n, c, config_.norm_eps);
   be.matmul_forward(a.q.data(), a.ln1.data(), param(w.q_proj), n, c, q);
   be.matmul_forward(a.k.data(), a.ln1.data(), param(w.k_proj), n, c, kv);
   be.matmul_forward(a.v.data(), a.ln1.data(), param(w.v_proj), n, c, kv);
-  be.rope_forward(a.q.data(), micro_batch_, seq_len_, hq, hd, config_.rope_theta);
-  be.rope_forward(a.k.data(), micro_batch_, seq_len_, hkv, hd, config_.rope_theta);
+  be.rope_forward(a.q.data(), micro_batch_, seq_len_, heads_, hd, config_.rope_theta);
+  be.rope_forward(a.k.data(), micro_batch_, seq_len_, kv_heads_, hd, config_.rope_theta);
   be.attention_forward(a.attn.data(), a.probs.data(), a.q.data(), a.k.data(), a.v.data(),
-                       micro_batch_, seq_len_, hq, hkv, hd);
-  // mid = x + o_proj(attn)
+                       micro_batch_, seq_len_, heads_, kv_heads_, hd);
   be.matmul_forward(a.mid.data(), a.attn.data(), param(w.o_proj), n, q, c);
-  be.add(a.mid.data(), x, static_cast<size_t>(n) * c);
+  all_reduce_sum(a.mid.data(), nc);
+  be.add(a.mid.data(), x, nc);  // mid = x + o_proj(attention)
 
+  // SwiGLU MLP: gate/up column-parallel, down row-parallel.
   be.rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.mid.data(), param(w.mlp_norm), n, c,
                      config_.norm_eps);
-  be.matmul_forward(a.gate.data(), a.ln2.data(), param(w.gate_proj), n, c, f);
-  be.matmul_forward(a.up.data(), a.ln2.data(), param(w.up_proj), n, c, f);
-  be.swiglu_forward(a.act.data(), a.gate.data(), a.up.data(), static_cast<size_t>(n) * f);
-  // out = mid + down_proj(act)
-  be.matmul_forward(out, a.act.data(), param(w.down_proj), n, f, c);
-  be.add(out, a.mid.data(), static_cast<size_t>(n) * c);
+  be.matmul_forward(a.gate.data(), a.ln2.data(), param(w.gate_proj), n, c, ffn_);
+  be.matmul_forward(a.up.data(), a.ln2.data(), param(w.up_proj), n, c, ffn_);
+  be.swiglu_forward(a.act.data(), a.gate.data(), a.up.data(), static_cast<size_t>(n) * ffn_);
+  be.matmul_forward(out, a.act.data(), param(w.down_proj), n, ffn_, c);
+  all_reduce_sum(out, nc);
+  be.add(out, a.mid.data(), nc);  // out = mid + down_proj(act)
 }
 
-// On entry dres holds dLoss/d(block output); on exit dLoss/d(block input x).
+// On entry dres holds dLoss/d(block output); on exit dLoss/d(block input x). Both are the same on
+// every rank of the group: the partial input gradients of the column-parallel matmuls are summed
+// before the (replicated) norms.
 template <typename T>
-void Transformer<T>::block_backward(int layer, const T* x, T* dres) {
+void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres) {
   auto& be = backend_;
-  BlockActivations& a = blocks_[layer];
-  const BlockTensors& w = layout_.block(layer);
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, f = config_.ffn_hidden_size;
-  const int hq = config_.num_heads, hkv = config_.num_kv_heads, hd = config_.head_dim();
-  const int q = hq * hd, kv = hkv * hd;
+  BlockActivations& a = slot.blocks[static_cast<size_t>(index)];
+  const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
+  const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
+  const int q = heads_ * hd, kv = kv_heads_ * hd;
   const size_t nc = static_cast<size_t>(n) * c;
 
   // MLP branch: out = mid + down(silu(gate(ln2)) * up(ln2)).
-  be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act.data(), param(w.down_proj), n, f,
-                     c);
+  be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act.data(), param(w.down_proj), n,
+                     ffn_, c);
   be.swiglu_backward(dgate_.data(), dup_.data(), dact_.data(), a.gate.data(), a.up.data(),
-                     static_cast<size_t>(n) * f);
+                     static_cast<size_t>(n) * ffn_);
   be.matmul_backward(dnorm_.data(), grad(w.gate_proj), dgate_.data(), a.ln2.data(),
-                     param(w.gate_proj), n, c, f);
+                     param(w.gate_proj), n, c, ffn_);
   be.matmul_backward(dnorm2_.data(), grad(w.up_proj), dup_.data(), a.ln2.data(), param(w.up_proj),
-                     n, c, f);
+                     n, c, ffn_);
   be.add(dnorm_.data(), dnorm2_.data(), nc);
+  all_reduce_sum(dnorm_.data(), nc);
   be.rmsnorm_backward(dtmp_.data(), grad(w.mlp_norm), dnorm_.data(), a.mid.data(),
                       param(w.mlp_norm), a.rstd2.data(), n, c);
   be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/d(mid)
@@ -232,9 +293,10 @@ void Transformer<T>::block_backward(int layer, const T* x, T* dres) {
   // Attention branch: mid = x + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
   be.matmul_backward(dattn_.data(), grad(w.o_proj), dres, a.attn.data(), param(w.o_proj), n, q, c);
   be.attention_backward(dq_.data(), dk_.data(), dv_.data(), dattn_.data(), a.probs.data(),
-                        a.q.data(), a.k.data(), a.v.data(), micro_batch_, seq_len_, hq, hkv, hd);
-  be.rope_backward(dq_.data(), micro_batch_, seq_len_, hq, hd, config_.rope_theta);
-  be.rope_backward(dk_.data(), micro_batch_, seq_len_, hkv, hd, config_.rope_theta);
+                        a.q.data(), a.k.data(), a.v.data(), micro_batch_, seq_len_, heads_,
+                        kv_heads_, hd);
+  be.rope_backward(dq_.data(), micro_batch_, seq_len_, heads_, hd, config_.rope_theta);
+  be.rope_backward(dk_.data(), micro_batch_, seq_len_, kv_heads_, hd, config_.rope_theta);
   be.matmul_backward(dnorm_.data(), grad(w.q_proj), dq_.data(), a.ln1.data(), param(w.q_proj), n, c,
                      q);
   be.matmul_backward(dnorm2_.data(), grad(w.k_proj), dk_.data(), a.ln1.data(), param(w.k_proj), n,
@@ -243,29 +305,50 @@ void Transformer<T>::block_backward(int layer, const T* x, T* dres) {
   be.matmul_backward(dnorm2_.data(), grad(w.v_proj), dv_.data(), a.ln1.data(), param(w.v_proj), n,
                      c, kv);
   be.add(dnorm_.data(), dnorm2_.data(), nc);
+  all_reduce_sum(dnorm_.data(), nc);
   be.rmsnorm_backward(dtmp_.data(), grad(w.attn_norm), dnorm_.data(), x, param(w.attn_norm),
                       a.rstd1.data(), n, c);
   be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/dx
 }
 
+// Vocabulary-parallel head: each rank computes logits for its vocabulary rows; the softmax
+// statistics are reduced over the group (max, then the two sums), so no rank ever holds the full
+// logits.
 template <typename T>
-void Transformer<T>::head_forward(const T* x) {
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, v = config_.vocab_size;
-  backend_.rmsnorm_forward(final_ln_.data(), final_rstd_.data(), x, param(layout_.final_norm()), n,
-                           c, config_.norm_eps);
-  backend_.matmul_forward(logits_.data(), final_ln_.data(), param(layout_.lm_head()), n, c, v);
-  backend_.cross_entropy_forward(losses_.data(), logits_.data(), targets_.data(), n, v);
+double Transformer<T>::head_forward(Slot& slot) {
+  const int n = tokens_per_micro_batch(), c = config_.hidden_size;
+  const T* x = slot.residual.back().data();
+  backend_.rmsnorm_forward(slot.final_ln.data(), slot.final_rstd.data(), x,
+                           param(layout_.final_norm()), n, c, config_.norm_eps);
+  backend_.matmul_forward(slot.logits.data(), slot.final_ln.data(), param(layout_.lm_head()), n, c,
+                          vocab_);
+  backend_.logits_row_max(slot.row_max.data(), slot.logits.data(), n, vocab_);
+  if (tp_ != nullptr && tp_->size() > 1) tp_->all_reduce_max(slot.row_max.data(), n);
+  T* sum_exp = slot.softmax_sums.data();
+  T* target_logit = sum_exp + n;
+  backend_.logits_softmax_sums(sum_exp, target_logit, slot.logits.data(), slot.row_max.data(),
+                               slot.targets.data(), layout_.shard().vocab_begin, n, vocab_);
+  all_reduce_sum(sum_exp, 2 * static_cast<size_t>(n));
+  backend_.cross_entropy_loss(slot.losses.data(), slot.row_max.data(), sum_exp, target_logit, n);
+  double sum = 0;
+  for (T loss : token_losses(static_cast<int>(&slot - slots_.data()))) {
+    sum += static_cast<double>(loss);
+  }
+  return sum;
 }
 
 template <typename T>
-void Transformer<T>::head_backward(T loss_scale, const T* x, T* dx) {
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, v = config_.vocab_size;
-  backend_.cross_entropy_backward(dlogits_.data(), logits_.data(), targets_.data(), loss_scale, n,
-                                  v);
+void Transformer<T>::head_backward(Slot& slot, T loss_scale) {
+  const int n = tokens_per_micro_batch(), c = config_.hidden_size;
+  backend_.cross_entropy_backward(dlogits_.data(), slot.logits.data(), slot.row_max.data(),
+                                  slot.softmax_sums.data(), slot.targets.data(),
+                                  layout_.shard().vocab_begin, loss_scale, n, vocab_);
   backend_.matmul_backward(dnorm_.data(), grad(layout_.lm_head()), dlogits_.data(),
-                           final_ln_.data(), param(layout_.lm_head()), n, c, v);
-  backend_.rmsnorm_backward(dx, grad(layout_.final_norm()), dnorm_.data(), x,
-                            param(layout_.final_norm()), final_rstd_.data(), n, c);
+                           slot.final_ln.data(), param(layout_.lm_head()), n, c, vocab_);
+  all_reduce_sum(dnorm_.data(), static_cast<size_t>(n) * c);
+  backend_.rmsnorm_backward(dres_.data(), grad(layout_.final_norm()), dnorm_.data(),
+                            slot.residual.back().data(), param(layout_.final_norm()),
+                            slot.final_rstd.data(), n, c);
 }
 
 template class Transformer<float>;

@@ -1,9 +1,14 @@
 // The LLaMA-style decoder, forward and backward, written only against backend::Backend<T> so it
 // runs on any backend and in float (training) or double (gradient checks).
 //
-// Parameters, gradients and activations live in flat buffers owned here; the layout of the first
-// two is model::ParameterLayout. Block-level entry points (embed / block / head) are public so a
-// pipeline stage can run any contiguous range of layers.
+// An instance holds one shard of the model (ShardSpec): a range of layers, with the embedding if
+// it is the first pipeline stage and the final norm, LM head and loss if it is the last, and its
+// share of heads, FFN columns and vocabulary rows under tensor parallelism (Megatron-LM's
+// column/row-parallel split, with the collectives of TensorParallelGroup in between). The
+// single-device model is the shard that holds everything.
+//
+// Activations are kept per "slot", so a pipeline stage can hold several micro-batches in flight
+// (1F1B keeps up to pipeline depth − stage index of them).
 #pragma once
 
 #include <cstdint>
@@ -12,21 +17,27 @@
 #include "backend/backend.h"
 #include "model/config.h"
 #include "model/parameters.h"
+#include "model/tensor_parallel.h"
 
 namespace malleus::model {
 
 template <typename T>
 class Transformer {
  public:
-  // Activations are sized for micro-batches of up to `micro_batch` sequences of `seq_len` tokens.
+  // The whole model on one device, one micro-batch in flight.
   Transformer(const ModelConfig& config, backend::Backend<T>& backend, int micro_batch,
               int seq_len);
+  // One shard. `tp` may be null when the shard holds all heads, FFN columns and vocabulary rows.
+  Transformer(const ModelConfig& config, const ShardSpec& shard, backend::Backend<T>& backend,
+              int micro_batch, int seq_len, int slots, TensorParallelGroup<T>* tp);
 
   const ModelConfig& config() const { return config_; }
+  const ShardSpec& shard() const { return layout_.shard(); }
   const ParameterLayout& layout() const { return layout_; }
   backend::Backend<T>& backend() { return backend_; }
   int micro_batch() const { return micro_batch_; }
   int seq_len() const { return seq_len_; }
+  int slots() const { return static_cast<int>(slots_.size()); }
   int tokens_per_micro_batch() const { return micro_batch_ * seq_len_; }
 
   // Flat buffers of layout().total_size() elements (backend memory).
@@ -35,46 +46,64 @@ class Transformer {
   T* param(int tensor) { return params_.data() + layout_.tensor(tensor).offset; }
   T* grad(int tensor) { return grads_.data() + layout_.tensor(tensor).offset; }
 
-  // Deterministic initialisation: each tensor is drawn from its own stream seeded by (seed,
-  // tensor name), so the values do not depend on how the parameters are later split up.
+  // Deterministic initialisation: every tensor is drawn whole from its own stream seeded by
+  // (seed, tensor name) and this shard keeps its slice, so the values do not depend on how the
+  // model is split up.
   void init_parameters(uint64_t seed);
   void zero_grads();
 
-  // Runs the micro-batch inputs/targets [micro_batch × seq_len] (host memory) through the model.
-  // Returns the SUM of the per-token cross-entropy losses (divide by token count for the mean).
-  double forward(const int32_t* inputs, const int32_t* targets);
-  // Backward of the last forward for the objective loss_scale × Σ token losses; ACCUMULATES into
-  // grads(). With loss_scale = 1 / (tokens in the global batch) the summed gradient over all
-  // micro-batches is the gradient of the global-batch mean loss.
-  void backward(T loss_scale);
+  // ---- pipeline-stage interface -----------------------------------------------------------
+  // Forward of one micro-batch into activation slot `slot`. `inputs` (host tokens) is read when
+  // the shard has the embedding, `targets` when it has the head; otherwise the stage input must
+  // already be in input_activation(slot). Returns the sum of the token losses when the shard has
+  // the head (the same on every rank of the group), else 0.
+  double forward(int slot, const int32_t* inputs, const int32_t* targets);
+  // Backward of the micro-batch in `slot` for the objective loss_scale × Σ token losses; gradients
+  // ACCUMULATE into grads(). Without the head, output_grad() must hold dLoss/d(stage output).
+  // Afterwards input_grad() holds dLoss/d(stage input) (when the shard has no embedding).
+  void backward(int slot, T loss_scale);
 
-  // Host copy of the last forward's per-token losses.
-  std::vector<T> token_losses();
+  T* input_activation(int slot);         // [micro_batch × seq_len × hidden]
+  const T* output_activation(int slot);  // same shape
+  T* output_grad() { return dres_.data(); }
+  const T* input_grad() { return dres_.data(); }
+
+  // ---- single-device conveniences (slot 0) --------------------------------------------------
+  double forward(const int32_t* inputs, const int32_t* targets) {
+    return forward(0, inputs, targets);
+  }
+  void backward(T loss_scale) { backward(0, loss_scale); }
+  // Host copy of the last forward's per-token losses in `slot` (shards with the head).
+  std::vector<T> token_losses(int slot = 0);
 
  private:
   struct BlockActivations {
     backend::Buffer<T> ln1, rstd1, q, k, v, probs, attn, mid, ln2, rstd2, gate, up, act;
   };
+  struct Slot {
+    backend::Buffer<T, int32_t> inputs, targets;
+    // residual[i] is the input of the shard's i-th block; residual[blocks] is the stage output.
+    std::vector<backend::Buffer<T>> residual;
+    std::vector<BlockActivations> blocks;
+    backend::Buffer<T> final_ln, final_rstd, logits, losses, row_max, softmax_sums;
+  };
 
-  void embed_forward();
-  void block_forward(int layer, const T* x, T* out);
-  void head_forward(const T* x);
-  void head_backward(T loss_scale, const T* x, T* dx);
-  void block_backward(int layer, const T* x, T* dres);
-  void embed_backward(const T* dx);
+  void all_reduce_sum(T* data, size_t count);
+  void block_forward(Slot& slot, int index, const T* x, T* out);
+  void block_backward(Slot& slot, int index, const T* x, T* dres);
+  double head_forward(Slot& slot);
+  void head_backward(Slot& slot, T loss_scale);
 
   ModelConfig config_;
   ParameterLayout layout_;
   backend::Backend<T>& backend_;
+  TensorParallelGroup<T>* tp_;
   int micro_batch_, seq_len_;
+  int heads_, kv_heads_, ffn_, vocab_;  // this shard's shares
 
   backend::Buffer<T> params_, grads_;
-  backend::Buffer<T, int32_t> inputs_, targets_;
-  // residual_[l] is the input of block l; residual_[L] feeds the final norm.
-  std::vector<backend::Buffer<T>> residual_;
-  std::vector<BlockActivations> blocks_;
-  backend::Buffer<T> final_ln_, final_rstd_, logits_, losses_;
-  // Backward scratch, shared by all blocks.
+  std::vector<Slot> slots_;
+  // Backward scratch, shared by all blocks and slots.
   backend::Buffer<T> dres_, dnorm_, dnorm2_, dtmp_, dq_, dk_, dv_, dattn_, dgate_, dup_, dact_,
       dlogits_;
 };
