@@ -1,0 +1,125 @@
+// The plan file format and its validation: bad plans are refused with a message naming the
+// problem before any work starts.
+#include <gtest/gtest.h>
+
+#include "common/error.h"
+#include "plan/plan.h"
+
+using namespace malleus;
+
+namespace {
+
+model::ModelConfig test_model() {
+  model::ModelConfig c;
+  c.name = "plan-test";
+  c.vocab_size = 257;
+  c.hidden_size = 32;
+  c.num_layers = 4;
+  c.num_heads = 8;
+  c.num_kv_heads = 4;
+  c.ffn_hidden_size = 48;
+  c.max_seq_len = 16;
+  return c;
+}
+
+// Two unlike pipelines on 5 ranks (rank 4 idle): [tp2 (uneven), tp1] and [tp1].
+Json mixed_plan() {
+  return Json::parse(R"({
+    "world_size": 5, "micro_batch_size": 2,
+    "pipelines": [
+      {"micro_batches": 3, "stages": [
+        {"layers": [0, 3], "ranks": [0, 1], "heads": [6, 2], "ffn": [30, 18], "vocab": [200, 57]},
+        {"layers": [3, 4], "ranks": [2]}]},
+      {"micro_batches": 1, "stages": [{"layers": [0, 4], "ranks": [3]}]}]})");
+}
+
+std::string error_of(const Json& json, int world = 5, int batch = 8) {
+  try {
+    const auto model = test_model();
+    const auto plan = plan::Plan::from_json(json, model, "p.json");
+    plan::validate(plan, model, world, batch, "p.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(PlanFormat, RoundTripsAndSummarises) {
+  const auto model = test_model();
+  const auto plan = plan::Plan::from_json(mixed_plan(), model, "p.json");
+  EXPECT_EQ(error_of(mixed_plan()), "");
+  EXPECT_EQ(plan.global_batch(), 8);
+  EXPECT_EQ(plan.idle_ranks(), std::vector<int>{4});
+  EXPECT_EQ(plan.pipelines[0].stages[1].heads, std::vector<int>{8});  // omitted shares: all
+  EXPECT_EQ(plan.summary(), "2 pipelines: [pp2 tp2,1 m3] [pp1 tp1 m1] idle 4");
+  const auto again = plan::Plan::from_json(plan.to_json(), model, "again");
+  EXPECT_EQ(again.to_json(), plan.to_json());
+}
+
+TEST(PlanFormat, EvenSharesKeepWholeGroups) {
+  EXPECT_EQ(plan::even_shares(8, 3, 2), (std::vector<int>{4, 2, 2}));
+  EXPECT_EQ(plan::even_shares(10, 4), (std::vector<int>{3, 3, 2, 2}));
+}
+
+TEST(PlanFormat, UniformPlanUsesMegatronRankOrder) {
+  const auto plan = plan::uniform_plan(test_model(), 2, 2, 2, 8, 2);
+  ASSERT_EQ(plan.pipelines.size(), 2u);
+  EXPECT_EQ(plan.pipelines[1].stages[0].ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(plan.pipelines[0].stages[1].layer_begin, 2);
+  EXPECT_EQ(plan.pipelines[0].micro_batches, 2);
+  EXPECT_THROW(plan::uniform_plan(test_model(), 1, 8, 1, 8, 2), Error);  // tp > KV heads
+  EXPECT_THROW(plan::uniform_plan(test_model(), 1, 1, 5, 8, 2), Error);  // pp > layers
+}
+
+TEST(PlanFormat, OverlappingRanksAreRefused) {
+  Json j = mixed_plan();
+  j["pipelines"][1]["stages"][0]["ranks"] = {2};
+  const auto e = error_of(j);
+  EXPECT_NE(e.find("rank 2 is already used by pipeline 0 stage 1"), std::string::npos) << e;
+}
+
+TEST(PlanFormat, MissingOrOverlappingLayersAreRefused) {
+  Json j = mixed_plan();
+  j["pipelines"][0]["stages"][1]["layers"] = {3, 3};
+  EXPECT_NE(error_of(j).find("layers [3, 3)"), std::string::npos) << error_of(j);
+  j = mixed_plan();
+  j["pipelines"][1]["stages"][0]["layers"] = {0, 3};
+  EXPECT_NE(error_of(j).find("layers [3, 4) are not covered"), std::string::npos) << error_of(j);
+  j = mixed_plan();
+  j["pipelines"][0]["stages"][1]["layers"] = {2, 4};
+  EXPECT_NE(error_of(j).find("starting at layer 3"), std::string::npos) << error_of(j);
+}
+
+TEST(PlanFormat, SharesMustAddUpInWholeGroups) {
+  Json j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["ffn"] = {30, 17};
+  EXPECT_NE(error_of(j).find("\"ffn\" shares sum to 47, the model has 48"), std::string::npos)
+      << error_of(j);
+  j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["heads"] = {5, 3};
+  EXPECT_NE(error_of(j).find("whole KV groups"), std::string::npos) << error_of(j);
+  j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["vocab"] = {257};
+  EXPECT_NE(error_of(j).find("lists 1 shares for 2 ranks"), std::string::npos) << error_of(j);
+  j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["heads"] = {8, 0};
+  EXPECT_NE(error_of(j).find("share"), std::string::npos) << error_of(j);
+}
+
+TEST(PlanFormat, WorldSizeAndBatchMustMatchTheJob) {
+  EXPECT_NE(error_of(mixed_plan(), 4).find("the plan is for 5 ranks but the job has 4"),
+            std::string::npos);
+  EXPECT_NE(error_of(mixed_plan(), 5, 16).find("sum to 8 sequences, the global batch is 16"),
+            std::string::npos);
+  Json j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["ranks"] = {0, 7};
+  EXPECT_NE(error_of(j).find("rank 7 is outside the world of 5"), std::string::npos);
+  j = mixed_plan();
+  j["pipelines"][1]["micro_batches"] = 0;
+  EXPECT_NE(error_of(j).find("at least 1"), std::string::npos);
+  j = mixed_plan();
+  j["pipelines"][0]["stages"][0]["tp"] = 2;
+  EXPECT_NE(error_of(j).find("unknown key(s) \"tp\""), std::string::npos) << error_of(j);
+}
