@@ -1,0 +1,183 @@
+#include "layout/layout.h"
+
+#include <algorithm>
+#include <map>
+#include <unordered_map>
+
+#include "common/error.h"
+
+namespace malleus::layout {
+
+Layout plan_layout(const plan::Plan& plan, const model::ModelConfig& model) {
+  Layout layout;
+  layout.shards.resize(static_cast<size_t>(plan.world_size));
+  layout.replica_group.assign(static_cast<size_t>(plan.world_size), -1);
+  int group = 0;
+  for (const auto& pipeline : plan.pipelines) {
+    for (size_t s = 0; s < pipeline.stages.size(); ++s) {
+      const plan::Stage& stage = pipeline.stages[s];
+      int head = 0, ffn = 0, vocab = 0;
+      for (size_t t = 0; t < stage.ranks.size(); ++t) {
+        model::ShardSpec shard;
+        shard.layer_begin = stage.layer_begin;
+        shard.layer_end = stage.layer_end;
+        shard.has_embedding = s == 0;
+        shard.has_head = s + 1 == pipeline.stages.size();
+        shard.head_begin = head;
+        shard.heads = stage.heads[t];
+        shard.ffn_begin = ffn;
+        shard.ffn = stage.ffn[t];
+        shard.vocab_begin = vocab;
+        shard.vocab = stage.vocab[t];
+        head += shard.heads;
+        ffn += shard.ffn;
+        vocab += shard.vocab;
+        shard.validate(model);
+        const auto r = static_cast<size_t>(stage.ranks[t]);
+        layout.shards[r] = shard;
+        layout.replica_group[r] = group;
+      }
+      ++group;
+    }
+  }
+  return layout;
+}
+
+Layout single_owner_layout(const model::ModelConfig& model, int world_size, int owner) {
+  check(owner >= 0 && owner < world_size, "owner rank outside the world");
+  Layout layout;
+  layout.shards.resize(static_cast<size_t>(world_size));
+  layout.replica_group.assign(static_cast<size_t>(world_size), -1);
+  layout.shards[static_cast<size_t>(owner)] = model::ShardSpec::full(model);
+  layout.replica_group[static_cast<size_t>(owner)] = 0;
+  return layout;
+}
+
+std::vector<std::optional<model::ParameterLayout>> local_layouts(const model::ModelConfig& model,
+                                                                 const Layout& layout) {
+  std::vector<std::optional<model::ParameterLayout>> locals(layout.shards.size());
+  for (size_t r = 0; r < layout.shards.size(); ++r) {
+    if (layout.shards[r]) locals[r].emplace(model, *layout.shards[r]);
+  }
+  return locals;
+}
+
+namespace {
+
+// Extent of a tensor along its split axis, and the range a local tensor covers on it.
+int64_t axis_extent(const model::TensorSpec& full) {
+  return full.shard_axis == model::ShardAxis::kColumns ? full.full_shape[1] : full.full_shape[0];
+}
+int64_t local_extent(const model::TensorSpec& local) {
+  return local.shard_axis == model::ShardAxis::kColumns ? local.shape[1] : local.shape[0];
+}
+
+}  // namespace
+
+std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
+                                            const std::vector<const Layout*>& layouts) {
+  check(!layouts.empty(), "common refinement of no layouts");
+  const model::ParameterLayout full(model);
+  std::unordered_map<std::string, int> full_index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) {
+    full_index[full.tensors()[i].name] = static_cast<int>(i);
+  }
+
+  // For every full tensor and layout: (rank, group, local tensor, [begin, end)) of each holder.
+  struct Span {
+    int64_t begin, end;
+    Holder holder;
+  };
+  const size_t num_tensors = full.tensors().size();
+  std::vector<std::vector<std::vector<Span>>> spans(num_tensors,
+                                                    std::vector<std::vector<Span>>(layouts.size()));
+  for (size_t li = 0; li < layouts.size(); ++li) {
+    const Layout& layout = *layouts[li];
+    check(layout.world_size() == layouts[0]->world_size(),
+          "layouts of different world sizes cannot be refined together");
+    const auto locals = local_layouts(model, layout);
+    for (size_t r = 0; r < locals.size(); ++r) {
+      if (!locals[r]) continue;
+      const auto& tensors = locals[r]->tensors();
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        const auto& local = tensors[t];
+        const int f = full_index.at(local.name);
+        const int64_t begin = local.shard_begin;
+        spans[static_cast<size_t>(f)][li].push_back(
+            {begin, begin + local_extent(local),
+             Holder{static_cast<int>(r), layout.replica_group[r], static_cast<int>(t)}});
+      }
+    }
+  }
+
+  std::vector<RefinedPiece> pieces;
+  for (size_t f = 0; f < num_tensors; ++f) {
+    std::vector<int64_t> cuts{0, axis_extent(full.tensors()[f])};
+    for (const auto& per_layout : spans[f]) {
+      for (const Span& s : per_layout) {
+        cuts.push_back(s.begin);
+        cuts.push_back(s.end);
+      }
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, {}};
+      bool held = false;
+      for (const auto& per_layout : spans[f]) {
+        std::vector<Holder> holders;
+        for (const Span& s : per_layout) {
+          if (s.begin <= piece.piece.begin && piece.piece.end <= s.end) holders.push_back(s.holder);
+        }
+        std::sort(holders.begin(), holders.end(),
+                  [](const Holder& a, const Holder& b) { return a.rank < b.rank; });
+        held = held || !holders.empty();
+        piece.holders.push_back(std::move(holders));
+      }
+      if (held) pieces.push_back(std::move(piece));
+    }
+  }
+  return pieces;
+}
+
+int64_t piece_elements(const model::ParameterLayout& full, const Piece& piece) {
+  const auto& t = full.tensor(piece.tensor);
+  const int64_t length = piece.end - piece.begin;
+  if (t.full_shape.size() == 1) return length;
+  return length * (t.shard_axis == model::ShardAxis::kColumns ? t.full_shape[0] : t.full_shape[1]);
+}
+
+template <typename T>
+void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out) {
+  const T* base = local_buffer + local.offset;
+  const int64_t from = piece.begin - local.shard_begin, length = piece.end - piece.begin;
+  if (local.shard_axis == model::ShardAxis::kColumns) {
+    const int64_t rows = local.shape[0], cols = local.shape[1];
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(base + r * cols + from, length, out + r * length);
+  } else {
+    const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
+    std::copy_n(base + from * row, length * row, out);
+  }
+}
+
+template <typename T>
+void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece,
+                  T* local_buffer) {
+  T* base = local_buffer + local.offset;
+  const int64_t from = piece.begin - local.shard_begin, length = piece.end - piece.begin;
+  if (local.shard_axis == model::ShardAxis::kColumns) {
+    const int64_t rows = local.shape[0], cols = local.shape[1];
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(in + r * length, length, base + r * cols + from);
+  } else {
+    const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
+    std::copy_n(in, length * row, base + from * row);
+  }
+}
+
+template void pack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
+template void pack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
+template void unpack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
+template void unpack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
+
+}  // namespace malleus::layout

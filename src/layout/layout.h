@@ -1,0 +1,73 @@
+// Layouts and their common refinement: the one piece of algebra behind gradient sync across
+// unlike pipelines, live migration between plans and checkpoint resharding (DESIGN.md, "One
+// algebra for three jobs").
+//
+// A layout says which shard of the model (model::ShardSpec) every rank holds. Every parameter
+// tensor is split along one axis (rows, or columns for row-parallel weights) or replicated. Cut
+// every tensor at every shard boundary that any of a set of layouts has: each resulting piece is
+// held by some ranks in each layout.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "model/config.h"
+#include "model/parameters.h"
+#include "plan/plan.h"
+
+namespace malleus::layout {
+
+struct Layout {
+  // shards[r]: what rank r holds, or nothing (an idle rank).
+  std::vector<std::optional<model::ShardSpec>> shards;
+  // Ranks with the same replica group hold identical copies of the tensors they share (the ranks
+  // of one tensor-parallel group: their replicated norms, computed identically). -1: none.
+  std::vector<int> replica_group;
+
+  int world_size() const { return static_cast<int>(shards.size()); }
+};
+
+// The layout of a plan: each stage's ranks hold its layers with their head / FFN / vocabulary
+// shares (in rank order within the group); each stage is a replica group.
+Layout plan_layout(const plan::Plan& plan, const model::ModelConfig& model);
+// Rank `owner` holds the whole model, the others nothing: the layout of a checkpoint.
+Layout single_owner_layout(const model::ModelConfig& model, int world_size, int owner);
+
+// Rows [begin, end) of tensor `tensor` (its index in the full model's ParameterLayout), or
+// columns for column-sharded tensors. 1-D tensors count their elements as rows.
+struct Piece {
+  int tensor = 0;
+  int64_t begin = 0, end = 0;
+};
+
+struct Holder {
+  int rank = 0;
+  int replica_group = -1;
+  int local_tensor = 0;  // index in the rank's own ParameterLayout
+};
+
+struct RefinedPiece {
+  Piece piece;
+  std::vector<std::vector<Holder>> holders;  // holders[i]: who holds it in layouts[i], by rank
+};
+
+// The common refinement of `layouts` (all of the same world size), in tensor order, then axis
+// order. Pieces nobody holds are left out.
+std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
+                                            const std::vector<const Layout*>& layouts);
+
+// Each rank's own parameter layout under `layout` (nullopt for ranks holding nothing).
+std::vector<std::optional<model::ParameterLayout>> local_layouts(const model::ModelConfig& model,
+                                                                 const Layout& layout);
+
+// Elements of a piece.
+int64_t piece_elements(const model::ParameterLayout& full, const Piece& piece);
+
+// Copies a piece between a rank's flat buffer (laid out by `local`) and a contiguous buffer.
+template <typename T>
+void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out);
+template <typename T>
+void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece, T* local_buffer);
+
+}  // namespace malleus::layout

@@ -1,0 +1,181 @@
+// The layout algebra: common refinement, gradient-sync groups and redistribution plans, checked
+// element by element against brute force on a small model.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "layout/grad_sync_plan.h"
+#include "layout/redistribution.h"
+
+using namespace malleus;
+
+namespace {
+
+model::ModelConfig small_model() {
+  model::ModelConfig c;
+  c.name = "layout-test";
+  c.vocab_size = 11;
+  c.hidden_size = 8;
+  c.num_layers = 3;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.ffn_hidden_size = 6;
+  c.max_seq_len = 4;
+  return c;
+}
+
+plan::Plan parse(const std::string& text) {
+  return plan::Plan::from_json(Json::parse(text), small_model(), "test");
+}
+
+// 4 ranks: pipeline 0 = [layers 0-1 on tp2 {0,1} (heads 2/2, ffn 4/2, vocab 5/6)], [layer 2 on
+// {2}]; pipeline 1 = everything on rank 3.
+const char* kPlanA = R"({"world_size": 4, "pipelines": [
+  {"micro_batches": 1, "stages": [
+    {"layers": [0, 2], "ranks": [0, 1], "heads": [2, 2], "ffn": [4, 2], "vocab": [5, 6]},
+    {"layers": [2, 3], "ranks": [2]}]},
+  {"micro_batches": 1, "stages": [{"layers": [0, 3], "ranks": [3]}]}]})";
+// The same 4 ranks re-planned: one pipeline tp2 {3,1} (ffn 1/5) then {0}, rank 2 idle.
+const char* kPlanB = R"({"world_size": 4, "pipelines": [
+  {"micro_batches": 2, "stages": [
+    {"layers": [0, 1], "ranks": [3, 1], "heads": [2, 2], "ffn": [1, 5], "vocab": [3, 8]},
+    {"layers": [1, 3], "ranks": [0]}]}]})";
+
+// Element-level ownership: (tensor, row or column index) -> holder ranks.
+std::map<std::pair<int, int64_t>, std::set<int>> element_holders(const layout::Layout& l) {
+  const auto model = small_model();
+  const model::ParameterLayout full(model);
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) index[full.tensors()[i].name] = int(i);
+  std::map<std::pair<int, int64_t>, std::set<int>> holders;
+  const auto locals = layout::local_layouts(model, l);
+  for (size_t r = 0; r < locals.size(); ++r) {
+    if (!locals[r]) continue;
+    for (const auto& t : locals[r]->tensors()) {
+      const bool columns = t.shard_axis == model::ShardAxis::kColumns;
+      const int64_t extent = columns ? t.shape[1] : t.shape[0];
+      for (int64_t i = 0; i < extent; ++i)
+        holders[{index[t.name], t.shard_begin + i}].insert(int(r));
+    }
+  }
+  return holders;
+}
+
+}  // namespace
+
+TEST(Layout, RefinementPiecesHaveOneHolderPerPipeline) {
+  const auto model = small_model();
+  const auto layout = layout::plan_layout(parse(kPlanA), model);
+  const model::ParameterLayout full(model);
+  const auto pieces = layout::common_refinement(model, {&layout});
+  for (const auto& piece : pieces) {
+    const auto& spec = full.tensor(piece.piece.tensor);
+    std::set<int> pipelines;  // ranks 0-2 are pipeline 0, rank 3 pipeline 1
+    for (const auto& h : piece.holders[0]) pipelines.insert(h.rank == 3 ? 1 : 0);
+    EXPECT_EQ(pipelines.size(), 2u) << spec.name;
+    if (spec.shard_axis != model::ShardAxis::kReplicated && spec.layer != 2) {
+      EXPECT_EQ(piece.holders[0].size(), 2u) << spec.name;  // one TP rank + rank 3
+    }
+  }
+  // Pieces tile every tensor exactly.
+  std::map<int, int64_t> covered;
+  for (const auto& p : pieces) covered[p.piece.tensor] += layout::piece_elements(full, p.piece);
+  for (size_t t = 0; t < full.tensors().size(); ++t)
+    EXPECT_EQ(covered[int(t)], full.tensor(int(t)).size);
+}
+
+TEST(Layout, GradSyncCountsEachPipelineOnceAndEachElementOnceInTheNorm) {
+  const auto model = small_model();
+  const auto layout = layout::plan_layout(parse(kPlanA), model);
+  const auto sync = layout::plan_grad_sync(model, layout);
+  for (const auto& piece : sync.pieces) {
+    int contributors = 0;
+    for (const auto& h : piece.holders[0]) contributors += layout::contributes(piece, h.rank);
+    EXPECT_EQ(contributors, 2);  // two pipelines
+    EXPECT_EQ(layout::norm_owner(piece), piece.holders[0].front().rank);
+  }
+  // Replicated norms of layers 0-1 are held by {0, 1, 3}: one group; rank 1 does not contribute.
+  bool found = false;
+  for (const auto& g : sync.groups) found = found || g.ranks == std::vector<int>{0, 1, 3};
+  EXPECT_TRUE(found);
+  for (size_t i = 1; i < sync.groups.size(); ++i)
+    EXPECT_LT(sync.groups[i - 1].ranks, sync.groups[i].ranks);
+}
+
+TEST(Layout, RedistributionMovesExactlyTheElementsNewHoldersLack) {
+  const auto model = small_model();
+  const model::ParameterLayout full(model);
+  const auto a = layout::plan_layout(parse(kPlanA), model);
+  const auto b = layout::plan_layout(parse(kPlanB), model);
+  const auto plan = layout::plan_redistribution(model, a, b);
+
+  // Brute force: for every element, every new holder that did not hold it must receive it.
+  const auto before = element_holders(a), after = element_holders(b);
+  int64_t lower_bound = 0;
+  for (const auto& [element, holders] : after) {
+    const auto& spec = full.tensor(element.first);
+    const int64_t per_index =
+        spec.full_shape.size() == 1
+            ? 1
+            : (spec.shard_axis == model::ShardAxis::kColumns ? spec.full_shape[0]
+                                                             : spec.full_shape[1]);
+    const auto it = before.find(element);
+    for (int r : holders) {
+      if (it == before.end() || !it->second.count(r)) lower_bound += per_index;
+    }
+  }
+  EXPECT_EQ(plan.elements_moved(), lower_bound);
+  EXPECT_GT(lower_bound, 0);
+  for (const auto& t : plan.transfers) EXPECT_NE(t.source, t.destination);
+  // Nothing is sent to a rank that is idle in the new layout (rank 2).
+  for (const auto& t : plan.transfers) EXPECT_NE(t.destination, 2);
+  // Every piece reaches every new holder exactly once.
+  std::map<std::pair<int, int>, int> received;
+  for (const auto* list : {&plan.transfers, &plan.local_copies}) {
+    for (const auto& t : *list) {
+      for (const auto& m : t.moves) ++received[{m.piece, t.destination}];
+    }
+  }
+  for (size_t p = 0; p < plan.pieces.size(); ++p) {
+    for (const auto& h : plan.pieces[p].holders[1]) EXPECT_EQ((received[{int(p), h.rank}]), 1);
+  }
+}
+
+TEST(Layout, CheckpointLayoutGathersAndScattersEverything) {
+  const auto model = small_model();
+  const model::ParameterLayout full(model);
+  const auto a = layout::plan_layout(parse(kPlanA), model);
+  const auto root = layout::single_owner_layout(model, 4, 0);
+  const auto gather = layout::plan_redistribution(model, a, root);
+  for (const auto& t : gather.transfers) EXPECT_EQ(t.destination, 0);
+  int64_t total = 0;
+  for (const auto* list : {&gather.transfers, &gather.local_copies}) {
+    for (const auto& t : *list) total += t.elements;
+  }
+  EXPECT_EQ(total, full.num_parameters());
+  const auto scatter = layout::plan_redistribution(model, root, a);
+  for (const auto& t : scatter.transfers) EXPECT_EQ(t.source, 0);
+}
+
+TEST(Layout, PackAndUnpackColumnSlices) {
+  const auto model = small_model();
+  model::ShardSpec shard = model::ShardSpec::full(model);
+  shard.ffn_begin = 2;
+  shard.ffn = 3;
+  const model::ParameterLayout local(model, shard);
+  const auto& down = local.find("model.layers.0.mlp.down_proj.weight");  // [8, 3] of [8, 6]
+  std::vector<float> buffer(static_cast<size_t>(local.total_size()));
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = float(i);
+  const layout::Piece piece{0, 3, 5};  // columns 3-4 of the full tensor: local columns 1-2
+  std::vector<float> packed(16);
+  layout::pack_piece(buffer.data(), down, piece, packed.data());
+  for (int64_t r = 0; r < 8; ++r) {
+    EXPECT_EQ(packed[size_t(r * 2)], buffer[size_t(down.offset + r * 3 + 1)]);
+    EXPECT_EQ(packed[size_t(r * 2 + 1)], buffer[size_t(down.offset + r * 3 + 2)]);
+  }
+  std::vector<float> back(buffer.size(), -1.0f);
+  layout::unpack_piece(packed.data(), down, piece, back.data());
+  EXPECT_EQ(back[size_t(down.offset + 3 + 1)], buffer[size_t(down.offset + 3 + 1)]);
+  EXPECT_EQ(back[size_t(down.offset + 3)], -1.0f);  // column 0 of the slice untouched
+}
