@@ -7,6 +7,7 @@
 #include <fstream>
 #include <random>
 
+#include "comm/communicator.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
@@ -30,7 +31,7 @@ train::Checkpoint trained_tiny_checkpoint(const ScratchDir& dir, const std::stri
   c.steps = 3;
   c.threads = 1;
   c.out_dir = (dir / "run").string();
-  train::Trainer trainer(c, model::load_model_config(model));
+  train::Trainer trainer(c, model::load_model_config(model), comm::Communicator::world());
   for (int s = 0; s < 3; ++s) trainer.train_step();
   return trainer.snapshot();
 }

@@ -1,10 +1,12 @@
-// Training behaviour: the loss falls, resume is bit-exact, the gradient does not depend on how the
-// global batch is cut into micro-batches, and the run leaves metrics and checkpoints behind.
+// Training behaviour on one rank (the runtime with the 1-rank plan): the loss falls, resume is
+// bit-exact, the gradient does not depend on how the global batch is cut into micro-batches, and
+// the run leaves metrics and checkpoints behind.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <fstream>
 
+#include "comm/communicator.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/schedule.h"
@@ -37,9 +39,12 @@ train::TrainConfig tiny_run(const ScratchDir& dir) {
 }
 
 std::vector<float> host_params(train::Trainer& t) {
-  std::vector<float> p(static_cast<size_t>(t.model().layout().total_size()));
-  t.model().backend().copy_to_host(p.data(), t.model().params(), p.size());
-  return p;
+  return t.snapshot().params;
+}
+
+// The single rank of this test process.
+comm::Communicator world() {
+  return comm::Communicator::world();
 }
 
 }  // namespace
@@ -47,7 +52,7 @@ std::vector<float> host_params(train::Trainer& t) {
 TEST(Training, LossFallsClearly) {
   ScratchDir dir;
   const auto config = tiny_run(dir);
-  train::Trainer trainer(config, model::load_model_config(config.model));
+  train::Trainer trainer(config, model::load_model_config(config.model), world());
   const double initial_val = trainer.evaluate(config.val_data, 16);
   EXPECT_NEAR(initial_val, std::log(257.0), 0.3);  // an untrained model guesses uniformly
   double first = 0, last = 0;
@@ -67,14 +72,14 @@ TEST(Training, ResumeIsBitExact) {
   config.steps = 10;
   const auto model = model::load_model_config(config.model);
 
-  train::Trainer straight(config, model);
+  train::Trainer straight(config, model, world());
   std::vector<double> straight_losses;
   for (int s = 0; s < 10; ++s) {
     straight_losses.push_back(straight.train_step().loss);
     if (s == 4) train::save_checkpoint(dir / "ckpt5", straight.snapshot());
   }
 
-  train::Trainer resumed(config, model);
+  train::Trainer resumed(config, model, world());
   resumed.restore(train::load_checkpoint(dir / "ckpt5"));
   EXPECT_EQ(resumed.step(), 5);
   EXPECT_EQ(resumed.consumed_samples(), 5 * config.global_batch_size);
@@ -95,9 +100,9 @@ TEST(Training, MicroBatchSplitDoesNotChangeTheStep) {
   auto config = tiny_run(dir);
   const auto model = model::load_model_config(config.model);
   config.micro_batch_size = 8;
-  train::Trainer whole(config, model);
+  train::Trainer whole(config, model, world());
   config.micro_batch_size = 2;
-  train::Trainer split(config, model);
+  train::Trainer split(config, model, world());
   for (int s = 0; s < 3; ++s) {
     const auto a = whole.train_step(), b = split.train_step();
     EXPECT_NEAR(a.loss, b.loss, 1e-5 * a.loss);
@@ -116,7 +121,7 @@ TEST(Training, RunWritesMetricsAndCheckpoints) {
   config.steps = 4;
   config.checkpoint_every = 2;
   config.eval_every = 2;
-  train::Trainer trainer(config, model::load_model_config(config.model));
+  train::Trainer trainer(config, model::load_model_config(config.model), world());
   trainer.run();
   std::ifstream metrics(dir / "run" / "metrics.jsonl");
   int step_lines = 0, eval_lines = 0;

@@ -1,6 +1,6 @@
-#include "train/optimizer.h"
+#include "runtime/optimizer.h"
 
-namespace malleus::train {
+namespace malleus::runtime {
 
 AdamW::AdamW(backend::Backend<float>& backend, const model::ParameterLayout& layout,
              AdamWConfig config)
@@ -26,4 +26,4 @@ void AdamW::step(float* params, const float* grads, float lr, float grad_scale) 
   }
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::runtime

@@ -7,7 +7,7 @@
 #include "backend/backend.h"
 #include "model/parameters.h"
 
-namespace malleus::train {
+namespace malleus::runtime {
 
 struct AdamWConfig {
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
@@ -33,4 +33,4 @@ class AdamW {
   int64_t steps_done_ = 0;
 };
 
-}  // namespace malleus::train
+}  // namespace malleus::runtime

@@ -24,6 +24,8 @@ void TrainConfig::validate(const std::string& source) const {
   require(eval_samples > 0, "\"eval_samples\" must be positive");
   require(!out_dir.empty(), "\"out_dir\" must not be empty");
   require(threads >= 0, "\"threads\" must not be negative");
+  require(dp >= 0 && tp >= 1 && pp >= 1,
+          "\"dp\" must be >= 0 (0: automatic), \"tp\" and \"pp\" >= 1");
 }
 
 TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) {
@@ -50,6 +52,10 @@ TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) 
   c.checkpoint_every = r.optional("checkpoint_every", c.checkpoint_every);
   c.out_dir = r.optional("out_dir", c.out_dir);
   c.threads = r.optional("threads", c.threads);
+  c.plan = r.optional("plan", c.plan);
+  c.dp = r.optional("dp", c.dp);
+  c.tp = r.optional("tp", c.tp);
+  c.pp = r.optional("pp", c.pp);
   r.finish();
   c.validate(source);
   return c;
@@ -76,7 +82,11 @@ Json TrainConfig::to_json() const {
               {"eval_samples", eval_samples},
               {"checkpoint_every", checkpoint_every},
               {"out_dir", out_dir},
-              {"threads", threads}};
+              {"threads", threads},
+              {"plan", plan},
+              {"dp", dp},
+              {"tp", tp},
+              {"pp", pp}};
 }
 
 }  // namespace malleus::train

@@ -34,7 +34,12 @@ struct TrainConfig {
   int eval_samples = 64;     // validation sequences per evaluation (capped at the split's size)
   int64_t checkpoint_every = 100;     // steps; 0: only at the end
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
-  int threads = 0;                    // 0: all cores
+  int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
+
+  // The parallel plan: a plan file (docs/plan-format.md), or else the uniform dp × tp × pp plan
+  // (dp = 0: as many pipelines as the ranks allow).
+  std::string plan;
+  int dp = 0, tp = 1, pp = 1;
 
   int grad_accum_steps() const { return global_batch_size / micro_batch_size; }
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }

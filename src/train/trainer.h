@@ -1,6 +1,8 @@
-// The single-rank training loop: sample the global batch micro-batch by micro-batch, accumulate
-// gradients of the global-batch mean loss, clip by global norm, AdamW step; evaluate, log and
-// checkpoint on schedule. Resuming from a checkpoint continues bit-exactly.
+// The training loop over any parallel plan: each step samples the global batch (the same
+// sequences whatever the plan), runs the runtime engine (1F1B, tensor and data parallelism,
+// gradient sync, clipping, AdamW), and on schedule evaluates, logs (rank 0) and checkpoints
+// (gathered to rank 0). Resuming from a checkpoint — under the same plan or another — continues
+// exactly where it stopped.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +10,12 @@
 #include <optional>
 #include <string>
 
-#include "backend/backend.h"
+#include "comm/communicator.h"
 #include "data/dataset.h"
-#include "model/transformer.h"
+#include "plan/plan.h"
+#include "runtime/engine.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
-#include "train/optimizer.h"
 #include "train/schedule.h"
 
 namespace malleus::train {
@@ -27,49 +29,58 @@ struct StepStats {
   double tokens_per_s = 0;
 };
 
+// The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
+// plan. Validated against the model, the world size and the global batch; throws Error otherwise.
+plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model, int world_size);
+
 class Trainer {
  public:
-  // A fresh run: parameters initialised from config.seed.
-  Trainer(const TrainConfig& config, const model::ModelConfig& model_config);
+  // Collective over `world`. A fresh run: parameters initialised from config.seed.
+  Trainer(const TrainConfig& config, const model::ModelConfig& model_config,
+          comm::Communicator world);
 
-  // Continues from a checkpoint (parameters, moments, step, data position).
+  // Collective: continues from a checkpoint whose buffers are read on rank 0 (other ranks may
+  // pass a checkpoint without buffers; see load_checkpoint_on_root).
   void restore(const Checkpoint& checkpoint);
+  // Collective: the whole state, on rank 0 (other ranks get empty buffers).
   Checkpoint snapshot();
 
   StepStats train_step();
-  // Mean token loss over up to max_samples sequences of `pattern` (all of them if fewer).
+  // Mean token loss over up to max_samples sequences of `pattern` (all of them if fewer), in a
+  // fixed order that depends on neither the plan nor the batch size. Collective.
   double evaluate(const std::string& pattern, int max_samples);
+  double evaluate(const data::TokenDataset& dataset, int max_samples);
 
-  // The whole run from the current step to config.steps, with step lines on stdout, metrics in
-  // <out_dir>/metrics.jsonl, evaluations and checkpoints in <out_dir>/checkpoints.
+  // The whole run from the current step to config.steps: step lines on stdout and metrics in
+  // <out_dir>/metrics.jsonl (rank 0), evaluations, checkpoints in <out_dir>/checkpoints.
   void run();
 
   int64_t step() const { return step_; }
   int64_t consumed_samples() const { return consumed_samples_; }
   const TrainConfig& config() const { return config_; }
-  model::Transformer<float>& model() { return model_; }
+  runtime::Engine& engine() { return *engine_; }
+  bool is_root() const { return world_.rank() == 0; }
 
  private:
   void save(const std::filesystem::path& root);
 
   TrainConfig config_;
-  std::unique_ptr<backend::Backend<float>> backend_;
-  model::Transformer<float> model_;
-  AdamW optimizer_;
+  model::ModelConfig model_config_;
+  comm::Communicator world_;
+  std::unique_ptr<runtime::Engine> engine_;
   LrSchedule schedule_;
   data::TokenDataset train_data_;
   data::Sampler sampler_;
-  std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
 };
 
-// Mean token loss of `model` over up to max_samples windows of `dataset` (in a fixed order that
-// does not depend on the batch size), shared by training-time evaluation and `malleus eval`.
-double evaluate_loss(model::Transformer<float>& model, const data::TokenDataset& dataset,
-                     int max_samples);
+// Rank 0 reads the checkpoint (verifying it); the other ranks receive its config and progress but
+// no buffers. Throws the same Error on every rank if the checkpoint is bad. Collective.
+Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
+                                   bool with_optimizer = true);
 
-// Threads to use for a configured value of 0 (all cores) or n.
-int resolve_threads(int configured);
+// Threads per rank for a configured value (0: the machine's cores shared among the ranks on it).
+int resolve_threads(int configured, int ranks);
 
 }  // namespace malleus::train

@@ -1,0 +1,14 @@
+// Each family of subcommands registers itself on the `malleus` app; a subcommand's callback does
+// its work and throws malleus::Error on bad input (main prints it and exits non-zero).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace malleus::cli {
+
+// train, prepare-data, eval, export, models
+void add_training_commands(CLI::App& app);
+// plan, simulate, profile, experiments, clusters
+void add_planning_commands(CLI::App& app);
+
+}  // namespace malleus::cli

@@ -1,0 +1,279 @@
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "layout/redistribution.h"
+#include "runtime/schedule.h"
+
+namespace malleus::runtime {
+
+namespace {
+
+int forward_tag(int micro_batch) {
+  return 2 * micro_batch;
+}
+int backward_tag(int micro_batch) {
+  return 2 * micro_batch + 1;
+}
+
+}  // namespace
+
+Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
+               const EngineOptions& options)
+    : model_config_(model),
+      options_(options),
+      state_(std::make_unique<ParallelState>(plan, model, std::move(world))),
+      backend_(backend::make_cpu_backend<float>(options.threads)) {
+  if (state_->role().idle()) return;
+  const int slots = activation_slots(state_->role().stage, state_->num_stages(),
+                                     state_->pipeline().micro_batches);
+  model_ = std::make_unique<model::Transformer<float>>(model, *state_->shard(), *backend_,
+                                                       plan.micro_batch_size, options.seq_len,
+                                                       slots, state_->tensor_parallel());
+  optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout(), options.adamw);
+  const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
+  inputs_.resize(tokens);
+  targets_.resize(tokens);
+}
+
+void Engine::init_parameters(uint64_t seed) {
+  if (model_) model_->init_parameters(seed);
+}
+
+void Engine::zero_grads() {
+  if (model_) model_->zero_grads();
+}
+
+StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip) {
+  ParallelState& st = *state_;
+  const plan::Plan& plan = st.plan();
+  const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
+  const float loss_scale = 1.0f / static_cast<float>(global_tokens);
+  double loss_sum = 0;
+
+  if (model_) {
+    zero_grads();
+    const int stage = st.role().stage, stages = st.num_stages();
+    const int micro_batches = st.pipeline().micro_batches, b = plan.micro_batch_size;
+    const int seq = options_.seq_len;
+    const size_t activation_bytes =
+        static_cast<size_t>(b) * seq * model_config_.hidden_size * sizeof(float);
+    const int slots = model_->slots();
+    const bool sender = st.role().tp_rank == 0;  // one rank per stage talks to the neighbours
+    comm::Communicator& world = st.world();
+    // A slot's output may still be on its way to the next stage when the slot is reused; the
+    // input gradient likewise until the next backward overwrites it.
+    std::vector<std::vector<comm::Request>> forward_sends(static_cast<size_t>(slots));
+    std::vector<comm::Request> backward_sends;
+
+    auto fill = [&](int micro_batch) {
+      for (int i = 0; i < b; ++i) {
+        sample(st.first_sample() + micro_batch * b + i, inputs_.data() + size_t(i) * seq,
+               targets_.data() + size_t(i) * seq);
+      }
+    };
+    for (const PipelineOp& op : one_f_one_b(stage, stages, micro_batches)) {
+      const int j = op.micro_batch, slot = j % slots;
+      if (op.kind == PipelineOp::kForward) {
+        comm::Request::wait_all(forward_sends[static_cast<size_t>(slot)]);
+        if (st.first_stage() || st.last_stage()) fill(j);
+        if (!st.first_stage()) {
+          world
+              .irecv(model_->input_activation(slot), activation_bytes,
+                     st.previous_stage_ranks().front(), forward_tag(j))
+              .wait();
+        }
+        const double loss = model_->forward(slot, inputs_.data(), targets_.data());
+        if (st.last_stage() && sender) loss_sum += loss;
+        if (!st.last_stage() && sender) {
+          for (int r : st.next_stage_ranks()) {
+            forward_sends[static_cast<size_t>(slot)].push_back(
+                world.isend(model_->output_activation(slot), activation_bytes, r, forward_tag(j)));
+          }
+        }
+      } else {
+        comm::Request::wait_all(backward_sends);
+        if (!st.last_stage()) {
+          world
+              .irecv(model_->output_grad(), activation_bytes, st.next_stage_ranks().front(),
+                     backward_tag(j))
+              .wait();
+        }
+        model_->backward(slot, loss_scale);
+        if (!st.first_stage() && sender) {
+          for (int r : st.previous_stage_ranks()) {
+            backward_sends.push_back(
+                world.isend(model_->input_grad(), activation_bytes, r, backward_tag(j)));
+          }
+        }
+      }
+    }
+    for (auto& sends : forward_sends) comm::Request::wait_all(sends);
+    comm::Request::wait_all(backward_sends);
+    sync_gradients();
+  }
+
+  StepResult result;
+  comm::Communicator& world = st.world();
+  result.loss = world.all_reduce_sum(loss_sum) / static_cast<double>(global_tokens);
+  result.grad_norm = std::sqrt(world.all_reduce_sum(local_norm_squares()));
+  const double clip =
+      grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
+  if (optimizer_) {
+    optimizer_->step(model_->params(), model_->grads(), lr, static_cast<float>(clip));
+  }
+  ++steps_done_;
+  return result;
+}
+
+double Engine::evaluate(const SampleFn& sample, int count) {
+  check(count > 0, "evaluation needs at least one sequence");
+  ParallelState& st = *state_;
+  const int b = st.plan().micro_batch_size, seq = options_.seq_len;
+  double loss_sum = 0;
+  if (model_) {
+    const size_t activation_bytes =
+        static_cast<size_t>(b) * seq * model_config_.hidden_size * sizeof(float);
+    const int micro_batches = (count + b - 1) / b;
+    const int pipelines = static_cast<int>(st.plan().pipelines.size());
+    const bool sender = st.role().tp_rank == 0;
+    comm::Communicator& world = st.world();
+    std::vector<comm::Request> sends;
+    for (int j = st.role().pipeline; j < micro_batches; j += pipelines) {
+      comm::Request::wait_all(sends);
+      // A last partial micro-batch repeats the final sequence; the copies are not counted.
+      for (int i = 0; i < b; ++i) {
+        sample(std::min(j * b + i, count - 1), inputs_.data() + size_t(i) * seq,
+               targets_.data() + size_t(i) * seq);
+      }
+      if (!st.first_stage()) {
+        world
+            .irecv(model_->input_activation(0), activation_bytes, st.previous_stage_ranks().front(),
+                   forward_tag(j))
+            .wait();
+      }
+      model_->forward(0, inputs_.data(), targets_.data());
+      if (st.last_stage() && sender) {
+        const std::vector<float> losses = model_->token_losses(0);
+        const int valid = std::min(b, count - j * b);
+        for (size_t t = 0; t < static_cast<size_t>(valid) * seq; ++t) loss_sum += losses[t];
+      }
+      if (!st.last_stage() && sender) {
+        for (int r : st.next_stage_ranks()) {
+          sends.push_back(
+              world.isend(model_->output_activation(0), activation_bytes, r, forward_tag(j)));
+        }
+      }
+    }
+    comm::Request::wait_all(sends);
+  }
+  return st.world().all_reduce_sum(loss_sum) / (static_cast<double>(count) * seq);
+}
+
+// Sums every gradient piece over its holders: one all-reduce per holder set, pieces packed.
+// Replicated copies beyond the first of each tensor-parallel group add zero, so each pipeline
+// counts once.
+void Engine::sync_gradients() {
+  ParallelState& st = *state_;
+  const auto& sync = st.grad_sync();
+  const int me = st.rank();
+  const model::ParameterLayout full(model_config_);
+  for (size_t g = 0; g < sync.groups.size(); ++g) {
+    const auto& group = sync.groups[g];
+    if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
+    pack_buffer_.resize(static_cast<size_t>(group.elements));
+    float* cursor = pack_buffer_.data();
+    for (int p : group.pieces) {
+      const auto& piece = sync.pieces[static_cast<size_t>(p)];
+      const int64_t n = layout::piece_elements(full, piece.piece);
+      if (layout::contributes(piece, me)) {
+        const layout::Holder& h =
+            *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
+                          [&](const layout::Holder& x) { return x.rank == me; });
+        layout::pack_piece(model_->grads(), model_->layout().tensor(h.local_tensor), piece.piece,
+                           cursor);
+      } else {
+        std::fill_n(cursor, n, 0.0f);
+      }
+      cursor += n;
+    }
+    st.grad_sync_comm(g).all_reduce_sum(pack_buffer_.data(), pack_buffer_.size());
+    cursor = pack_buffer_.data();
+    for (int p : group.pieces) {
+      const auto& piece = sync.pieces[static_cast<size_t>(p)];
+      const layout::Holder& h =
+          *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
+                        [&](const layout::Holder& x) { return x.rank == me; });
+      layout::unpack_piece(cursor, model_->layout().tensor(h.local_tensor), piece.piece,
+                           model_->grads());
+      cursor += layout::piece_elements(full, piece.piece);
+    }
+  }
+}
+
+// Σ g² over the pieces this rank counts, so the global norm sees every element exactly once.
+double Engine::local_norm_squares() {
+  if (!model_) return 0;
+  const auto& sync = state_->grad_sync();
+  const int me = state_->rank();
+  const model::ParameterLayout full(model_config_);
+  double sum = 0;
+  for (const auto& piece : sync.pieces) {
+    if (layout::norm_owner(piece) != me) continue;
+    const layout::Holder& h = *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
+                                            [&](const layout::Holder& x) { return x.rank == me; });
+    pack_buffer_.resize(static_cast<size_t>(layout::piece_elements(full, piece.piece)));
+    layout::pack_piece(model_->grads(), model_->layout().tensor(h.local_tensor), piece.piece,
+                       pack_buffer_.data());
+    sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
+  }
+  return sum;
+}
+
+FullState Engine::gather(int root) {
+  ParallelState& st = *state_;
+  const auto checkpoint = layout::single_owner_layout(model_config_, st.world().size(), root);
+  const auto plan = layout::plan_redistribution(model_config_, st.layout(), checkpoint);
+  FullState full;
+  std::optional<model::ParameterLayout> full_layout;
+  std::vector<float*> to;
+  if (st.rank() == root) {
+    full_layout.emplace(model_config_);
+    const size_t total = static_cast<size_t>(full_layout->total_size());
+    full.params.assign(total, 0.0f);
+    full.adam_m.assign(total, 0.0f);
+    full.adam_v.assign(total, 0.0f);
+    to = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
+  }
+  std::vector<const float*> from;
+  if (model_) from = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+  layout::redistribute<float>(plan, model_config_, st.world(), model_ ? &model_->layout() : nullptr,
+                              from, full_layout ? &*full_layout : nullptr, to);
+  return full;
+}
+
+void Engine::scatter(const FullState& full, int64_t steps_done, int root) {
+  ParallelState& st = *state_;
+  const auto checkpoint = layout::single_owner_layout(model_config_, st.world().size(), root);
+  const auto plan = layout::plan_redistribution(model_config_, checkpoint, st.layout());
+  std::optional<model::ParameterLayout> full_layout;
+  std::vector<const float*> from;
+  if (st.rank() == root) {
+    full_layout.emplace(model_config_);
+    check(full.params.size() == static_cast<size_t>(full_layout->total_size()) &&
+              full.adam_m.size() == full.params.size() && full.adam_v.size() == full.params.size(),
+          "model state does not match the model's parameter layout");
+    from = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
+  }
+  std::vector<float*> to;
+  if (model_) to = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+  layout::redistribute<float>(plan, model_config_, st.world(),
+                              full_layout ? &*full_layout : nullptr, from,
+                              model_ ? &model_->layout() : nullptr, to);
+  steps_done_ = steps_done;
+  if (optimizer_) optimizer_->set_steps_done(steps_done);
+}
+
+}  // namespace malleus::runtime

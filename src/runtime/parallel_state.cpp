@@ -1,0 +1,52 @@
+#include "runtime/parallel_state.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace malleus::runtime {
+
+ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& model,
+                             comm::Communicator world)
+    : plan_(plan), world_(std::move(world)), layout_(layout::plan_layout(plan, model)) {
+  check(plan.world_size == world_.size(), "the plan is for " + std::to_string(plan.world_size) +
+                                              " ranks but " + std::to_string(world_.size()) +
+                                              " are running");
+  const int me = world_.rank();
+  int samples = 0;
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    const auto& stages = plan.pipelines[p].stages;
+    for (size_t s = 0; s < stages.size(); ++s) {
+      const auto& ranks = stages[s].ranks;
+      const auto it = std::find(ranks.begin(), ranks.end(), me);
+      if (it == ranks.end()) continue;
+      role_ = {static_cast<int>(p), static_cast<int>(s), static_cast<int>(it - ranks.begin())};
+      first_sample_ = samples;
+      if (s > 0) previous_ = stages[s - 1].ranks;
+      if (s + 1 < stages.size()) next_ = stages[s + 1].ranks;
+    }
+    samples += plan.pipelines[p].micro_batches * plan.micro_batch_size;
+  }
+
+  // Communicators are created in one global order (TP groups in plan order, then gradient-sync
+  // groups in their sorted order); each rank creates those it belongs to, so creation never
+  // waits in a cycle.
+  for (const auto& pipeline : plan.pipelines) {
+    for (const auto& stage : pipeline.stages) {
+      if (stage.tp() > 1 &&
+          std::find(stage.ranks.begin(), stage.ranks.end(), me) != stage.ranks.end()) {
+        tp_ = std::make_unique<MpiTensorParallelGroup>(world_.subgroup(stage.ranks));
+      }
+    }
+  }
+  grad_sync_ = layout::plan_grad_sync(model, layout_);
+  group_comms_.resize(grad_sync_.groups.size());
+  for (size_t g = 0; g < grad_sync_.groups.size(); ++g) {
+    const auto& ranks = grad_sync_.groups[g].ranks;
+    if (std::find(ranks.begin(), ranks.end(), me) != ranks.end()) {
+      group_comms_[g] = world_.subgroup(ranks);
+    }
+  }
+}
+
+}  // namespace malleus::runtime

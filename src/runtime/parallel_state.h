@@ -1,0 +1,84 @@
+// Everything this rank needs to know about the plan it runs, kept in one place (as Megatron-Core's
+// parallel_state does): its role, its shard, its pipeline neighbours, and the communicators of its
+// tensor-parallel group and of the gradient-sync groups it belongs to. Built collectively from a
+// plan; building another one for a new plan is how communicators are rebuilt after a re-plan.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "layout/grad_sync_plan.h"
+#include "layout/layout.h"
+#include "model/tensor_parallel.h"
+#include "plan/plan.h"
+
+namespace malleus::runtime {
+
+struct Role {
+  int pipeline = -1, stage = -1, tp_rank = -1;  // -1: idle under this plan
+  bool idle() const { return pipeline < 0; }
+};
+
+// The model's tensor-parallel collectives over an MPI communicator.
+class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
+ public:
+  explicit MpiTensorParallelGroup(comm::Communicator comm) : comm_(std::move(comm)) {}
+  int size() const override { return comm_.size(); }
+  void all_reduce_sum(float* data, size_t count) override { comm_.all_reduce_sum(data, count); }
+  void all_reduce_max(float* data, size_t count) override { comm_.all_reduce_max(data, count); }
+
+ private:
+  comm::Communicator comm_;
+};
+
+class ParallelState {
+ public:
+  // Collective over `world`: every rank calls it with the same (validated) plan.
+  ParallelState(const plan::Plan& plan, const model::ModelConfig& model, comm::Communicator world);
+
+  const plan::Plan& plan() const { return plan_; }
+  const layout::Layout& layout() const { return layout_; }
+  const Role& role() const { return role_; }
+  comm::Communicator& world() { return world_; }
+  int rank() const { return world_.rank(); }
+
+  // This rank's shard (nullopt when idle) and tensor-parallel group (null when idle or alone).
+  const std::optional<model::ShardSpec>& shard() const {
+    return layout_.shards[static_cast<size_t>(rank())];
+  }
+  MpiTensorParallelGroup* tensor_parallel() { return tp_.get(); }
+  const plan::Pipeline& pipeline() const {
+    return plan_.pipelines.at(static_cast<size_t>(role_.pipeline));
+  }
+  const plan::Stage& stage() const {
+    return pipeline().stages.at(static_cast<size_t>(role_.stage));
+  }
+  int num_stages() const { return static_cast<int>(pipeline().stages.size()); }
+  bool first_stage() const { return role_.stage == 0; }
+  bool last_stage() const { return role_.stage + 1 == num_stages(); }
+  // World ranks of the previous / next stage of this pipeline (empty at the ends).
+  const std::vector<int>& previous_stage_ranks() const { return previous_; }
+  const std::vector<int>& next_stage_ranks() const { return next_; }
+  // Index in the global batch of this pipeline's first sequence: pipelines take consecutive
+  // ranges of the batch in plan order.
+  int first_sample() const { return first_sample_; }
+
+  const layout::GradSyncPlan& grad_sync() const { return grad_sync_; }
+  // The communicator of grad_sync().groups[group] (this rank must be a member).
+  comm::Communicator& grad_sync_comm(size_t group) { return *group_comms_.at(group); }
+
+ private:
+  plan::Plan plan_;
+  comm::Communicator world_;
+  layout::Layout layout_;
+  Role role_;
+  std::unique_ptr<MpiTensorParallelGroup> tp_;
+  std::vector<int> previous_, next_;
+  int first_sample_ = 0;
+  layout::GradSyncPlan grad_sync_;
+  std::vector<std::optional<comm::Communicator>> group_comms_;
+};
+
+}  // namespace malleus::runtime

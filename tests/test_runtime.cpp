@@ -1,0 +1,238 @@
+// Plan invariance, the runtime's central property (DESIGN.md, "Numerics"): training under any
+// valid plan — unlike pipelines, uneven layer splits, uneven tensor-parallel shares, uneven
+// micro-batch counts, idle ranks — gives the per-step losses and final parameters of one rank
+// training alone, up to fp32 summation order. Also: resuming a checkpoint under another plan.
+//
+// Run under mpirun with 1 to 8 ranks; every rank runs every test (they are collective), rank 0
+// computes the single-rank reference in a communicator of its own and compares.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "comm/communicator.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+using namespace malleus;
+using comm::Communicator;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Small, but with room for uneven shares: 8 heads in 4 KV groups, 4 layers.
+model::ModelConfig parallel_model() {
+  model::ModelConfig c;
+  c.name = "parallel-test";
+  c.vocab_size = 257;
+  c.hidden_size = 32;
+  c.num_layers = 4;
+  c.num_heads = 8;
+  c.num_kv_heads = 4;
+  c.ffn_hidden_size = 48;
+  c.max_seq_len = 16;
+  c.init_std = 0.1f;
+  return c;
+}
+
+// Shared by all ranks: one scratch directory named by rank 0.
+fs::path shared_dir(Communicator& world) {
+  std::string path;
+  if (world.rank() == 0) {
+    path = (fs::temp_directory_path() / ("malleus_runtime_" + std::to_string(::getpid()))).string();
+    fs::remove_all(path);
+    malleus::testing::write_synthetic_corpus(fs::path(path) / "data");
+  }
+  int64_t length = static_cast<int64_t>(path.size());
+  world.broadcast(&length, sizeof length, 0);
+  path.resize(static_cast<size_t>(length));
+  world.broadcast(path.data(), path.size(), 0);
+  return path;
+}
+
+train::TrainConfig base_config(const fs::path& dir) {
+  train::TrainConfig c;
+  c.model = "parallel-test";
+  c.train_data = (dir / "data" / "train_*.bin").string();
+  c.val_data = "";
+  c.seq_len = 16;
+  c.micro_batch_size = 1;
+  c.global_batch_size = 8;
+  c.steps = 10;
+  c.lr = 3e-3f;
+  c.warmup_steps = 2;
+  c.threads = 1;
+  c.out_dir = (dir / "run").string();
+  return c;
+}
+
+struct TrainingRun {
+  std::vector<double> losses;
+  std::vector<float> params;  // full layout, rank 0 only
+};
+
+TrainingRun train_steps(train::Trainer& trainer, int steps) {
+  TrainingRun run;
+  for (int s = 0; s < steps; ++s) run.losses.push_back(trainer.train_step().loss);
+  run.params = trainer.snapshot().params;
+  return run;
+}
+
+TrainingRun single_rank_reference(const train::TrainConfig& config, int steps) {
+  Communicator alone = Communicator::world().subgroup({0});
+  train::TrainConfig c = config;
+  c.plan = "";
+  c.dp = c.tp = c.pp = 1;
+  train::Trainer trainer(c, parallel_model(), alone);
+  return train_steps(trainer, steps);
+}
+
+// fp32 reduction order: the sums over tensor-parallel ranks and pipelines run in another order
+// than on one rank (relative rounding ~1e-7 per operation); Adam normalises the update, so the
+// parameters drift apart by at most ~lr × steps × 1e-3 in the worst (near-zero gradient)
+// elements. 1e-4 relative on the losses, 2e-5 absolute on the parameters leaves room for both.
+void expect_matches(const TrainingRun& run, const TrainingRun& reference, const std::string& what) {
+  ASSERT_EQ(run.losses.size(), reference.losses.size());
+  for (size_t s = 0; s < run.losses.size(); ++s) {
+    EXPECT_NEAR(run.losses[s], reference.losses[s], 1e-4 * reference.losses[s])
+        << what << ": step " << s + 1;
+  }
+  ASSERT_EQ(run.params.size(), reference.params.size()) << what;
+  double worst = 0, worst_loss = 0;
+  for (size_t i = 0; i < run.params.size(); ++i) {
+    worst = std::max(worst, double(std::abs(run.params[i] - reference.params[i])));
+  }
+  for (size_t s = 0; s < run.losses.size(); ++s) {
+    worst_loss = std::max(worst_loss, std::abs(run.losses[s] / reference.losses[s] - 1));
+  }
+  EXPECT_LT(worst, 2e-5) << what << ": largest parameter difference";
+  std::printf("  %-28s largest relative loss difference %.1e, parameter difference %.1e\n",
+              what.c_str(), worst_loss, worst);
+}
+
+std::string write_plan(const fs::path& dir, const std::string& name, const std::string& text) {
+  const auto path = dir / (name + ".json");
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+// Plans exercising each kind of unevenness, for the number of ranks running.
+std::vector<std::pair<std::string, std::string>> plans_for(int world) {
+  std::vector<std::pair<std::string, std::string>> plans;
+  if (world == 2) {
+    plans.push_back({"dp2-uneven-microbatches", R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 5, "stages": [{"layers": [0, 4], "ranks": [0]}]},
+      {"micro_batches": 3, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"});
+    plans.push_back({"pp2-uneven-layers", R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 3], "ranks": [1]}, {"layers": [3, 4], "ranks": [0]}]}]})"});
+    plans.push_back({"tp2-uneven-shares", R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 4], "ranks": [0, 1], "heads": [6, 2],
+                                       "ffn": [30, 18], "vocab": [200, 57]}]}]})"});
+    plans.push_back({"one-idle", R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"});
+  }
+  if (world == 4) {
+    plans.push_back({"unlike-pipelines", R"({"world_size": 4, "pipelines": [
+      {"micro_batches": 6, "stages": [
+        {"layers": [0, 3], "ranks": [0, 1], "heads": [2, 6], "ffn": [20, 28], "vocab": [100, 157]},
+        {"layers": [3, 4], "ranks": [2]}]},
+      {"micro_batches": 2, "stages": [{"layers": [0, 4], "ranks": [3]}]}]})"});
+    plans.push_back({"tp2-pp2", R"({"world_size": 4, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 2], "ranks": [0, 1]},
+                                      {"layers": [2, 4], "ranks": [2, 3]}]}]})"});
+    plans.push_back({"pp3-idle", R"({"world_size": 4, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 1], "ranks": [2]}, {"layers": [1, 3], "ranks": [0]},
+                                      {"layers": [3, 4], "ranks": [1]}]}]})"});
+  }
+  if (world == 8) {
+    plans.push_back({"three-unlike-pipelines", R"({"world_size": 8, "pipelines": [
+      {"micro_batches": 4, "stages": [
+        {"layers": [0, 2], "ranks": [0, 1], "heads": [6, 2], "ffn": [24, 24], "vocab": [128, 129]},
+        {"layers": [2, 4], "ranks": [2, 3], "heads": [4, 4], "ffn": [40, 8], "vocab": [57, 200]}]},
+      {"micro_batches": 3, "stages": [{"layers": [0, 3], "ranks": [4]}, {"layers": [3, 4], "ranks": [5]}]},
+      {"micro_batches": 1, "stages": [{"layers": [0, 4], "ranks": [6]}]}]})"});
+  }
+  return plans;
+}
+
+}  // namespace
+
+TEST(Runtime, AnyPlanTrainsLikeOneRank) {
+  Communicator world = Communicator::world();
+  const fs::path dir = shared_dir(world);
+  const auto plans = plans_for(world.size());
+  if (plans.empty()) GTEST_SKIP() << "no plans for " << world.size() << " ranks";
+  const train::TrainConfig base = base_config(dir);
+  TrainingRun reference;
+  if (world.rank() == 0) reference = single_rank_reference(base, 10);
+  for (const auto& [name, text] : plans) {
+    train::TrainConfig config = base;
+    config.plan =
+        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
+    world.barrier();  // the plan file exists before anyone reads it
+    train::Trainer trainer(config, parallel_model(), world);
+    const TrainingRun run = train_steps(trainer, 10);
+    if (world.rank() == 0) expect_matches(run, reference, name);
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
+  Communicator world = Communicator::world();
+  const fs::path dir = shared_dir(world);
+  train::TrainConfig a = base_config(dir);  // plan A: the uniform plan over all ranks
+  a.dp = world.size() >= 2 ? 2 : 1;
+  a.tp = world.size() >= 4 ? 2 : 1;
+  a.pp = world.size() >= 8 ? 2 : 1;
+  TrainingRun straight;
+  {
+    train::Trainer trainer(a, parallel_model(), world);
+    for (int s = 0; s < 5; ++s) straight.losses.push_back(trainer.train_step().loss);
+    const train::Checkpoint c = trainer.snapshot();
+    if (world.rank() == 0) train::save_checkpoint(dir / "ckpt", c);
+    for (int s = 5; s < 10; ++s) straight.losses.push_back(trainer.train_step().loss);
+    straight.params = trainer.snapshot().params;
+  }
+  world.barrier();
+  // Plan B: another shape on the same ranks (pipeline-parallel over all of them, or one rank).
+  train::TrainConfig b = base_config(dir);
+  b.dp = 1;
+  b.tp = 1;
+  b.pp = std::min(world.size(), 4);
+  b.dp = world.size() / b.pp;
+  TrainingRun resumed{std::vector<double>(straight.losses.begin(), straight.losses.begin() + 5),
+                      {}};
+  {
+    train::Trainer trainer(b, parallel_model(), world);
+    trainer.restore(train::load_checkpoint_on_root(dir / "ckpt", world));
+    EXPECT_EQ(trainer.step(), 5);
+    EXPECT_EQ(trainer.consumed_samples(), 5 * b.global_batch_size);
+    for (int s = 5; s < 10; ++s) resumed.losses.push_back(trainer.train_step().loss);
+    resumed.params = trainer.snapshot().params;
+  }
+  if (world.rank() == 0) expect_matches(resumed, straight, "resumed under another plan");
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
+  Communicator world = Communicator::world();
+  const fs::path dir = shared_dir(world);
+  train::TrainConfig config = base_config(dir);
+  config.plan = (dir / "bad.json").string();
+  if (world.rank() == 0) {
+    write_plan(dir, "bad", R"({"world_size": 1000, "pipelines": [
+      {"micro_batches": 8, "stages": [{"layers": [0, 4], "ranks": [0]}]}]})");
+  }
+  world.barrier();
+  try {
+    train::Trainer trainer(config, parallel_model(), world);
+    ADD_FAILURE() << "a plan for 1000 ranks was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the plan is for 1000 ranks"), std::string::npos)
+        << e.what();
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
