@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "model/transformer.h"
-#include "train/optimizer.h"
+#include "runtime/optimizer.h"
 
 using namespace malleus;
 using Clock = std::chrono::steady_clock;
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
   // A full training step: accum micro-batches of forward + backward, grad norm, AdamW.
   model::Transformer<float> model(config, *backend, micro, seq);
   model.init_parameters(1);
-  train::AdamW optimizer(*backend, model.layout(), {0.9f, 0.95f, 1e-8f, 0.1f});
+  runtime::AdamW optimizer(*backend, model.layout(), {0.9f, 0.95f, 1e-8f, 0.1f});
   std::mt19937_64 rng(5);
   std::vector<int32_t> inputs(static_cast<size_t>(tokens)), targets(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {

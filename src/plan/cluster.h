@@ -1,0 +1,67 @@
+// A cluster spec: nodes × devices, what one device can compute and hold, and how fast devices
+// talk inside a node and across nodes. The planner, cost model and simulator read every
+// hardware number from here, so a cluster far larger than the development machine can be
+// studied by writing (or choosing) a spec. Presets are configs/clusters/*.json, compiled in.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/json.h"
+
+namespace malleus::plan {
+
+struct ClusterSpec {
+  std::string name = "custom";
+  int nodes = 1;
+  int devices_per_node = 1;
+  double memory_bytes = 0;          // per device
+  double peak_flops = 0;            // dense peak per device in the training precision
+  double mfu = 1;                   // achievable fraction of peak for transformer layers
+  double memory_bandwidth = 0;      // device memory, bytes/s (optimizer step)
+  double intra_node_bandwidth = 0;  // per device, bytes/s, achieved collective bandwidth
+  double intra_node_latency = 0;    // s per message
+  double inter_node_bandwidth = 0;  // per device (its share of the node's NICs), bytes/s
+  double inter_node_latency = 0;
+  // Precision: bytes per parameter of weights + gradients + optimizer state held on a device,
+  // of one gradient element in the cross-pipeline sync, and of one activation element.
+  double state_bytes_per_param = 16;
+  double grad_bytes = 2;
+  double activation_bytes = 2;
+  double usable_memory_fraction = 0.9;  // the rest is allocator slack, workspace, the runtime
+  double restart_seconds = 300;         // a full stop-and-restart (elastic baselines)
+
+  int num_devices() const { return nodes * devices_per_node; }
+  int node_of(int device) const { return device / devices_per_node; }
+  double flops() const { return peak_flops * mfu; }  // what the cost model divides by
+  double usable_memory() const { return memory_bytes * usable_memory_fraction; }
+  // Bandwidth and latency of a link between two devices.
+  double bandwidth(int a, int b) const {
+    return node_of(a) == node_of(b) ? intra_node_bandwidth : inter_node_bandwidth;
+  }
+  double latency(int a, int b) const {
+    return node_of(a) == node_of(b) ? intra_node_latency : inter_node_latency;
+  }
+
+  // Throws Error naming `source` and the key if a number is impossible.
+  void validate(const std::string& source) const;
+  // Units in JSON: GiB, TFLOPS, GB/s, µs (see docs/planner.md).
+  static ClusterSpec from_json(const Json& json, const std::string& source);
+  Json to_json() const;
+};
+
+// `name_or_path`: a preset name (cluster_preset_names) or a JSON file.
+ClusterSpec load_cluster(const std::string& name_or_path);
+std::vector<std::string> cluster_preset_names();
+
+// Per-device straggle rates: 1 = healthy, r = r times slower, +inf = gone.
+using Rates = std::vector<double>;
+
+// Parses {"3": 2.0, "17": "inf"} (device index → rate; missing = 1.0) for `devices` devices.
+// `text_or_path` is inline JSON (starts with '{') or a file. Errors name the source and key.
+Rates parse_rates(const std::string& text_or_path, int devices);
+Rates rates_from_json(const Json& json, int devices, const std::string& source);
+Json rates_to_json(const Rates& rates);  // only the devices whose rate is not 1
+bool is_gone(double rate);
+
+}  // namespace malleus::plan

@@ -1,0 +1,158 @@
+// The cost model: predicted time and memory of a plan on a cluster whose devices straggle.
+//
+// Per layer and micro-batch (b sequences of s tokens, hidden h, FFN F, vocab V):
+//   forward FLOPs  = b·s·(2·(2h² + 2h·kv)·fh + 2h·s·fh + 2·3hF·ff)    (matmuls + causal attention)
+//   backward FLOPs = 2 × forward
+// where fh, ff are the rank's shares of heads and FFN columns. A rank's time is FLOPs /
+// throughput × its straggle rate; a TP group takes the slowest member's time plus 2 ring
+// all-reduces of b·s·h activations forward and 2 backward (2(t−1)/t·bytes/bw + 2(t−1)·latency).
+// The first stage adds the vocabulary-parallel embedding (one all-reduce), the last the LM head
+// (2·V·h·fv FLOPs per token forward) and its input-gradient all-reduce.
+//
+// Pipelines run 1F1B. Closed form for a pipeline of S stages with forward F_s, backward B_s,
+// point-to-point time d_s after stage s and m micro-batches:
+//   T = Σ_s (F_s + B_s) + 2·Σ_s d_s + (m − 1)·period,
+//   period = max_s max(F_s + B_s, (Σ_{k≥s} (F_k + B_k) + 2·Σ_{s≤k<S−1} d_k) / (S − s))
+// (the second term is the round trip of the S − s micro-batches in flight below stage s).
+// Iteration = max over pipelines + gradient sync across pipelines (every rank all-reduces the
+// gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
+// says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
+//
+// Memory per rank: owned parameters × state bytes (weights, grads, optimizer) + activations of the
+// micro-batches in flight under 1F1B (stage s of S holds min(S − s, m)). Activations per layer
+// and micro-batch are 34·b·s·h·(activation_bytes/2) × the rank's share of the layer (Korthikanti
+// et al. 2022 with sequence parallelism and flash attention, so no s² term); a layer recomputed
+// in backward keeps only its input, 2·b·s·h·(activation_bytes/2) × share, and one full layer's
+// activations are live while it is recomputed. Each stage recomputes the fewest layers that make
+// it fit (stage-aware, as Merak), paying one more forward for each.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "plan/cluster.h"
+#include "plan/plan.h"
+
+namespace malleus::plan {
+
+struct BatchConfig {
+  int global_batch = 64;  // sequences per optimizer step
+  int micro_batch = 1;    // sequences per micro-batch
+  int seq_len = 4096;
+  int micro_batches() const { return global_batch / micro_batch; }
+  void validate(const std::string& source) const;
+};
+
+// Measured per-layer times of one device at one (model, micro-batch, sequence) shape; the cost
+// model turns them into achieved FLOP/s and uses those instead of the cluster's peak × MFU.
+struct Profile {
+  std::string device;
+  std::string model;
+  int threads = 1;
+  int micro_batch = 1, seq_len = 1;
+  double layer_forward_s = 0, layer_backward_s = 0;  // one transformer block
+  double head_forward_s = 0, head_backward_s = 0;    // final norm + LM head + loss
+  double layer_forward_flops_per_s = 0, layer_backward_flops_per_s = 0, head_flops_per_s = 0;
+
+  Json to_json() const;
+  static Profile from_json(const Json& json, const std::string& source);
+};
+
+// Per-layer costs of one tensor-parallel group for one micro-batch; "max" over its ranks.
+struct GroupCost {
+  int tp = 1;
+  double layer_forward = 0, layer_backward = 0;  // compute, slowest member, rates applied
+  double layer_comm = 0;                         // one all-reduce of b·s·h activations
+  double layer_state_bytes = 0;                  // weights + grads + optimizer of one layer
+  double layer_activation_bytes = 0;             // one micro-batch, no recomputation
+  double layer_checkpoint_bytes = 0;             // one micro-batch, recomputed layer
+  double head_forward = 0, head_backward = 0;    // last stage
+  double embed_state_bytes = 0, head_state_bytes = 0;
+  double logits_bytes = 0;  // fp32 logits and their gradient of one micro-batch, last stage
+  bool gone = false;        // a member has rate ∞
+};
+
+struct StageCost {
+  double forward = 0, backward = 0;  // per micro-batch, TP communication and recomputation in
+  double comm = 0;                   // the part of forward + backward spent in TP all-reduces
+  int recompute_layers = 0;
+  double memory_bytes = 0;  // the fullest rank
+  bool fits = true;
+};
+
+struct StagePrediction {
+  StageCost cost;
+  double p2p_next = 0;  // one activation to the next stage (0 for the last)
+};
+
+struct PipelinePrediction {
+  double time = 0;               // first forward to last backward
+  double period = 0;             // steady-state time per micro-batch
+  double first_micro_batch = 0;  // Σ (F + B) + 2 Σ p2p: the pipeline's time for m = 1
+  std::vector<StagePrediction> stages;
+};
+
+struct Prediction {
+  double iteration_time = 0;  // +inf when a used device is gone
+  double pipeline_time = 0, grad_sync_time = 0, optimizer_time = 0;
+  std::vector<PipelinePrediction> pipelines;
+  std::vector<double> memory_bytes;  // per device; 0 for idle devices
+  bool fits = true;
+  std::string problem;  // why it does not fit / cannot run
+  double samples_per_second(int global_batch) const;
+};
+
+class CostModel {
+ public:
+  CostModel(model::ModelConfig model, ClusterSpec cluster, BatchConfig batch,
+            std::optional<Profile> profile = std::nullopt);
+
+  const model::ModelConfig& model() const { return model_; }
+  const ClusterSpec& cluster() const { return cluster_; }
+  const BatchConfig& batch() const { return batch_; }
+
+  // FLOPs of one micro-batch on a whole (unsharded) layer / LM head, forward only.
+  double layer_forward_flops() const;
+  double head_forward_flops() const;
+  double activation_message_bytes() const;  // b·s·h activations (P2P, TP all-reduce)
+
+  // Ring all-reduce of `bytes` over `ranks`; the slowest link sets the pace.
+  double allreduce_time(const std::vector<int>& ranks, double bytes) const;
+  double allreduce_time(int parts, double bytes, double bandwidth, double latency) const;
+  double p2p_time(const Stage& from, const Stage& to) const;
+
+  GroupCost group_cost(const Stage& stage, const Rates& rates) const;
+  // Each member's compute time relative to the group's slowest member (1 for the slowest): the
+  // share of a stage's compute time the member is actually busy.
+  std::vector<double> member_load(const Stage& stage, const Rates& rates) const;
+  // `in_flight`: micro-batches whose activations the stage holds at once.
+  StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last,
+                       int in_flight) const;
+
+  // 1F1B closed form from per-stage F, B and P2P times (see the header comment).
+  static PipelinePrediction pipeline_time(std::vector<StagePrediction> stages, int micro_batches);
+
+  Prediction predict(const Plan& plan, const Rates& rates) const;
+
+  // Shares of heads (whole KV groups), FFN columns and vocabulary rows that minimise the
+  // slowest member's time for the given member rates (HAP-style uneven sharding); every rank
+  // gets at least one KV group, column and row.
+  void balance_shares(Stage& stage, const Rates& rates) const;
+  void even_shares_of(Stage& stage) const;
+
+  // Parameter elements a rank of `stage` owns (its shards of the stage's layers, embedding,
+  // head and norms).
+  double owned_parameters(const Stage& stage, size_t member, bool first, bool last) const;
+
+ private:
+  model::ModelConfig model_;
+  ClusterSpec cluster_;
+  BatchConfig batch_;
+  std::optional<Profile> profile_;
+  double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
+  double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
+};
+
+}  // namespace malleus::plan

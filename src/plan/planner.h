@@ -1,0 +1,91 @@
+// Planners: given the cluster, every device's straggle rate, the model and the batch, choose the
+// plan that trains fastest and predict its iteration time. "malleus" is ours; the baselines
+// reproduce what other systems do, behind the same interface so the simulator can hold them side
+// by side (docs/planner.md describes each).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+#include "plan/plan.h"
+
+namespace malleus::plan {
+
+// A uniform dp × tp × pp shape (Megatron-LM's rank order).
+struct Shape {
+  int dp = 0, tp = 0, pp = 0;
+  bool empty() const { return dp == 0 || tp == 0 || pp == 0; }
+  std::string text() const;
+  static Shape parse(const std::string& text);  // "dp2,tp8,pp4" or "2x8x4" (dp×tp×pp)
+};
+
+struct PlanRequest {
+  Rates rates;                  // one per device; missing devices count as 1
+  Shape base;                   // the baselines' shape; empty: the best uniform shape when healthy
+  std::optional<Plan> current;  // the plan running now: ties are broken toward it
+};
+
+struct PlanResult {
+  std::string strategy;
+  Plan plan;
+  Prediction prediction;        // the cost model's
+  double planning_seconds = 0;  // wall time of plan()
+  bool restart = false;         // applying it means stopping and restarting the job
+  std::string note;
+};
+
+// Scores a plan more precisely than the closed form (the simulator); lower is better.
+using Evaluator = std::function<double(const Plan&, const Rates&)>;
+
+struct PlannerOptions {
+  double straggler_threshold = 1.2;  // drop-slow drops devices at or above this rate
+  double tie_tolerance = 1e-6;       // relative; closer candidates count as equal
+  int refine_top = 6;                // candidates re-scored by `refine`
+  Evaluator refine;                  // optional
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual std::string name() const = 0;
+  // Throws Error when no valid plan exists (e.g. every device gone).
+  virtual PlanResult plan(const CostModel& cost, const PlanRequest& request) const = 0;
+};
+
+std::unique_ptr<Strategy> make_strategy(const std::string& name, PlannerOptions options = {});
+// "malleus", "uniform", "drop-slow", "uneven-microbatches", "uneven-layers".
+std::vector<std::string> strategy_names();
+
+// ---- exact sub-problems (exposed for tests) --------------------------------------------------
+
+// Layers per stage for a fixed stage order: minimises the slowest stage, then the sum of stage
+// times. stage_time[j](l) is stage j's time with l ≥ 1 layers, non-decreasing in l, +inf where
+// it does not fit. Returns {} when no assignment is feasible.
+std::vector<int> assign_layers(int layers,
+                               const std::vector<std::function<double(int)>>& stage_time);
+
+// Micro-batches per pipeline minimising max_i T_i(m_i), T_i(m) = first_i + (m − 1)·period_i for
+// m ≥ 1 and T_i(0) = 0 (a pipeline given none is dropped) when allow_zero; else m_i ≥ 1.
+std::vector<int> assign_micro_batches(int total, const std::vector<double>& first,
+                                      const std::vector<double>& period, bool allow_zero);
+
+// ---- shapes and migration ---------------------------------------------------------------------
+
+// The uniform shape with the lowest predicted time on a healthy cluster.
+Shape best_uniform_shape(const CostModel& cost);
+
+struct Migration {
+  double total_bytes = 0;     // parameters and optimizer state every rank must receive
+  double max_rank_bytes = 0;  // the busiest receiver
+  double seconds = 0;         // busiest receiver over the inter-node bandwidth
+};
+// What turning `from` into `to` moves (per layer and share range; idle ranks hold nothing).
+Migration migration_cost(const Plan& from, const Plan& to, const CostModel& cost);
+
+}  // namespace malleus::plan

@@ -1,0 +1,377 @@
+#include "sim/scenario.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "common/error.h"
+#include "sim/simulator.h"
+
+namespace malleus::sim {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string fixed(double value, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, value);
+  return buf;
+}
+
+double capacity(const plan::Rates& rates) {
+  double sum = 0;
+  for (double r : rates) sum += plan::is_gone(r) ? 0.0 : 1.0 / r;
+  return sum;
+}
+
+}  // namespace
+
+Scenario Scenario::from_json(const Json& json, const std::string& source) {
+  JsonReader r(json, source);
+  Scenario s;
+  s.source = source;
+  s.name = r.required<std::string>("name");
+  s.description = r.optional<std::string>("description", "");
+  const Json cluster = r.required<Json>("cluster");
+  s.cluster = cluster.is_string() ? plan::load_cluster(cluster.get<std::string>())
+                                  : plan::ClusterSpec::from_json(cluster, source + ": cluster");
+  const Json model = r.required<Json>("model");
+  s.model = model.is_string() ? model::load_model_config(model.get<std::string>())
+                              : model::ModelConfig::from_json(model, source + ": model");
+  s.batch.seq_len = r.optional<int>("seq_len", s.model.max_seq_len);
+  s.batch.global_batch = r.required<int>("global_batch");
+  s.batch.micro_batch = r.optional<int>("micro_batch", 1);
+  s.batch.validate(source);
+  const std::string base = r.optional<std::string>("base", "");
+  if (!base.empty()) s.base = plan::Shape::parse(base);
+  s.horizon_s = r.required<double>("horizon_s");
+  check(s.horizon_s > 0, source + ": \"horizon_s\" must be positive");
+  s.strategies = r.optional<std::vector<std::string>>("strategies", plan::strategy_names());
+  for (const auto& name : s.strategies) plan::make_strategy(name);  // rejects unknown names
+  if (r.has("replan_s")) s.replan_s = r.required<double>("replan_s");
+  s.detect_iterations = r.optional<double>("detect_iterations", s.detect_iterations);
+  s.rebuild_s = r.optional<double>("rebuild_s", s.rebuild_s);
+  s.failure_timeout_s = r.optional<double>("failure_timeout_s", s.failure_timeout_s);
+  s.decision_horizon_s = r.optional<double>("decision_horizon_s", s.decision_horizon_s);
+  const std::string profile = r.optional<std::string>("profile", "");
+  if (!profile.empty()) s.profile = plan::Profile::from_json(read_json_file(profile), profile);
+  const Json events = r.required<Json>("events");
+  r.finish();
+  check(events.is_array() && !events.empty(), source + ": \"events\" must be a non-empty list");
+  double last = -1;
+  for (size_t i = 0; i < events.size(); ++i) {
+    const std::string at = source + ": event " + std::to_string(i);
+    JsonReader er(events[i], at);
+    RateEvent e;
+    e.at_s = er.required<double>("at_s");
+    const Json rates = er.required<Json>("rates");
+    er.finish();
+    check(e.at_s >= 0 && e.at_s < s.horizon_s && e.at_s > last,
+          at + ": \"at_s\" " + std::to_string(e.at_s) +
+              " must be after the previous event and before the horizon");
+    last = e.at_s;
+    e.rates = plan::rates_from_json(rates, s.cluster.num_devices(), at + ": rates");
+    s.events.push_back(std::move(e));
+  }
+  return s;
+}
+
+Scenario load_scenario(const std::string& path) {
+  return Scenario::from_json(read_json_file(path), path);
+}
+
+plan::Evaluator simulator_evaluator(const plan::CostModel& cost) {
+  return [&cost](const plan::Plan& p, const plan::Rates& rates) {
+    const SimResult r = simulate(cost, p, rates);
+    return r.fits ? r.iteration_time : kInf;
+  };
+}
+
+ScenarioResult run_scenario(const Scenario& sc) {
+  ScenarioResult out;
+  out.scenario = sc;
+  const plan::CostModel cost(sc.model, sc.cluster, sc.batch, sc.profile);
+  const int N = sc.cluster.num_devices();
+  const double GB = sc.batch.global_batch;
+  const plan::Rates healthy(static_cast<size_t>(N), 1.0);
+  plan::PlannerOptions options;
+  options.refine = simulator_evaluator(cost);
+  auto sim_time = [&](const plan::Plan& p, const plan::Rates& rates) {
+    const SimResult r = simulate(cost, p, rates);
+    return r.fits ? r.iteration_time : kInf;
+  };
+  out.healthy_iteration_s = kInf;
+  for (const auto& name : sc.strategies) {
+    auto strategy = plan::make_strategy(name, options);
+    StrategyRun run;
+    run.strategy = name;
+    double t = 0;
+    plan::Rates rates = healthy;
+    std::optional<plan::Plan> current;
+    double iter = kInf;
+    auto advance = [&](double until, double iteration, const std::string& what) {
+      until = std::min(until, sc.horizon_s);
+      if (until <= t) return;
+      const double rate = std::isfinite(iteration) ? GB / iteration : 0.0;
+      run.samples += rate * (until - t);
+      run.timeline.push_back({t, until, rate, what});
+      t = until;
+    };
+    try {
+      plan::PlanResult first = strategy->plan(cost, {healthy, sc.base, std::nullopt});
+      current = first.plan;
+      iter = sim_time(*current, rates);
+      out.healthy_iteration_s = std::min(out.healthy_iteration_s, iter);
+    } catch (const Error& e) {
+      run.error = e.what();
+    }
+    for (const RateEvent& event : sc.events) {
+      if (!current) break;
+      advance(event.at_s, iter, current->summary());
+      rates = event.rates;
+      const double old_iter = sim_time(*current, rates);
+      // Noticing the change: a few iterations on the old plan, or a timeout if it hangs.
+      if (std::isfinite(old_iter)) {
+        advance(t + sc.detect_iterations * old_iter, old_iter, "detecting");
+      } else {
+        const double stall = std::min(sc.failure_timeout_s, sc.horizon_s - t);
+        run.overhead_s += stall;
+        advance(t + stall, kInf, "device lost");
+      }
+      iter = old_iter;
+      try {
+        plan::PlanResult next = strategy->plan(cost, {rates, sc.base, *current});
+        const bool changed = next.plan.to_json() != current->to_json();
+        if (changed) {
+          const double new_iter = sim_time(next.plan, rates);
+          const double planning = sc.replan_s ? *sc.replan_s : next.planning_seconds;
+          double switch_s = 0;
+          std::string what;
+          if (next.restart || name == "drop-slow") {
+            switch_s = sc.cluster.restart_seconds;
+            what = "restart";
+          } else {
+            switch_s =
+                planning + plan::migration_cost(*current, next.plan, cost).seconds + sc.rebuild_s;
+            what = "re-plan + migration";
+          }
+          // Ours weighs the switch: it must repay its cost within the decision horizon.
+          bool take = true;
+          if (name == "malleus" && std::isfinite(old_iter)) {
+            const double gained = sc.decision_horizon_s * (1 / new_iter - 1 / old_iter);
+            take = gained > switch_s / new_iter;
+          }
+          if (take) {
+            run.overhead_s += std::min(switch_s, std::max(0.0, sc.horizon_s - t));
+            advance(t + switch_s, kInf, what);
+            current = next.plan;
+            iter = new_iter;
+            ++run.replans;
+          }
+        }
+      } catch (const Error& e) {
+        run.error = e.what();
+        current.reset();
+        iter = kInf;
+      }
+      run.steady_samples_per_s.push_back(std::isfinite(iter) ? GB / iter : 0.0);
+    }
+    if (current) advance(sc.horizon_s, iter, current->summary());
+    while (run.steady_samples_per_s.size() < sc.events.size())
+      run.steady_samples_per_s.push_back(0);
+    out.runs.push_back(std::move(run));
+  }
+  // Ideal: the healthy iteration scaled by the cluster's remaining capacity.
+  const double healthy_rate = std::isfinite(out.healthy_iteration_s) && out.healthy_iteration_s > 0
+                                  ? GB / out.healthy_iteration_s
+                                  : 0.0;
+  double t = 0, rate = healthy_rate;
+  for (const RateEvent& e : sc.events) {
+    out.ideal_samples += rate * (e.at_s - t);
+    t = e.at_s;
+    rate = healthy_rate * capacity(e.rates) / N;
+    out.ideal_samples_per_s.push_back(rate);
+  }
+  out.ideal_samples += rate * (sc.horizon_s - t);
+  return out;
+}
+
+std::string render_table(const ScenarioResult& r) {
+  const Scenario& sc = r.scenario;
+  std::string text = "scenario " + sc.name;
+  if (!sc.description.empty()) text += ": " + sc.description;
+  text += "\n  " + sc.model.name + " on " + sc.cluster.name + " (" +
+          std::to_string(sc.cluster.num_devices()) + " devices), global batch " +
+          std::to_string(sc.batch.global_batch) + ", micro-batch " +
+          std::to_string(sc.batch.micro_batch) + ", seq " + std::to_string(sc.batch.seq_len);
+  if (!sc.base.empty()) text += ", base " + sc.base.text();
+  text += "\n  healthy iteration " + fixed(r.healthy_iteration_s, 3) + " s; ideal end-to-end " +
+          fixed(r.ideal_samples / sc.horizon_s, 3) + " samples/s over " + fixed(sc.horizon_s, 0) +
+          " s\n";
+  const StrategyRun* uniform = nullptr;
+  for (const auto& run : r.runs) {
+    if (run.strategy == "uniform") uniform = &run;
+  }
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-20s %10s %7s %8s %8s %9s", "strategy", "samples/s",
+                "/ideal", "×uniform", "replans", "overhead");
+  text += line;
+  for (size_t e = 0; e < sc.events.size(); ++e) {
+    std::snprintf(line, sizeof line, " | @%-6.0fs %7s %8s", sc.events[e].at_s, "/ideal",
+                  "×uniform");
+    text += line;
+  }
+  text += "\n";
+  const double ideal = r.ideal_samples / sc.horizon_s;
+  for (const auto& run : r.runs) {
+    const double thr = run.samples_per_s(sc.horizon_s);
+    const double base = uniform ? uniform->samples_per_s(sc.horizon_s) : 0;
+    std::snprintf(line, sizeof line, "  %-20s %10.3f %7.3f %8s %8d %8.1fs", run.strategy.c_str(),
+                  thr, ideal > 0 ? thr / ideal : 0,
+                  base > 0 ? (fixed(thr / base, 2) + "×").c_str() : "-", run.replans,
+                  run.overhead_s);
+    text += line;
+    for (size_t e = 0; e < run.steady_samples_per_s.size(); ++e) {
+      const double s = run.steady_samples_per_s[e];
+      const double u = uniform ? uniform->steady_samples_per_s[e] : 0;
+      const double id = r.ideal_samples_per_s[e];
+      std::snprintf(line, sizeof line, " | %8.3f %7.3f %8s", s, id > 0 ? s / id : 0,
+                    u > 0 ? (fixed(s / u, 2) + "×").c_str() : "-");
+      text += line;
+    }
+    if (!run.error.empty()) text += "  (" + run.error + ")";
+    text += "\n";
+  }
+  return text;
+}
+
+Json result_to_json(const ScenarioResult& r) {
+  Json runs = Json::array();
+  for (const auto& run : r.runs) {
+    Json timeline = Json::array();
+    for (const auto& s : run.timeline) {
+      timeline.push_back({{"start_s", s.start_s},
+                          {"end_s", s.end_s},
+                          {"samples_per_s", s.samples_per_s},
+                          {"what", s.what}});
+    }
+    runs.push_back({{"strategy", run.strategy},
+                    {"samples", run.samples},
+                    {"samples_per_s", run.samples_per_s(r.scenario.horizon_s)},
+                    {"overhead_s", run.overhead_s},
+                    {"replans", run.replans},
+                    {"steady_samples_per_s", run.steady_samples_per_s},
+                    {"error", run.error},
+                    {"timeline", timeline}});
+  }
+  return {{"scenario", r.scenario.name},
+          {"description", r.scenario.description},
+          {"cluster", r.scenario.cluster.name},
+          {"model", r.scenario.model.name},
+          {"horizon_s", r.scenario.horizon_s},
+          {"healthy_iteration_s", r.healthy_iteration_s},
+          {"ideal_samples_per_s", r.ideal_samples / r.scenario.horizon_s},
+          {"ideal_steady_samples_per_s", r.ideal_samples_per_s},
+          {"runs", runs}};
+}
+
+std::string render_svg(const ScenarioResult& r) {
+  const double W = 820, H = 420, left = 70, right = 190, top = 40, bottom = 50;
+  const double pw = W - left - right, ph = H - top - bottom;
+  const double horizon = r.scenario.horizon_s;
+  double ymax = 0;
+  for (double v : r.ideal_samples_per_s) ymax = std::max(ymax, v);
+  for (const auto& run : r.runs) {
+    for (const auto& s : run.timeline) ymax = std::max(ymax, s.samples_per_s);
+  }
+  if (r.healthy_iteration_s > 0 && std::isfinite(r.healthy_iteration_s)) {
+    ymax = std::max(ymax, r.scenario.batch.global_batch / r.healthy_iteration_s);
+  }
+  ymax = ymax > 0 ? ymax * 1.1 : 1;
+  auto x = [&](double t) { return left + pw * t / horizon; };
+  auto y = [&](double v) { return top + ph * (1 - v / ymax); };
+  static const char* colors[] = {"#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"};
+  std::string svg;
+  svg += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + fixed(W, 0) + "\" height=\"" +
+         fixed(H, 0) + "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  svg += "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  svg += "<text x=\"" + fixed(left, 0) + "\" y=\"22\" font-size=\"14\">" + r.scenario.name +
+         ": throughput over time (" + r.scenario.model.name + ", " + r.scenario.cluster.name +
+         ")</text>\n";
+  // Axes and grid.
+  for (int i = 0; i <= 5; ++i) {
+    const double v = ymax * i / 5, yy = y(v);
+    svg += "<line x1=\"" + fixed(left, 1) + "\" y1=\"" + fixed(yy, 1) + "\" x2=\"" +
+           fixed(left + pw, 1) + "\" y2=\"" + fixed(yy, 1) + "\" stroke=\"#ddd\"/>\n";
+    svg += "<text x=\"" + fixed(left - 6, 1) + "\" y=\"" + fixed(yy + 4, 1) +
+           "\" text-anchor=\"end\">" + fixed(v, 2) + "</text>\n";
+  }
+  for (int i = 0; i <= 6; ++i) {
+    const double t = horizon * i / 6, xx = x(t);
+    svg += "<text x=\"" + fixed(xx, 1) + "\" y=\"" + fixed(top + ph + 18, 1) +
+           "\" text-anchor=\"middle\">" + fixed(t, 0) + "</text>\n";
+  }
+  svg += "<rect x=\"" + fixed(left, 1) + "\" y=\"" + fixed(top, 1) + "\" width=\"" + fixed(pw, 1) +
+         "\" height=\"" + fixed(ph, 1) + "\" fill=\"none\" stroke=\"#444\"/>\n";
+  svg += "<text x=\"" + fixed(left + pw / 2, 1) + "\" y=\"" + fixed(H - 10, 1) +
+         "\" text-anchor=\"middle\">time (s)</text>\n";
+  svg += "<text transform=\"rotate(-90)\" x=\"" + fixed(-(top + ph / 2), 1) +
+         "\" y=\"16\" text-anchor=\"middle\">samples/s</text>\n";
+  auto polyline = [&](const std::vector<std::pair<double, double>>& steps, const char* color,
+                      const char* extra) {
+    std::string points;
+    for (const auto& [t, v] : steps) {
+      points += fixed(x(t), 1);
+      points += ',';
+      points += fixed(y(v), 1);
+      points += ' ';
+    }
+    svg += "<polyline fill=\"none\" stroke=\"";
+    svg += color;
+    svg += "\" stroke-width=\"2\" ";
+    svg += extra;
+    svg += " points=\"" + points + "\"/>\n";
+  };
+  // Ideal, as a dashed step function.
+  {
+    std::vector<std::pair<double, double>> steps;
+    const double healthy = r.healthy_iteration_s > 0 && std::isfinite(r.healthy_iteration_s)
+                               ? r.scenario.batch.global_batch / r.healthy_iteration_s
+                               : 0;
+    double t = 0, v = healthy;
+    for (size_t e = 0; e < r.scenario.events.size(); ++e) {
+      steps.emplace_back(t, v);
+      steps.emplace_back(r.scenario.events[e].at_s, v);
+      t = r.scenario.events[e].at_s;
+      v = r.ideal_samples_per_s[e];
+    }
+    steps.emplace_back(t, v);
+    steps.emplace_back(horizon, v);
+    polyline(steps, "#000", "stroke-dasharray=\"6,4\"");
+  }
+  for (size_t i = 0; i < r.runs.size(); ++i) {
+    std::vector<std::pair<double, double>> steps;
+    for (const auto& s : r.runs[i].timeline) {
+      steps.emplace_back(s.start_s, s.samples_per_s);
+      steps.emplace_back(s.end_s, s.samples_per_s);
+    }
+    if (!steps.empty()) polyline(steps, colors[i % 6], "stroke-opacity=\"0.85\"");
+  }
+  // Legend.
+  for (size_t i = 0; i <= r.runs.size(); ++i) {
+    const double yy = top + 10 + 20.0 * static_cast<double>(i);
+    const bool ideal = i == r.runs.size();
+    svg += "<line x1=\"" + fixed(left + pw + 12, 1) + "\" y1=\"" + fixed(yy, 1) + "\" x2=\"" +
+           fixed(left + pw + 36, 1) + "\" y2=\"" + fixed(yy, 1) + "\" stroke=\"" +
+           (ideal ? std::string("#000") : std::string(colors[i % 6])) + "\" stroke-width=\"2\"" +
+           (ideal ? " stroke-dasharray=\"6,4\"" : "") + "/>\n";
+    svg += "<text x=\"" + fixed(left + pw + 42, 1) + "\" y=\"" + fixed(yy + 4, 1) + "\">" +
+           (ideal ? std::string("ideal") : r.runs[i].strategy) + "</text>\n";
+  }
+  svg += "</svg>\n";
+  return svg;
+}
+
+}  // namespace malleus::sim

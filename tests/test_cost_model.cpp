@@ -1,0 +1,212 @@
+// The cost model's parts: FLOPs against the model's own count, collectives, uneven shares,
+// memory and recomputation, the 1F1B closed form, rates and profiles.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "model/config.h"
+#include "plan/cost_model.h"
+#include "plan/planner.h"
+
+using namespace malleus;
+using plan::CostModel;
+
+namespace {
+
+CostModel a800_70b(int nodes = 8) {
+  auto cluster = plan::load_cluster("a800-8x8");
+  cluster.nodes = nodes;
+  return CostModel(model::load_model_config("llama-70b"), cluster, plan::BatchConfig{64, 1, 4096});
+}
+
+plan::Stage group(const CostModel& cost, std::vector<int> ranks) {
+  plan::Stage s;
+  s.ranks = std::move(ranks);
+  cost.even_shares_of(s);
+  return s;
+}
+
+}  // namespace
+
+TEST(CostModel, FlopsMatchTheModelsTrainingCount) {
+  for (const char* name : {"llama-32b", "llama-70b", "tiny"}) {
+    const auto m = model::load_model_config(name);
+    const CostModel cost(m, plan::load_cluster("a800-8x8"), plan::BatchConfig{8, 2, m.max_seq_len});
+    const double tokens = 2.0 * m.max_seq_len;
+    const double ours = 3 * (m.num_layers * cost.layer_forward_flops() + cost.head_forward_flops());
+    EXPECT_NEAR(ours / tokens, m.train_flops_per_token(m.max_seq_len),
+                1e-9 * m.train_flops_per_token(m.max_seq_len))
+        << name;
+  }
+}
+
+TEST(CostModel, RingAllReduce) {
+  const CostModel cost = a800_70b();
+  const auto& c = cost.cluster();
+  EXPECT_EQ(cost.allreduce_time({3}, 1e9), 0.0);
+  const double bytes = 64e6;
+  const double intra = cost.allreduce_time({0, 1, 2, 3, 4, 5, 6, 7}, bytes);
+  EXPECT_NEAR(intra, 2.0 * 7 / 8 * bytes / c.intra_node_bandwidth + 14 * c.intra_node_latency,
+              1e-12);
+  // A group that spans nodes runs at the inter-node pace.
+  const double cross = cost.allreduce_time({6, 7, 8, 9}, bytes);
+  EXPECT_NEAR(cross, 2.0 * 3 / 4 * bytes / c.inter_node_bandwidth + 6 * c.inter_node_latency,
+              1e-12);
+  // P2P: intra vs inter node, split over the narrower group's ranks.
+  const auto a = group(cost, {0, 1, 2, 3}), b = group(cost, {4, 5}), d = group(cost, {8, 9});
+  EXPECT_NEAR(cost.p2p_time(a, b),
+              cost.activation_message_bytes() / (2 * c.intra_node_bandwidth) + c.intra_node_latency,
+              1e-12);
+  EXPECT_GT(cost.p2p_time(b, d), cost.p2p_time(a, b));
+}
+
+TEST(CostModel, GroupTimeIsTheSlowestMemberAndUnevenSharesHelp) {
+  const CostModel cost = a800_70b();
+  plan::Rates rates(64, 1.0);
+  const auto even = group(cost, {0, 1, 2, 3, 4, 5, 6, 7});
+  const auto healthy = cost.group_cost(even, rates);
+  rates[5] = 2.0;
+  const auto slow = cost.group_cost(even, rates);
+  EXPECT_NEAR(slow.layer_forward, 2 * healthy.layer_forward, 1e-12 * healthy.layer_forward);
+  EXPECT_EQ(slow.layer_comm, healthy.layer_comm);  // rates slow compute, not links
+
+  plan::Stage balanced = even;
+  cost.balance_shares(balanced, rates);
+  int heads = 0, ffn = 0, vocab = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    heads += balanced.heads[i], ffn += balanced.ffn[i], vocab += balanced.vocab[i];
+    EXPECT_GE(balanced.heads[i], 8);  // at least one whole KV group (64 heads / 8 KV)
+    EXPECT_EQ(balanced.heads[i] % 8, 0);
+  }
+  EXPECT_EQ(heads, 64);
+  EXPECT_EQ(ffn, 28672);
+  EXPECT_EQ(vocab, 32000);
+  EXPECT_LT(balanced.ffn[5], balanced.ffn[0]);
+  EXPECT_LT(balanced.vocab[5], balanced.vocab[0]);
+  const auto uneven = cost.group_cost(balanced, rates);
+  EXPECT_LT(uneven.layer_forward, slow.layer_forward);
+  EXPECT_GT(uneven.layer_forward, healthy.layer_forward);
+  // Healthy members share evenly; the loads say who waits.
+  const auto load = cost.member_load(balanced, rates);
+  for (double x : load) EXPECT_LE(x, 1.0 + 1e-12);
+
+  // A gone member makes the group unusable.
+  rates[5] = std::numeric_limits<double>::infinity();
+  EXPECT_TRUE(cost.group_cost(even, rates).gone);
+}
+
+TEST(CostModel, MemoryAndStageAwareRecomputation) {
+  const CostModel cost = a800_70b();
+  const plan::Rates rates(64, 1.0);
+  const auto g = cost.group_cost(group(cost, {0, 1, 2, 3, 4, 5, 6, 7}), rates);
+  // State: 16 bytes per parameter of the rank's shard.
+  const auto m = cost.model();
+  const double h = m.hidden_size;
+  const double layer_params = 2 * h * h + 2 * h * m.kv_dim() + 3 * h * m.ffn_hidden_size;
+  EXPECT_NEAR(g.layer_state_bytes, (layer_params / 8 + 2 * h) * 16, 1.0);
+  EXPECT_NEAR(g.layer_activation_bytes, 34.0 * 4096 * h / 8, 1.0);
+  // Few layers and few micro-batches in flight: no recomputation.
+  const auto light = cost.stage_cost(g, 10, false, false, 1);
+  EXPECT_TRUE(light.fits);
+  EXPECT_EQ(light.recompute_layers, 0);
+  // 20 layers: the first of 4 stages (4 in flight) recomputes more than the third (2 in flight).
+  const auto first = cost.stage_cost(g, 20, true, false, 4);
+  const auto third = cost.stage_cost(g, 20, false, false, 2);
+  EXPECT_TRUE(first.fits);
+  EXPECT_GE(first.recompute_layers, third.recompute_layers);
+  EXPECT_LE(first.memory_bytes, cost.cluster().usable_memory());
+  // Recomputing a layer costs one more forward of it.
+  const auto none = cost.stage_cost(g, 20, false, false, 1);
+  if (first.recompute_layers > 0) {
+    const double layer_fwd = g.layer_forward + 2 * g.layer_comm;
+    EXPECT_NEAR(first.backward - none.backward, first.recompute_layers * layer_fwd,
+                1e-9 * first.backward);
+  }
+  // Far too many layers for one group even with recomputation.
+  EXPECT_FALSE(cost.stage_cost(g, 80, true, true, 8).fits);
+}
+
+TEST(CostModel, OneFOneBClosedForm) {
+  std::vector<plan::StagePrediction> stages(4);
+  for (auto& s : stages) s.cost.forward = 1, s.cost.backward = 2;
+  const auto p = CostModel::pipeline_time(stages, 8);
+  EXPECT_DOUBLE_EQ(p.period, 3.0);
+  EXPECT_DOUBLE_EQ(p.time, (8 + 4 - 1) * 3.0);
+  // A slow stage sets the period.
+  stages[2].cost.backward = 5;
+  EXPECT_DOUBLE_EQ(CostModel::pipeline_time(stages, 8).period, 6.0);
+  EXPECT_DOUBLE_EQ(CostModel::pipeline_time(stages, 0).time, 0.0);
+}
+
+TEST(CostModel, PredictUniformPlanAndStragglers) {
+  const CostModel cost = a800_70b();
+  const auto plan = plan::uniform_plan(cost.model(), 2, 8, 4, 64, 1, 64);
+  plan::Rates rates(64, 1.0);
+  const auto healthy = cost.predict(plan, rates);
+  EXPECT_TRUE(healthy.fits) << healthy.problem;
+  EXPECT_TRUE(std::isfinite(healthy.iteration_time));
+  EXPECT_GT(healthy.grad_sync_time, 0);
+  EXPECT_GT(healthy.optimizer_time, 0);
+  // Useful compute is a good share of the iteration (bubbles (m+S−1)/m and communication).
+  const double compute =
+      cost.model().train_flops_per_token(4096) * 4096 * 64 / (64 * cost.cluster().flops());
+  EXPECT_GT(compute / healthy.iteration_time, 0.7);
+  EXPECT_LT(compute / healthy.iteration_time, 1.0);
+  for (int d = 0; d < 64; ++d) EXPECT_GT(healthy.memory_bytes[static_cast<size_t>(d)], 10e9);
+
+  rates[3] = 2.0;  // pipeline 0, stage 0
+  const auto slow = cost.predict(plan, rates);
+  EXPECT_GT(slow.pipelines[0].time, 1.5 * healthy.pipelines[0].time);
+  EXPECT_DOUBLE_EQ(slow.pipelines[1].time, healthy.pipelines[1].time);
+
+  rates[40] = std::numeric_limits<double>::infinity();
+  const auto gone = cost.predict(plan, rates);
+  EXPECT_TRUE(std::isinf(gone.iteration_time));
+  EXPECT_NE(gone.problem.find("40"), std::string::npos);
+}
+
+TEST(CostModel, ProfileReplacesPeakThroughput) {
+  const auto m = model::load_model_config("demo");
+  const auto cluster = plan::load_cluster("cpu-local");
+  plan::Profile p;
+  p.micro_batch = 1;
+  p.seq_len = 256;
+  p.layer_forward_s = p.layer_backward_s = p.head_forward_s = p.head_backward_s = 0.01;
+  p.layer_forward_flops_per_s = 1e9;
+  p.layer_backward_flops_per_s = 2e9;
+  p.head_flops_per_s = 1e9;
+  const auto round = plan::Profile::from_json(p.to_json(), "p.json");
+  EXPECT_EQ(round.to_json(), p.to_json());
+  const CostModel cost(m, cluster, plan::BatchConfig{8, 1, 256}, round);
+  plan::Stage s;
+  s.ranks = {0};
+  cost.even_shares_of(s);
+  const auto g = cost.group_cost(s, plan::Rates(cluster.num_devices(), 1.0));
+  EXPECT_NEAR(g.layer_forward, cost.layer_forward_flops() / 1e9, 1e-12);
+  EXPECT_NEAR(g.layer_backward, 2 * cost.layer_forward_flops() / 2e9, 1e-12);
+  Json bad = p.to_json();
+  bad["head_flops_per_s"] = 0;
+  try {
+    plan::Profile::from_json(bad, "p.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_flops_per_s"), std::string::npos);
+  }
+}
+
+TEST(CostModel, MigrationCountsWhatMoves) {
+  const CostModel cost = a800_70b(1);
+  const auto a = plan::uniform_plan(cost.model(), 1, 8, 1, 64, 1, 8);
+  EXPECT_EQ(plan::migration_cost(a, a, cost).total_bytes, 0.0);
+  // Same ranks, layers split over two groups of 4: every rank keeps part of its shards.
+  const auto b = plan::uniform_plan(cost.model(), 1, 4, 2, 64, 1, 8);
+  const auto moved = plan::migration_cost(a, b, cost);
+  EXPECT_GT(moved.total_bytes, 0);
+  EXPECT_GT(moved.seconds, 0);
+  // From nothing (a fresh rank) every byte moves.
+  plan::Plan empty;
+  empty.world_size = 8;
+  const auto all = plan::migration_cost(empty, b, cost);
+  EXPECT_GT(all.total_bytes, moved.total_bytes);
+}

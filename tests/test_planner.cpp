@@ -1,0 +1,375 @@
+// The planner: its exact sub-problems against brute force, every strategy's plans valid, ours
+// optimal against an exhaustive search on small clusters and never worse than a baseline, and
+// the tie-break toward the running plan.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
+#include "common/error.h"
+#include "model/config.h"
+#include "plan/cost_model.h"
+#include "plan/planner.h"
+
+using namespace malleus;
+using plan::CostModel;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// All compositions of `total` into `parts` parts of at least `least`.
+void compositions(int total, int parts, int least, std::vector<int>& cur,
+                  const std::function<void(const std::vector<int>&)>& f) {
+  if (parts == 0) {
+    if (total == 0) f(cur);
+    return;
+  }
+  for (int x = least; x <= total - least * (parts - 1); ++x) {
+    cur.push_back(x);
+    compositions(total - x, parts - 1, least, cur, f);
+    cur.pop_back();
+  }
+}
+
+model::ModelConfig small_model() {
+  model::ModelConfig m;
+  m.name = "small";
+  m.vocab_size = 8000;
+  m.hidden_size = 1024;
+  m.num_layers = 8;
+  m.num_heads = 16;
+  m.num_kv_heads = 4;
+  m.ffn_hidden_size = 2816;
+  m.max_seq_len = 1024;
+  return m;
+}
+
+plan::ClusterSpec small_cluster(int nodes, int per_node) {
+  auto c = plan::load_cluster("a800-8x8");
+  c.nodes = nodes;
+  c.devices_per_node = per_node;
+  c.memory_bytes = 2e9;  // small enough that memory shapes the plans
+  return c;
+}
+
+std::vector<plan::Rates> rate_patterns(int devices) {
+  std::vector<plan::Rates> out;
+  plan::Rates r(static_cast<size_t>(devices), 1.0);
+  out.push_back(r);
+  r[1] = 2;
+  out.push_back(r);
+  r[1] = 1, r[2] = 5;
+  out.push_back(r);
+  r[2] = 1, r[0] = kInf;
+  out.push_back(r);
+  r[0] = 1, r[1] = 3, r[3] = 1.5;
+  out.push_back(r);
+  if (devices > 4) {
+    plan::Rates node(static_cast<size_t>(devices), 1.0);
+    for (int d = 4; d < 8; ++d) node[static_cast<size_t>(d)] = 2;
+    out.push_back(node);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Planner, AssignLayersIsOptimalAgainstBruteForce) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.2, 3.0);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int S = 1 + static_cast<int>(rng() % 4);
+    const int L = S + static_cast<int>(rng() % 8);
+    std::vector<std::function<double(int)>> fns;
+    for (int j = 0; j < S; ++j) {
+      const double a = u(rng), c = u(rng), kink = u(rng);
+      const int knee = 1 + static_cast<int>(rng() % 4);
+      const int cap = trial % 3 == 0 ? 1 + static_cast<int>(rng() % L) : L;
+      // Linear with a steeper part past `knee` (recomputation) and a memory cap.
+      fns.emplace_back([=](int l) {
+        if (l > cap) return kInf;
+        return c + a * l + kink * std::max(0, l - knee);
+      });
+    }
+    double brute = kInf;
+    std::vector<int> cur;
+    compositions(L, S, 1, cur, [&](const std::vector<int>& ls) {
+      double worst = 0;
+      for (int j = 0; j < S; ++j)
+        worst = std::max(worst, fns[static_cast<size_t>(j)](ls[static_cast<size_t>(j)]));
+      brute = std::min(brute, worst);
+    });
+    const auto got = plan::assign_layers(L, fns);
+    if (!std::isfinite(brute)) {
+      EXPECT_TRUE(got.empty()) << "trial " << trial;
+      continue;
+    }
+    ASSERT_EQ(static_cast<int>(got.size()), S) << "trial " << trial;
+    int sum = 0;
+    double worst = 0;
+    for (int j = 0; j < S; ++j) {
+      EXPECT_GE(got[static_cast<size_t>(j)], 1);
+      sum += got[static_cast<size_t>(j)];
+      worst = std::max(worst, fns[static_cast<size_t>(j)](got[static_cast<size_t>(j)]));
+    }
+    EXPECT_EQ(sum, L);
+    EXPECT_DOUBLE_EQ(worst, brute) << "trial " << trial;
+  }
+}
+
+TEST(Planner, AssignMicroBatchesIsOptimalAgainstBruteForce) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0.5, 4.0);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 4);
+    const int total = n + static_cast<int>(rng() % 8);
+    const bool allow_zero = trial % 2 == 0;
+    std::vector<double> first, period;
+    for (int i = 0; i < n; ++i) {
+      period.push_back(u(rng));
+      first.push_back(period.back() * (1 + static_cast<int>(rng() % 4)) + u(rng));
+    }
+    auto value = [&](const std::vector<int>& m) {
+      double t = 0;
+      for (int i = 0; i < n; ++i) {
+        const auto k = static_cast<size_t>(i);
+        if (m[k] > 0) t = std::max(t, first[k] + (m[k] - 1) * period[k]);
+      }
+      return t;
+    };
+    double brute = kInf;
+    std::vector<int> cur;
+    compositions(total, n, allow_zero ? 0 : 1, cur,
+                 [&](const std::vector<int>& m) { brute = std::min(brute, value(m)); });
+    const auto got = plan::assign_micro_batches(total, first, period, allow_zero);
+    int sum = 0;
+    for (int x : got) {
+      EXPECT_GE(x, allow_zero ? 0 : 1);
+      sum += x;
+    }
+    EXPECT_EQ(sum, total);
+    EXPECT_NEAR(value(got), brute, 1e-12) << "trial " << trial;
+  }
+}
+
+TEST(Planner, EveryStrategyGivesValidPlans) {
+  const auto model = small_model();
+  const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
+  const int N = 8;
+  for (const auto& rates : rate_patterns(N)) {
+    const std::string label = plan::rates_to_json(rates).dump();
+    std::map<std::string, double> times;
+    for (const auto& name : plan::strategy_names()) {
+      const auto strategy = plan::make_strategy(name);
+      const plan::PlanResult r = strategy->plan(cost, {rates, plan::Shape{2, 2, 2}, std::nullopt});
+      EXPECT_NO_THROW(plan::validate(r.plan, model, N, 16, name)) << name << " " << label;
+      for (const auto& p : r.plan.pipelines) {
+        for (const auto& s : p.stages) {
+          for (int rank : s.ranks) {
+            EXPECT_FALSE(plan::is_gone(rates[static_cast<size_t>(rank)])) << name << " " << label;
+            if (name == "drop-slow") {
+              EXPECT_LT(rates[static_cast<size_t>(rank)], 1.2);
+            }
+          }
+        }
+      }
+      EXPECT_EQ(r.strategy, name);
+      times[name] = r.prediction.iteration_time;
+      if (name == "uniform" && plan::is_gone(rates[0])) {
+        EXPECT_TRUE(r.restart);
+      }
+    }
+    for (const auto& [name, t] : times) {
+      EXPECT_LE(times["malleus"], t * (1 + 1e-9)) << name << " " << label;
+    }
+  }
+}
+
+TEST(Planner, UnknownStrategyAndImpossibleRequestsAreErrors) {
+  EXPECT_THROW(plan::make_strategy("fastest"), Error);
+  const CostModel cost(small_model(), small_cluster(1, 4), plan::BatchConfig{8, 1, 1024});
+  plan::Rates all_gone(4, kInf);
+  for (const auto& name : plan::strategy_names()) {
+    EXPECT_THROW(plan::make_strategy(name)->plan(cost, {all_gone, plan::Shape{}, std::nullopt}),
+                 Error)
+        << name;
+  }
+}
+
+// Exhaustive search over every plan of a 4-device node: which devices run, how they form TP
+// groups (any subsets of size 1, 2 or 4), how groups form pipelines and in which order, layers
+// per stage, micro-batches per pipeline, even or rate-balanced shares.
+double brute_force(const CostModel& cost, const plan::Rates& rates) {
+  const int N = 4, L = cost.model().num_layers, M = cost.batch().micro_batches();
+  double best = kInf;
+  std::vector<std::vector<int>> groups;
+  std::function<void(int, std::vector<int>)> form_groups;
+  std::function<void(size_t, std::vector<std::vector<int>>&)> form_pipelines;
+  auto evaluate = [&](const std::vector<std::vector<int>>& pipes) {
+    // pipes: lists of group indices in stage order.
+    for (int balance = 0; balance < 2; ++balance) {
+      std::vector<std::vector<plan::Stage>> stages(pipes.size());
+      for (size_t p = 0; p < pipes.size(); ++p) {
+        for (int g : pipes[p]) {
+          plan::Stage s;
+          s.ranks = groups[static_cast<size_t>(g)];
+          if (balance) {
+            cost.balance_shares(s, rates);
+          } else {
+            cost.even_shares_of(s);
+          }
+          stages[p].push_back(s);
+        }
+      }
+      // Layers per pipeline, then micro-batches.
+      std::function<void(size_t, plan::Plan&)> layers_of = [&](size_t p, plan::Plan& plan) {
+        if (p == pipes.size()) {
+          std::vector<int> cur;
+          compositions(M, static_cast<int>(pipes.size()), 1, cur, [&](const std::vector<int>& m) {
+            for (size_t i = 0; i < m.size(); ++i) plan.pipelines[i].micro_batches = m[i];
+            plan::validate(plan, cost.model(), "brute force");
+            const auto pred = cost.predict(plan, rates);
+            if (pred.fits) best = std::min(best, pred.iteration_time);
+          });
+          return;
+        }
+        std::vector<int> cur;
+        compositions(L, static_cast<int>(stages[p].size()), 1, cur,
+                     [&](const std::vector<int>& ls) {
+                       int begin = 0;
+                       for (size_t j = 0; j < ls.size(); ++j) {
+                         plan.pipelines[p].stages[j].layer_begin = begin;
+                         begin += ls[j];
+                         plan.pipelines[p].stages[j].layer_end = begin;
+                       }
+                       layers_of(p + 1, plan);
+                     });
+      };
+      plan::Plan plan;
+      plan.world_size = N;
+      plan.micro_batch_size = cost.batch().micro_batch;
+      for (auto& s : stages) plan.pipelines.push_back({1, s});
+      if (static_cast<int>(pipes.size()) <= M) layers_of(0, plan);
+    }
+  };
+  // Ordered partitions of the groups into pipelines.
+  form_pipelines = [&](size_t next, std::vector<std::vector<int>>& pipes) {
+    if (next == groups.size()) {
+      std::vector<std::vector<int>> ordered = pipes;
+      std::function<void(size_t)> permute = [&](size_t p) {
+        if (p == ordered.size()) {
+          evaluate(ordered);
+          return;
+        }
+        std::sort(ordered[p].begin(), ordered[p].end());
+        do {
+          permute(p + 1);
+        } while (std::next_permutation(ordered[p].begin(), ordered[p].end()));
+      };
+      permute(0);
+      return;
+    }
+    for (size_t p = 0; p < pipes.size(); ++p) {  // by index: the recursion grows `pipes`
+      pipes[p].push_back(static_cast<int>(next));
+      form_pipelines(next + 1, pipes);
+      pipes[p].pop_back();
+    }
+    pipes.push_back({static_cast<int>(next)});
+    form_pipelines(next + 1, pipes);
+    pipes.pop_back();
+  };
+  // Groups over the devices in `left` (bitmask), each device used or left idle.
+  form_groups = [&](int left, std::vector<int>) {
+    if (left == 0) {
+      if (groups.empty()) return;
+      std::vector<std::vector<int>> pipes;
+      form_pipelines(0, pipes);
+      return;
+    }
+    int first = 0;
+    while (!(left & (1 << first))) ++first;
+    // `first` stays idle.
+    form_groups(left & ~(1 << first), {});
+    if (plan::is_gone(rates[static_cast<size_t>(first)])) return;
+    for (int subset = 0; subset < (1 << N); ++subset) {
+      if (!(subset & (1 << first)) || (subset & ~left)) continue;
+      const int size = __builtin_popcount(static_cast<unsigned>(subset));
+      if (size != 1 && size != 2 && size != 4) continue;
+      std::vector<int> g;
+      bool gone = false;
+      for (int d = 0; d < N; ++d) {
+        if (subset & (1 << d))
+          g.push_back(d), gone = gone || plan::is_gone(rates[static_cast<size_t>(d)]);
+      }
+      if (gone) continue;
+      groups.push_back(g);
+      form_groups(left & ~subset, {});
+      groups.pop_back();
+    }
+  };
+  form_groups((1 << N) - 1, {});
+  return best;
+}
+
+TEST(Planner, MalleusMatchesBruteForceOnASmallCluster) {
+  auto m = small_model();
+  m.num_layers = 4;
+  const CostModel cost(m, small_cluster(1, 4), plan::BatchConfig{4, 1, 1024});
+  const auto planner = plan::make_strategy("malleus");
+  for (const auto& rates : rate_patterns(4)) {
+    const double best = brute_force(cost, rates);
+    const auto r = planner->plan(cost, {rates, plan::Shape{}, std::nullopt});
+    const std::string label = plan::rates_to_json(rates).dump();
+    EXPECT_GE(r.prediction.iteration_time, best * (1 - 1e-9)) << label;
+    EXPECT_LE(r.prediction.iteration_time, best * (1 + 1e-6))
+        << label << ": planner " << r.prediction.iteration_time << " s (" << r.plan.summary()
+        << "), brute force " << best << " s";
+  }
+}
+
+TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
+  const auto model = small_model();
+  const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
+  const plan::Rates healthy(8, 1.0);
+  const auto current = plan::uniform_plan(model, 2, 2, 2, 16, 1, 8);
+  // With a wide tolerance the running plan counts as good as the best: nothing moves.
+  plan::PlannerOptions lenient;
+  lenient.tie_tolerance = 1.0;
+  const auto kept = plan::make_strategy("malleus", lenient)->plan(cost, {healthy, {}, current});
+  EXPECT_EQ(kept.plan.to_json(), current.to_json());
+  EXPECT_EQ(plan::migration_cost(current, kept.plan, cost).total_bytes, 0.0);
+  // With exact ties only, the faster plan wins.
+  const auto best = plan::make_strategy("malleus")->plan(cost, {healthy, {}, current});
+  EXPECT_LE(best.prediction.iteration_time, cost.predict(current, healthy).iteration_time);
+  // Planning the same situation again from the chosen plan keeps it.
+  const auto again = plan::make_strategy("malleus")->plan(cost, {healthy, {}, best.plan});
+  EXPECT_EQ(again.plan.to_json(), best.plan.to_json());
+}
+
+TEST(Planner, BaselinesBehaveAsDocumented) {
+  const auto model = small_model();
+  const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
+  plan::Rates rates(8, 1.0);
+  rates[5] = kInf;
+  const plan::Shape base{2, 2, 2};
+  const auto uniform = plan::make_strategy("uniform")->plan(cost, {rates, base, std::nullopt});
+  ASSERT_EQ(uniform.plan.pipelines.size(), 1u);  // the pipeline holding device 5 is dropped
+  EXPECT_EQ(uniform.plan.pipelines[0].micro_batches, 16);
+  EXPECT_TRUE(uniform.restart);
+  rates[5] = 4;
+  const auto layers = plan::make_strategy("uneven-layers")->plan(cost, {rates, base, std::nullopt});
+  // Device 5 is in pipeline 1, stage 0 (ranks 4, 5): that stage gets fewer layers.
+  EXPECT_LT(layers.plan.pipelines[1].stages[0].num_layers(),
+            layers.plan.pipelines[0].stages[0].num_layers());
+  EXPECT_EQ(layers.plan.pipelines[0].micro_batches, layers.plan.pipelines[1].micro_batches);
+  const auto micro =
+      plan::make_strategy("uneven-microbatches")->plan(cost, {rates, base, std::nullopt});
+  EXPECT_LT(micro.plan.pipelines[1].micro_batches, micro.plan.pipelines[0].micro_batches);
+  const auto drop = plan::make_strategy("drop-slow")->plan(cost, {rates, base, std::nullopt});
+  for (int r : drop.plan.idle_ranks()) EXPECT_NE(r, 0);
+  const auto idle = drop.plan.idle_ranks();
+  EXPECT_NE(std::find(idle.begin(), idle.end(), 5), idle.end());
+}

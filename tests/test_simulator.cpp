@@ -1,0 +1,151 @@
+// The simulator: 1F1B's schedule against the closed form, per-device accounting, and scenarios
+// (trace runs, the table, the chart, strict scenario files).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "common/error.h"
+#include "plan/cost_model.h"
+#include "plan/planner.h"
+#include "sim/scenario.h"
+#include "sim/simulator.h"
+
+using namespace malleus;
+
+TEST(Simulator, UniformPipelineMatchesTheClosedForm) {
+  for (int S : {1, 2, 4, 7}) {
+    for (int m : {1, 2, 4, 9, 32}) {
+      const std::vector<double> f(static_cast<size_t>(S), 1.0), b(static_cast<size_t>(S), 2.0),
+          d(static_cast<size_t>(S), 0.0);
+      std::vector<int> peak;
+      const double t = sim::simulate_pipeline(f, b, d, m, &peak);
+      EXPECT_DOUBLE_EQ(t, (m + S - 1) * 3.0) << "S=" << S << " m=" << m;
+      for (int s = 0; s < S; ++s) EXPECT_EQ(peak[static_cast<size_t>(s)], std::min(S - s, m));
+    }
+  }
+}
+
+TEST(Simulator, TransfersAndUnevenStagesStayNearTheClosedForm) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> u(0.5, 2.0), small(0.0, 0.2);
+  double worst = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int S = 1 + static_cast<int>(rng() % 6);
+    const int m = S + static_cast<int>(rng() % 24);
+    std::vector<plan::StagePrediction> stages(static_cast<size_t>(S));
+    std::vector<double> f, b, d;
+    for (auto& s : stages) {
+      s.cost.forward = u(rng);
+      s.cost.backward = 2 * s.cost.forward * u(rng);
+      s.p2p_next = small(rng);
+      f.push_back(s.cost.forward), b.push_back(s.cost.backward), d.push_back(s.p2p_next);
+    }
+    const double sim = sim::simulate_pipeline(f, b, d, m);
+    const double closed = plan::CostModel::pipeline_time(stages, m).time;
+    // Nothing can beat the slowest stage's work, nor one micro-batch's trip.
+    double bound = 0;
+    for (size_t s = 0; s < stages.size(); ++s) bound = std::max(bound, m * (f[s] + b[s]));
+    EXPECT_GE(sim, bound - 1e-9);
+    worst = std::max(worst, std::abs(sim - closed) / sim);
+  }
+  // The closed form is the planner's estimate: it must stay close to the real schedule.
+  EXPECT_LT(worst, 0.2);
+}
+
+TEST(Simulator, PlanIterationAndDeviceAccounting) {
+  const plan::CostModel cost(model::load_model_config("llama-70b"), plan::load_cluster("a800-8x8"),
+                             plan::BatchConfig{64, 1, 4096});
+  const auto plan = plan::uniform_plan(cost.model(), 2, 8, 4, 64, 1, 64);
+  plan::Rates rates(64, 1.0);
+  const auto healthy = sim::simulate(cost, plan, rates);
+  const auto pred = cost.predict(plan, rates);
+  EXPECT_NEAR(healthy.iteration_time, pred.iteration_time, 0.01 * pred.iteration_time);
+  for (const auto& d : healthy.devices) {
+    EXPECT_TRUE(d.used);
+    EXPECT_NEAR(d.busy_s + d.idle_s, healthy.iteration_time, 1e-9);
+    EXPECT_GT(d.busy_s / healthy.iteration_time, 0.7);
+    EXPECT_GT(d.memory_bytes, 0);
+  }
+  EXPECT_EQ(healthy.devices[0].peak_in_flight, 4);
+  EXPECT_EQ(healthy.devices[63].peak_in_flight, 1);
+  // One slow device: it is busy, its TP peers and the other stages wait.
+  rates[3] = 3;
+  const auto slow = sim::simulate(cost, plan, rates);
+  EXPECT_GT(slow.iteration_time, 2 * healthy.iteration_time);
+  EXPECT_GT(slow.devices[3].busy_s, 2 * slow.devices[2].busy_s);
+  EXPECT_LT(slow.mean_utilisation(), healthy.mean_utilisation());
+  rates[60] = std::numeric_limits<double>::infinity();
+  EXPECT_TRUE(std::isinf(sim::simulate(cost, plan, rates).iteration_time));
+}
+
+namespace {
+
+Json small_scenario() {
+  return Json::parse(R"({
+    "name": "t", "description": "test trace", "cluster": "a800-4x8", "model": "llama-7b",
+    "seq_len": 2048, "global_batch": 32, "micro_batch": 1, "base": "dp4,tp2,pp4",
+    "horizon_s": 600, "replan_s": 0.5,
+    "events": [{"at_s": 60, "rates": {"3": 4}}, {"at_s": 300, "rates": {"9": "inf"}}]})");
+}
+
+std::string error_of(const Json& j) {
+  try {
+    sim::Scenario::from_json(j, "s.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Scenario, TraceRunsEveryStrategyAndOursLeads) {
+  const auto sc = sim::Scenario::from_json(small_scenario(), "s.json");
+  const auto r = sim::run_scenario(sc);
+  ASSERT_EQ(r.runs.size(), plan::strategy_names().size());
+  EXPECT_GT(r.healthy_iteration_s, 0);
+  ASSERT_EQ(r.ideal_samples_per_s.size(), 2u);
+  const sim::StrategyRun* ours = nullptr;
+  for (const auto& run : r.runs) {
+    if (run.strategy == "malleus") ours = &run;
+    EXPECT_TRUE(run.error.empty()) << run.strategy << ": " << run.error;
+    EXPECT_LE(run.samples, r.ideal_samples * 1.01) << run.strategy;
+    double covered = 0;
+    for (const auto& s : run.timeline) covered += s.end_s - s.start_s;
+    EXPECT_NEAR(covered, sc.horizon_s, 1e-6) << run.strategy;
+  }
+  ASSERT_NE(ours, nullptr);
+  for (const auto& run : r.runs) {
+    EXPECT_GE(ours->samples, run.samples * (1 - 1e-9)) << run.strategy;
+    for (size_t e = 0; e < run.steady_samples_per_s.size(); ++e) {
+      EXPECT_GE(ours->steady_samples_per_s[e], run.steady_samples_per_s[e] * (1 - 1e-9))
+          << run.strategy << " event " << e;
+    }
+  }
+  const std::string table = sim::render_table(r);
+  const std::string svg = sim::render_svg(r);
+  for (const auto& name : plan::strategy_names()) {
+    EXPECT_NE(table.find(name), std::string::npos);
+    EXPECT_NE(svg.find(name), std::string::npos);
+  }
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_EQ(sim::result_to_json(r)["runs"].size(), r.runs.size());
+}
+
+TEST(Scenario, BadFilesNameTheKey) {
+  Json j = small_scenario();
+  j["horizon"] = 5;
+  EXPECT_NE(error_of(j).find("horizon"), std::string::npos);
+  j = small_scenario();
+  j["events"][1]["at_s"] = 10;
+  EXPECT_NE(error_of(j).find("event 1"), std::string::npos);
+  j = small_scenario();
+  j["events"][0]["rates"]["99"] = 2;
+  EXPECT_NE(error_of(j).find("\"99\""), std::string::npos);
+  j = small_scenario();
+  j["strategies"] = {"malleus", "magic"};
+  EXPECT_NE(error_of(j).find("magic"), std::string::npos);
+  EXPECT_THROW(sim::load_scenario("/no/such/scenario.json"), Error);
+}
