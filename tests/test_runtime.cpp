@@ -9,8 +9,10 @@
 
 #include <cmath>
 #include <fstream>
+#include <set>
 
 #include "comm/communicator.h"
+#include "layout/redistribution.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
@@ -214,6 +216,88 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
   if (world.rank() == 0) expect_matches(resumed, straight, "resumed under another plan");
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
+  // A rank slowed 5× for a few steps, then another 6×: the monitor notices, the controller
+  // re-plans each time; the state migrates each time, and the losses and final parameters are
+  // still those of one rank training alone.
+  Communicator world = Communicator::world();
+  if (world.size() < 4) GTEST_SKIP() << "needs 4 ranks";
+  const fs::path dir = shared_dir(world);
+  train::TrainConfig config = base_config(dir);
+  config.steps = 14;
+  config.monitor_window = 1;
+  config.stragglers = {"1:5:3-6", "2:6:8-14"};  // two episodes: two switches worth making
+  // Plan for devices whose links are cheap, so the healthy plan uses every rank and each episode
+  // calls for another plan (on this machine's real latency a model this small is best on one).
+  config.cluster = (dir / "fast-links.json").string();
+  if (world.rank() == 0) {
+    Json cluster = read_json_file(MALLEUS_SOURCE_DIR "/configs/clusters/cpu-local.json");
+    cluster["intra_node_latency_us"] = cluster["inter_node_latency_us"] = 1;
+    cluster["intra_node_bandwidth_gbs"] = cluster["inter_node_bandwidth_gbs"] = 100;
+    std::ofstream(config.cluster) << cluster.dump();
+  }
+  world.barrier();
+  TrainingRun reference;
+  if (world.rank() == 0) reference = single_rank_reference(config, 14);
+  train::Trainer trainer(config, parallel_model(), world);
+  TrainingRun run;
+  int replans = 0;
+  std::set<std::string> plans{trainer.engine().plan().summary()};
+  for (int s = 0; s < 14; ++s) {
+    const train::StepStats stats = trainer.train_step();
+    run.losses.push_back(stats.loss);
+    if (!stats.replan.is_null() && stats.replan["event"] == "replan") ++replans;
+    if (!stats.replan.is_null() && world.rank() == 0) {
+      std::printf("  step %d: %s\n", s + 1, stats.replan.dump().c_str());
+    }
+    plans.insert(trainer.engine().plan().summary());
+  }
+  run.params = trainer.snapshot().params;
+  EXPECT_GE(replans, 2);
+  EXPECT_GE(plans.size(), 2u);
+  std::printf("  re-plans: %d, plans used: %zu\n", replans, plans.size());
+  if (world.rank() == 0) expect_matches(run, reference, "with re-plans");
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, MigrationKeepsTheStateAndMovesOnlyWhatIsMissing) {
+  Communicator world = Communicator::world();
+  if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const auto model = parallel_model();
+  runtime::EngineOptions options;
+  options.seq_len = 16;
+  const auto a = plan::uniform_plan(model, world.size(), 1, 1, 8, 1);
+  const auto b = plan::uniform_plan(model, 1, 1, std::min(world.size(), 4), 8, 1, world.size());
+  auto engine = std::make_unique<runtime::Engine>(model, a, world, options);
+  engine->init_parameters(5);
+  const runtime::FullState before = engine->gather();
+  const auto expected = layout::plan_redistribution(model, layout::plan_layout(a, model),
+                                                    layout::plan_layout(b, model));
+  runtime::MigrationStats stats;
+  engine = engine->migrate(b, &stats);
+  const runtime::FullState after = engine->gather();
+  if (world.rank() == 0) {
+    EXPECT_EQ(before.params, after.params);
+    EXPECT_EQ(before.adam_m, after.adam_m);
+  }
+
+  // Under dp every rank held everything, so the only cost is none: each new holder copies locally.
+  EXPECT_EQ(stats.bytes_moved, expected.elements_moved() * 3 * int64_t(sizeof(float)));
+  EXPECT_EQ(stats.bytes_moved, 0);
+  // And back: pipeline stages each hold part; the ranks that now need everything receive exactly
+  // the pieces they lacked.
+  const auto back = layout::plan_redistribution(model, layout::plan_layout(b, model),
+                                                layout::plan_layout(a, model));
+  engine = engine->migrate(a, &stats);
+  EXPECT_EQ(stats.bytes_moved, back.elements_moved() * 3 * int64_t(sizeof(float)));
+  EXPECT_GT(stats.bytes_moved, 0);
+  const runtime::FullState again = engine->gather();
+  if (world.rank() == 0) {
+    EXPECT_EQ(before.params, again.params);
+  }
 }
 
 TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {

@@ -29,7 +29,9 @@ namespace {
 // Flags that override single fields of a training config; unset flags leave the config alone.
 struct TrainOverrides {
   std::optional<std::string> model, train_data, val_data, out_dir;
-  std::optional<std::string> plan;
+  std::optional<std::string> plan, cluster, straggler_trace;
+  std::vector<std::string> stragglers;
+  bool no_replan = false;
   std::optional<int> seq_len, micro_batch, global_batch, threads, dp, tp, pp;
   std::optional<int64_t> steps, warmup_steps, eval_every, checkpoint_every;
   std::optional<float> lr;
@@ -56,6 +58,12 @@ struct TrainOverrides {
     app.add_option("--dp", dp, "Pipelines of the uniform plan (default: as many as fit)");
     app.add_option("--tp", tp, "Tensor-parallel degree of the uniform plan");
     app.add_option("--pp", pp, "Pipeline stages of the uniform plan");
+    app.add_option("--straggler", stragglers,
+                   "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable")
+        ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+    app.add_option("--straggler-trace", straggler_trace, "Injected straggler trace (JSON)");
+    app.add_flag("--no-replan", no_replan, "Keep the starting plan whatever the rates");
+    app.add_option("--cluster", cluster, "Cluster preset or file the controller plans for");
     app.add_option("--seed", seed, "Seed of initialisation and data order");
   }
   void apply(train::TrainConfig& c) const {
@@ -76,6 +84,10 @@ struct TrainOverrides {
     if (dp) c.dp = *dp;
     if (tp) c.tp = *tp;
     if (pp) c.pp = *pp;
+    if (!stragglers.empty()) c.stragglers = stragglers;
+    if (straggler_trace) c.straggler_trace = *straggler_trace;
+    if (no_replan) c.replan = false;
+    if (cluster) c.cluster = *cluster;
     if (seed) c.seed = *seed;
   }
 };

@@ -1,7 +1,9 @@
 #include "runtime/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "common/error.h"
 #include "layout/redistribution.h"
@@ -10,6 +12,27 @@
 namespace malleus::runtime {
 
 namespace {
+
+constexpr int kProbeSize = 256;  // the probe multiplies two 256² matrices: ~34 MFLOP, ~1 ms
+
+// Training FLOPs (forward and backward) of one micro-batch through a model shard: 6 per
+// matmul weight per token, plus causal attention over this shard's heads.
+double shard_flops(const model::ModelConfig& config, const model::ParameterLayout& layout,
+                   int tokens, int seq) {
+  double weights = 0;
+  for (const auto& t : layout.tensors()) {
+    if (t.shape.size() == 2 && t.name != "model.embed_tokens.weight") {
+      weights += static_cast<double>(t.size);
+    }
+  }
+  const auto& shard = layout.shard();
+  const double attention = 3.0 * 4.0 * shard.heads * config.head_dim() * (seq / 2.0);
+  return tokens * (6.0 * weights + (shard.layer_end - shard.layer_begin) * attention);
+}
+
+void sleep_seconds(double seconds) {
+  if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
 
 int forward_tag(int micro_batch) {
   return 2 * micro_batch;
@@ -26,6 +49,10 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       options_(options),
       state_(std::make_unique<ParallelState>(plan, model, std::move(world))),
       backend_(backend::make_cpu_backend<float>(options.threads)) {
+  const size_t probe = size_t{kProbeSize} * kProbeSize;
+  probe_a_ = backend::Buffer<float>(*backend_, probe);
+  probe_b_ = backend::Buffer<float>(*backend_, probe);
+  probe_c_ = backend::Buffer<float>(*backend_, probe);
   if (state_->role().idle()) return;
   const int slots = activation_slots(state_->role().stage, state_->num_stages(),
                                      state_->pipeline().micro_batches);
@@ -36,6 +63,8 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
+  work_flops_ = state_->pipeline().micro_batches *
+                shard_flops(model, model_->layout(), static_cast<int>(tokens), options.seq_len);
 }
 
 void Engine::init_parameters(uint64_t seed) {
@@ -46,7 +75,33 @@ void Engine::zero_grads() {
   if (model_) model_->zero_grads();
 }
 
-StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip) {
+template <typename Section>
+void Engine::timed(Section&& section, double slowdown, double* seconds) {
+  auto* tp = state_->tensor_parallel();
+  const double waited_before = tp ? tp->collective_cpu_seconds() : 0;
+  const double start = thread_cpu_seconds();
+  section();
+  const double waited = (tp ? tp->collective_cpu_seconds() : 0) - waited_before;
+  const double compute = std::max(0.0, thread_cpu_seconds() - start - waited);
+  sleep_seconds((slowdown - 1) * compute);
+  *seconds += slowdown * compute;
+}
+
+// A fixed piece of work on every rank, idle ranks included, so that a rank without work under
+// the current plan still shows whether its device has recovered.
+void Engine::run_probe(double slowdown, StepResult* result) {
+  timed(
+      [&] {
+        backend_->matmul_forward(probe_c_.data(), probe_a_.data(), probe_b_.data(), kProbeSize,
+                                 kProbeSize, kProbeSize);
+      },
+      slowdown, &result->probe_seconds);
+  result->probe_flops = 2.0 * kProbeSize * kProbeSize * kProbeSize;
+}
+
+StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, double slowdown) {
+  check(slowdown >= 1, "an injected slowdown must be at least 1");
+  StepResult result;
   ParallelState& st = *state_;
   const plan::Plan& plan = st.plan();
   const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
@@ -85,7 +140,9 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip) {
                      st.previous_stage_ranks().front(), forward_tag(j))
               .wait();
         }
-        const double loss = model_->forward(slot, inputs_.data(), targets_.data());
+        double loss = 0;
+        timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown,
+              &result.compute_seconds);
         if (st.last_stage() && sender) loss_sum += loss;
         if (!st.last_stage() && sender) {
           for (int r : st.next_stage_ranks()) {
@@ -101,7 +158,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip) {
                      backward_tag(j))
               .wait();
         }
-        model_->backward(slot, loss_scale);
+        timed([&] { model_->backward(slot, loss_scale); }, slowdown, &result.compute_seconds);
         if (!st.first_stage() && sender) {
           for (int r : st.previous_stage_ranks()) {
             backward_sends.push_back(
@@ -113,12 +170,26 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip) {
     for (auto& sends : forward_sends) comm::Request::wait_all(sends);
     comm::Request::wait_all(backward_sends);
     sync_gradients();
+    result.work_flops = work_flops_;
   }
+  run_probe(slowdown, &result);
 
-  StepResult result;
   comm::Communicator& world = st.world();
-  result.loss = world.all_reduce_sum(loss_sum) / static_cast<double>(global_tokens);
-  result.grad_norm = std::sqrt(world.all_reduce_sum(local_norm_squares()));
+  // One all-reduce carries the loss, the squared gradient norm and every rank's measurements
+  // (each rank fills its own slots), so monitoring costs no extra round of communication.
+  const size_t ranks = static_cast<size_t>(world.size());
+  std::vector<double> shared(2 + 4 * ranks, 0.0);
+  shared[0] = loss_sum;
+  shared[1] = local_norm_squares();
+  double* mine = shared.data() + 2 + 4 * static_cast<size_t>(world.rank());
+  mine[0] = result.compute_seconds;
+  mine[1] = result.work_flops;
+  mine[2] = result.probe_seconds;
+  mine[3] = result.probe_flops;
+  world.all_reduce_sum(shared.data(), shared.size());
+  result.loss = shared[0] / static_cast<double>(global_tokens);
+  result.grad_norm = std::sqrt(shared[1]);
+  result.measurements.assign(shared.begin() + 2, shared.end());
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (optimizer_) {
@@ -230,6 +301,31 @@ double Engine::local_norm_squares() {
     sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
   }
   return sum;
+}
+
+std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
+  const auto start = std::chrono::steady_clock::now();
+  auto next = std::make_unique<Engine>(model_config_, plan, state_->world(), options_);
+  const auto moves =
+      layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
+  std::vector<const float*> from;
+  std::vector<float*> to;
+  if (model_) from = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+  if (next->model_) {
+    to = {next->model_->params(), next->optimizer_->first_moment(),
+          next->optimizer_->second_moment()};
+  }
+  layout::redistribute<float>(moves, model_config_, state_->world(),
+                              model_ ? &model_->layout() : nullptr, from,
+                              next->model_ ? &next->model_->layout() : nullptr, to);
+  next->steps_done_ = steps_done_;
+  if (next->optimizer_) next->optimizer_->set_steps_done(steps_done_);
+  if (stats != nullptr) {
+    stats->bytes_moved = moves.elements_moved() * 3 * static_cast<int64_t>(sizeof(float));
+    stats->seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return next;
 }
 
 FullState Engine::gather(int root) {

@@ -8,6 +8,7 @@
 // the single-device update up to floating-point summation order.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -32,6 +33,19 @@ using SampleFn = std::function<void(int index, int32_t* inputs, int32_t* targets
 struct StepResult {
   double loss = 0;       // mean token loss of the global batch (on every rank)
   double grad_norm = 0;  // before clipping
+  // This rank's own measurements, for the straggler monitor: CPU time of its forward and
+  // backward passes (without time inside collectives, with any injected delay) and the FLOPs the
+  // plan gave it; and a fixed probe every rank runs, idle or not.
+  double compute_seconds = 0, work_flops = 0;
+  double probe_seconds = 0, probe_flops = 0;
+  // The four figures above of every rank, in rank order (gathered with the loss).
+  std::vector<double> measurements;
+};
+
+// What a migration to a new plan did on this rank (bytes and time are the same on every rank).
+struct MigrationStats {
+  int64_t bytes_moved = 0;  // over all ranks: parameters and both Adam moments
+  double seconds = 0;       // wall time, building the new communicators included
 };
 
 // The full model state gathered on one rank (params, Adam moments in the full model's layout).
@@ -52,7 +66,9 @@ class Engine {
   int64_t steps_done() const { return steps_done_; }
 
   void init_parameters(uint64_t seed);
-  StepResult step(const SampleFn& sample, float lr, float grad_clip);
+  // `slowdown` ≥ 1 makes this rank an injected straggler: after each of its compute sections it
+  // sleeps (slowdown − 1) × the section's CPU time (DESIGN.md, "Performance model").
+  StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0);
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches
   // dealt round-robin to the pipelines. Collective; the result is on every rank.
   double evaluate(const SampleFn& sample, int count);
@@ -63,10 +79,20 @@ class Engine {
   // Collective. Sets the state from `full`, read on rank `root` only, and the step counter.
   void scatter(const FullState& full, int64_t steps_done, int root = 0);
 
+  // Collective. An engine for `plan` holding this engine's state (parameters, Adam moments, step
+  // counter), moved through the layout algebra: pieces a rank already holds are copied locally,
+  // the rest travel once, batched per pair of ranks. This engine is left without use.
+  std::unique_ptr<Engine> migrate(const plan::Plan& plan, MigrationStats* stats = nullptr);
+
  private:
   void zero_grads();
   void sync_gradients();
   double local_norm_squares();
+  // Runs `section`, adds its CPU time (less time inside TP collectives) to *seconds, and sleeps
+  // to emulate a slower device when slowdown > 1.
+  template <typename Section>
+  void timed(Section&& section, double slowdown, double* seconds);
+  void run_probe(double slowdown, StepResult* result);
 
   model::ModelConfig model_config_;
   EngineOptions options_;
@@ -76,6 +102,8 @@ class Engine {
   std::unique_ptr<AdamW> optimizer_;
   int64_t steps_done_ = 0;  // kept on idle ranks too
   std::vector<float> pack_buffer_;
+  double work_flops_ = 0;  // per step, of this rank's shard
+  backend::Buffer<float> probe_a_, probe_b_, probe_c_;
   std::vector<int32_t> inputs_, targets_;
 };
 

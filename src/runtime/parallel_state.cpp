@@ -1,10 +1,30 @@
 #include "runtime/parallel_state.h"
 
+#include <time.h>
+
 #include <algorithm>
 
 #include "common/error.h"
 
 namespace malleus::runtime {
+
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+void MpiTensorParallelGroup::all_reduce_sum(float* data, size_t count) {
+  const double start = thread_cpu_seconds();
+  comm_.all_reduce_sum(data, count);
+  collective_cpu_seconds_ += thread_cpu_seconds() - start;
+}
+
+void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {
+  const double start = thread_cpu_seconds();
+  comm_.all_reduce_max(data, count);
+  collective_cpu_seconds_ += thread_cpu_seconds() - start;
+}
 
 ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& model,
                              comm::Communicator world)

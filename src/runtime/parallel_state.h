@@ -21,17 +21,25 @@ struct Role {
   bool idle() const { return pipeline < 0; }
 };
 
-// The model's tensor-parallel collectives over an MPI communicator.
+// The model's tensor-parallel collectives over an MPI communicator. It keeps the CPU time spent
+// inside them, so the monitor can count a rank's own compute without the time it waited for its
+// peers.
 class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
  public:
   explicit MpiTensorParallelGroup(comm::Communicator comm) : comm_(std::move(comm)) {}
   int size() const override { return comm_.size(); }
-  void all_reduce_sum(float* data, size_t count) override { comm_.all_reduce_sum(data, count); }
-  void all_reduce_max(float* data, size_t count) override { comm_.all_reduce_max(data, count); }
+  void all_reduce_sum(float* data, size_t count) override;
+  void all_reduce_max(float* data, size_t count) override;
+  double collective_cpu_seconds() const { return collective_cpu_seconds_; }
 
  private:
   comm::Communicator comm_;
+  double collective_cpu_seconds_ = 0;
 };
+
+// CPU time of the calling thread: what a rank spent computing, not waiting to be scheduled on an
+// oversubscribed machine.
+double thread_cpu_seconds();
 
 class ParallelState {
  public:

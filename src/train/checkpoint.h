@@ -20,12 +20,12 @@ namespace malleus::train {
 
 struct Checkpoint {
   model::ModelConfig model;
-  Json train_config;              // TrainConfig::to_json() of the run that wrote it
-  int64_t step = 0;               // optimizer steps done
-  int64_t consumed_samples = 0;   // data position: samples drawn from the sampler so far
+  Json train_config;             // TrainConfig::to_json() of the run that wrote it
+  int64_t step = 0;              // optimizer steps done
+  int64_t consumed_samples = 0;  // data position: samples drawn from the sampler so far
   // Flat buffers in model::ParameterLayout(model) order (padded layout, total_size() elements).
   std::vector<float> params;
-  std::vector<float> adam_m;      // empty when saved/loaded without optimizer state
+  std::vector<float> adam_m;  // empty when saved/loaded without optimizer state
   std::vector<float> adam_v;
 };
 

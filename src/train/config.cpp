@@ -24,6 +24,8 @@ void TrainConfig::validate(const std::string& source) const {
   require(eval_samples > 0, "\"eval_samples\" must be positive");
   require(!out_dir.empty(), "\"out_dir\" must not be empty");
   require(threads >= 0, "\"threads\" must not be negative");
+  require(monitor_window >= 1, "\"monitor_window\" must be at least 1");
+  require(replan_horizon >= 1, "\"replan_horizon\" must be at least 1");
   require(dp >= 0 && tp >= 1 && pp >= 1,
           "\"dp\" must be >= 0 (0: automatic), \"tp\" and \"pp\" >= 1");
 }
@@ -56,6 +58,12 @@ TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) 
   c.dp = r.optional("dp", c.dp);
   c.tp = r.optional("tp", c.tp);
   c.pp = r.optional("pp", c.pp);
+  c.replan = r.optional("replan", c.replan);
+  c.cluster = r.optional("cluster", c.cluster);
+  c.monitor_window = r.optional("monitor_window", c.monitor_window);
+  c.replan_horizon = r.optional("replan_horizon", c.replan_horizon);
+  c.stragglers = r.optional("stragglers", c.stragglers);
+  c.straggler_trace = r.optional("straggler_trace", c.straggler_trace);
   r.finish();
   c.validate(source);
   return c;
@@ -86,7 +94,13 @@ Json TrainConfig::to_json() const {
               {"plan", plan},
               {"dp", dp},
               {"tp", tp},
-              {"pp", pp}};
+              {"pp", pp},
+              {"replan", replan},
+              {"cluster", cluster},
+              {"monitor_window", monitor_window},
+              {"replan_horizon", replan_horizon},
+              {"stragglers", stragglers},
+              {"straggler_trace", straggler_trace}};
 }
 
 }  // namespace malleus::train

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/json.h"
 
@@ -40,6 +41,16 @@ struct TrainConfig {
   // (dp = 0: as many pipelines as the ranks allow).
   std::string plan;
   int dp = 0, tp = 1, pp = 1;
+
+  // Straggler tolerance: re-plan when the monitored rates move (elastic/controller.h), planning
+  // for the cluster preset `cluster` with one device per rank.
+  bool replan = true;
+  std::string cluster = "cpu-local";
+  int monitor_window = 3;   // steps in the monitor's sliding median
+  int replan_horizon = 50;  // steps over which a re-plan's gain must pay for its migration
+  // Injected stragglers for experiments: "RANK:RATE:FROM-TO" entries and/or a trace file.
+  std::vector<std::string> stragglers;
+  std::string straggler_trace;
 
   int grad_accum_steps() const { return global_batch_size / micro_batch_size; }
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }

@@ -68,6 +68,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& model_conf
       model_config_(model_config),
       world_(std::move(world)),
       schedule_{config.lr, config.min_lr_ratio, config.warmup_steps, config.steps},
+      monitor_(world_.size(), config.monitor_window),
       train_data_(config.train_data, model_config.vocab_size),
       sampler_(train_data_, config.seq_len, config.seed) {
   config_.validate("training config");
@@ -76,6 +77,21 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& model_conf
             std::to_string(model_config.max_seq_len));
   // The plan is checked completely before any rank allocates or communicates.
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
+  for (const auto& spec : config_.stragglers) stragglers_.add(spec);
+  if (!config_.straggler_trace.empty()) stragglers_.add_trace(config_.straggler_trace);
+  if (config_.replan) {
+    plan::BatchConfig batch;
+    batch.global_batch = config_.global_batch_size;
+    batch.micro_batch = config_.micro_batch_size;
+    batch.seq_len = config_.seq_len;
+    elastic::ControllerOptions options;
+    options.horizon_steps = config_.replan_horizon;
+    options.min_samples = config_.monitor_window;
+    controller_ = std::make_unique<elastic::Controller>(
+        plan::CostModel(model_config, elastic::local_cluster(config_.cluster, world_.size()),
+                        batch),
+        options);
+  }
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_,
                                               engine_options(config_, world_.size()));
   engine_->init_parameters(config.seed);
@@ -116,11 +132,33 @@ StepStats Trainer::train_step() {
     sampler_.sample(first + index, inputs, targets);
   };
   const double lr = schedule_.at(step_);
-  const runtime::StepResult r = engine_->step(sample, static_cast<float>(lr), config_.grad_clip);
+  StepStats stats;
+  stats.injected = stragglers_.rates(world_.size(), step_ + 1);
+  const runtime::StepResult r = engine_->step(sample, static_cast<float>(lr), config_.grad_clip,
+                                              stats.injected[static_cast<size_t>(world_.rank())]);
   consumed_samples_ += config_.global_batch_size;
   ++step_;
 
-  StepStats stats;
+  // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
+  const auto loop_start = Clock::now();
+  stats.rates = monitor_.observe(r.measurements);
+  if (controller_) {
+    elastic::Decision decision = controller_->decide(
+        world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_);
+    if (decision.plan) {
+      plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
+                     "re-plan");
+      runtime::MigrationStats migration;
+      engine_ = engine_->migrate(*decision.plan, &migration);
+      controller_->note_migration_seconds(migration.seconds);
+      monitor_.reset();  // measurements under the old plan do not describe the new one
+      decision.record["bytes_moved"] = migration.bytes_moved;
+      decision.record["migration_s"] = migration.seconds;
+    }
+    stats.replan = decision.record;
+  }
+  stats.overhead_s = seconds_since(loop_start);
+
   stats.step = step_;
   stats.loss = r.loss;
   stats.lr = lr;
@@ -158,6 +196,51 @@ void Trainer::save(const std::filesystem::path& root) {
               format_duration(seconds_since(start)).c_str());
 }
 
+void Trainer::log_step(const StepStats& s, double eta, const std::string& plan_text,
+                       MetricsLog& metrics) {
+  std::string rates;
+  for (double r : s.rates) {
+    char text[16];
+    std::snprintf(text, sizeof text, rates.empty() ? "%.1f" : " %.1f", r);
+    rates += text;
+  }
+  std::printf(
+      "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | %.3f s | ETA %s | %s | "
+      "rates %s\n",
+      static_cast<long long>(s.step), static_cast<long long>(config_.steps), s.loss, s.lr,
+      s.grad_norm, format_count(s.tokens_per_s).c_str(), s.step_time_s,
+      format_duration(eta).c_str(), plan_text.c_str(), rates.c_str());
+  metrics.write({{"step", s.step},
+                 {"loss", s.loss},
+                 {"lr", s.lr},
+                 {"grad_norm", s.grad_norm},
+                 {"tokens_per_s", s.tokens_per_s},
+                 {"step_time_s", s.step_time_s},
+                 {"eta_s", eta},
+                 {"consumed_samples", consumed_samples_},
+                 {"plan", plan_text},
+                 {"rates", s.rates},
+                 {"injected", s.injected},
+                 {"monitor_overhead_s", s.overhead_s}});
+  if (!s.replan.is_null()) {
+    const Json& d = s.replan;
+    if (d["event"] == "replan") {
+      std::printf(
+          "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %sB in %.3f s "
+          "(planning %.3f s)\n",
+          static_cast<long long>(s.step), d["old_plan"].get<std::string>().c_str(),
+          d["new_plan"].get<std::string>().c_str(), d["predicted_old_s"].get<double>(),
+          d["predicted_new_s"].get<double>(), format_count(d["bytes_moved"].get<double>()).c_str(),
+          d["migration_s"].get<double>(), d["planning_s"].get<double>());
+    } else {
+      std::printf("re-plan declined at step %lld: %s\n", static_cast<long long>(s.step),
+                  d["reason"].get<std::string>().c_str());
+    }
+    metrics.write(d);
+  }
+  std::fflush(stdout);
+}
+
 void Trainer::run() {
   const std::filesystem::path out(config_.out_dir);
   const auto checkpoints = out / "checkpoints";
@@ -165,7 +248,7 @@ void Trainer::run() {
   if (is_root()) metrics.emplace(out / "metrics.jsonl");
   std::optional<data::TokenDataset> val_data;
   if (!config_.val_data.empty()) val_data.emplace(config_.val_data, model_config_.vocab_size);
-  const std::string plan_text = engine_->plan().summary();
+  std::string plan_text = engine_->plan().summary();
 
   if (is_root()) {
     const auto& mc = model_config_;
@@ -188,24 +271,8 @@ void Trainer::run() {
     recent_step_time =
         recent_step_time == 0 ? s.step_time_s : 0.9 * recent_step_time + 0.1 * s.step_time_s;
     const double eta = recent_step_time * static_cast<double>(config_.steps - step_);
-    if (is_root()) {
-      std::printf(
-          "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | %.3f s | ETA %s | "
-          "%s\n",
-          static_cast<long long>(s.step), static_cast<long long>(config_.steps), s.loss, s.lr,
-          s.grad_norm, format_count(s.tokens_per_s).c_str(), s.step_time_s,
-          format_duration(eta).c_str(), plan_text.c_str());
-      std::fflush(stdout);
-      metrics->write({{"step", s.step},
-                      {"loss", s.loss},
-                      {"lr", s.lr},
-                      {"grad_norm", s.grad_norm},
-                      {"tokens_per_s", s.tokens_per_s},
-                      {"step_time_s", s.step_time_s},
-                      {"eta_s", eta},
-                      {"consumed_samples", consumed_samples_},
-                      {"plan", plan_text}});
-    }
+    if (is_root()) log_step(s, eta, plan_text, *metrics);
+    plan_text = engine_->plan().summary();
 
     const bool last = step_ == config_.steps;
     if (val_data && ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || last)) {

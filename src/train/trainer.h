@@ -12,10 +12,14 @@
 
 #include "comm/communicator.h"
 #include "data/dataset.h"
+#include "elastic/controller.h"
+#include "elastic/monitor.h"
+#include "elastic/stragglers.h"
 #include "plan/plan.h"
 #include "runtime/engine.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/metrics.h"
 #include "train/schedule.h"
 
 namespace malleus::train {
@@ -27,6 +31,10 @@ struct StepStats {
   double grad_norm = 0;  // before clipping
   double step_time_s = 0;
   double tokens_per_s = 0;
+  std::vector<double> rates;     // monitored straggle rate of every rank (1 = healthy)
+  std::vector<double> injected;  // injected rate of every rank (experiments)
+  Json replan;                   // the controller's record when it was asked, else null
+  double overhead_s = 0;         // monitoring and deciding (a re-plan's migration included)
 };
 
 // The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
@@ -63,12 +71,17 @@ class Trainer {
 
  private:
   void save(const std::filesystem::path& root);
+  // The step line on stdout and its record (and any re-plan record) in the metrics file.
+  void log_step(const StepStats& s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
   TrainConfig config_;
   model::ModelConfig model_config_;
   comm::Communicator world_;
   std::unique_ptr<runtime::Engine> engine_;
   LrSchedule schedule_;
+  elastic::StragglerSchedule stragglers_;
+  elastic::Monitor monitor_;
+  std::unique_ptr<elastic::Controller> controller_;  // null when re-planning is off
   data::TokenDataset train_data_;
   data::Sampler sampler_;
   int64_t step_ = 0;
