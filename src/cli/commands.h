@@ -10,5 +10,7 @@ namespace malleus::cli {
 void add_training_commands(CLI::App& app);
 // plan, simulate, profile, experiments, clusters
 void add_planning_commands(CLI::App& app);
+// report
+void add_report_command(CLI::App& app);
 
 }  // namespace malleus::cli

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "malleus 0.1.0");
   malleus::cli::add_training_commands(app);
   malleus::cli::add_planning_commands(app);
+  malleus::cli::add_report_command(app);
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback
   } catch (const CLI::ParseError& e) {
