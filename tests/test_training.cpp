@@ -145,6 +145,12 @@ TEST(Training, RunWritesMetricsAndCheckpoints) {
   EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / "step_00000002" / "manifest.json"));
 }
 
+TEST(TrainConfig, DemoFileIsTheBuiltInDefault) {
+  const std::string file = std::string(MALLEUS_SOURCE_DIR) + "/configs/train/demo.json";
+  const auto from_file = train::TrainConfig::from_json(read_json_file(file), file);
+  EXPECT_EQ(from_file.to_json(), train::TrainConfig{}.to_json());
+}
+
 TEST(LrSchedule, WarmupThenCosineToTheFloor) {
   const train::LrSchedule s{1.0, 0.1, 10, 110};
   EXPECT_DOUBLE_EQ(s.at(0), 0.1);

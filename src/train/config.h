@@ -16,7 +16,7 @@ struct TrainConfig {
   std::string train_data = "data/fortunes/train_*.bin";
   std::string val_data = "data/fortunes/val_*.bin";  // empty: no evaluation
   int seq_len = 256;
-  int micro_batch_size = 8;
+  int micro_batch_size = 2;
   int global_batch_size = 16;  // sequences per optimizer step; a multiple of micro_batch_size
   int64_t steps = 300;
   uint64_t seed = 1234;  // parameter init and data order
