@@ -1,0 +1,185 @@
+// `malleus train` under mpirun, end to end: plan files with uneven tensor-parallel shares,
+// resuming under another plan, and bad plans. A bad plan must stop the whole job with a named
+// error; the real risk is a hang (one rank throwing while the others wait in a collective), so
+// every command runs under `timeout` and a timeout (exit 124) fails the test.
+//
+// These tests launch mpirun themselves, so they are plain (single-process) gtest executables.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "common/files.h"
+#include "test_util.h"
+
+using namespace malleus;
+using malleus::testing::CommandResult;
+using malleus::testing::run_command;
+using malleus::testing::ScratchDir;
+
+namespace {
+
+constexpr int kTimeoutS = 60;
+
+// `malleus <arguments>` on `ranks` MPI ranks. The environment is set on the command line so the
+// test works as root (containers) and with more ranks than cores; yield_when_idle keeps waiting
+// ranks from starving the computing ones on an oversubscribed machine.
+CommandResult run_mpi(int ranks, const std::string& arguments) {
+  std::string command = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+  command += " OMPI_MCA_mpi_yield_when_idle=1 timeout ";
+  command += std::to_string(kTimeoutS);
+  command += " ";
+  command += MALLEUS_MPIRUN;
+  command += " --oversubscribe -np ";
+  command += std::to_string(ranks);
+  command += " ";
+  command += MALLEUS_BINARY;
+  command += " ";
+  command += arguments;
+  return run_command(command);
+}
+
+// The tiny model (2 layers, 4 heads in 2 KV groups, FFN 64, vocabulary 257) on the synthetic
+// corpus: global batch 8 in micro-batches of 2, so 4 micro-batches per step.
+std::string tiny_flags(const ScratchDir& dir, const std::string& run, int steps) {
+  std::string flags = "--model tiny --seq-len 16 --micro-batch 2 --global-batch 8 --threads 1";
+  // --no-replan: these tests check that the job runs the plan it was given, so the straggler
+  // controller must not switch plans on noisy timings of an oversubscribed machine.
+  flags += " --warmup-steps 1 --val-data '' --checkpoint-every 0 --no-replan --steps ";
+  flags += std::to_string(steps);
+  flags += " --train-data '";
+  flags += (dir / "data" / "train_*.bin").string();
+  flags += "' --out ";
+  flags += (dir / run).string();
+  return flags;
+}
+
+std::string write_plan(const ScratchDir& dir, const std::string& name, const std::string& json) {
+  const fs::path path = dir / name;
+  write_file_atomic(path, json);
+  return path.string();
+}
+
+// Loss of every step line ("step     3/4 | loss 5.1234 | ...") by step number.
+std::map<int, double> step_losses(const std::string& output) {
+  std::map<int, double> losses;
+  std::istringstream lines(output);
+  std::string line;
+  while (std::getline(lines, line)) {
+    int step = 0, total = 0;
+    double loss = 0;
+    if (std::sscanf(line.c_str(), "step %d/%d | loss %lf", &step, &total, &loss) == 3) {
+      losses[step] = loss;
+    }
+  }
+  return losses;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// Whether there are step lines and every one of them names the plan (as " | <summary>").
+bool step_lines_show(const std::string& output, const std::string& summary) {
+  std::istringstream lines(output);
+  std::string line;
+  int steps = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("step ", 0) != 0) continue;
+    ++steps;
+    if (!contains(line, " | " + summary)) return false;
+  }
+  return steps > 0;
+}
+
+// Fails unless the job stopped by itself (not by `timeout`) with a non-zero exit and every part
+// of the expected error message.
+void expect_clean_failure(const CommandResult& r, std::initializer_list<std::string> parts) {
+  EXPECT_NE(r.exit_code, 124) << "the job hung and was killed by timeout\n" << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "error:")) << r.output;
+  for (const auto& part : parts) EXPECT_TRUE(contains(r.output, part)) << part << "\n" << r.output;
+}
+
+}  // namespace
+
+TEST(CliMpi, TrainsWithUnevenTensorParallelShares) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  // With 2 KV groups of 2 heads, tp2's head shares can only be [2, 2]; the FFN columns and the
+  // vocabulary rows carry the uneven split.
+  const std::string plan = write_plan(dir, "uneven.json", R"({
+    "world_size": 2, "micro_batch_size": 2,
+    "pipelines": [{"micro_batches": 4, "stages": [
+      {"layers": [0, 2], "ranks": [0, 1], "heads": [2, 2], "ffn": [48, 16], "vocab": [200, 57]}]}]
+  })");
+  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 3) + " --plan " + plan);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto losses = step_losses(r.output);
+  EXPECT_EQ(losses.size(), 3u) << r.output;
+  for (const auto& [step, loss] : losses) EXPECT_TRUE(std::isfinite(loss)) << step;
+  EXPECT_TRUE(contains(r.output, "step     3/3")) << r.output;
+  EXPECT_TRUE(step_lines_show(r.output, "1 pipeline: [pp1 tp2 m4]")) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / "latest"));
+}
+
+TEST(CliMpi, ResumesUnderAnotherPlan) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto first = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --dp 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_TRUE(step_lines_show(first.output, "2 pipelines: [pp1 tp1 m2] [pp1 tp1 m2]"))
+      << first.output;
+
+  const std::string pp2 = write_plan(dir, "pp2.json", R"({
+    "world_size": 2, "micro_batch_size": 2,
+    "pipelines": [{"micro_batches": 4, "stages": [
+      {"layers": [0, 1], "ranks": [0]}, {"layers": [1, 2], "ranks": [1]}]}]
+  })");
+  const auto resumed =
+      run_mpi(2, "train --resume " + (dir / "run").string() + " --plan " + pp2 + " --steps 4");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "resuming from")) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "at step 2")) << resumed.output;
+  EXPECT_TRUE(step_lines_show(resumed.output, "1 pipeline: [pp2 tp1,1 m4]")) << resumed.output;
+  const auto resumed_losses = step_losses(resumed.output);
+  ASSERT_EQ(resumed_losses.size(), 2u) << resumed.output;
+
+  // The plan changes only how the work is split: the resumed steps must match an uninterrupted
+  // run under the first plan, up to fp32 summation order.
+  const auto straight = run_mpi(2, "train " + tiny_flags(dir, "straight", 4) + " --dp 2");
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto straight_losses = step_losses(straight.output);
+  for (int step : {3, 4}) {
+    ASSERT_TRUE(resumed_losses.count(step) && straight_losses.count(step)) << step;
+    EXPECT_NEAR(resumed_losses.at(step), straight_losses.at(step), 2e-4) << "step " << step;
+  }
+}
+
+TEST(CliMpi, OverlappingRanksStopTheJob) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const std::string plan = write_plan(dir, "overlap.json", R"({
+    "world_size": 2, "micro_batch_size": 2,
+    "pipelines": [{"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]}]},
+                  {"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]}]}]
+  })");
+  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --plan " + plan);
+  expect_clean_failure(r, {"overlap.json: pipeline 1 stage 0: rank 0 is already used by "
+                           "pipeline 0 stage 0"});
+  EXPECT_FALSE(contains(r.output, "step ")) << r.output;
+}
+
+TEST(CliMpi, WorldSizeMismatchNamesBothNumbers) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const std::string plan = write_plan(dir, "three.json", R"({
+    "world_size": 3, "micro_batch_size": 2,
+    "pipelines": [{"micro_batches": 4, "stages": [
+      {"layers": [0, 1], "ranks": [0, 1]}, {"layers": [1, 2], "ranks": [2]}]}]
+  })");
+  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --plan " + plan);
+  expect_clean_failure(r, {"three.json: the plan is for 3 ranks but the job has 2"});
+}
