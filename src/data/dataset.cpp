@@ -7,20 +7,12 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/hash.h"
 #include "data/shard.h"
 
 namespace malleus::data {
 
 namespace {
-
-// SplitMix64's finalizer: nearby (seed, epoch) pairs give unrelated generator seeds, so epoch e of
-// seed s and epoch e + 1 of seed s - 1 do not share a permutation.
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // Uniform in [0, bound) by rejection. std::uniform_int_distribution is not used because its
 // algorithm is implementation-defined, and the permutation must be the same with every standard

@@ -7,24 +7,11 @@
 #include <string_view>
 
 #include "common/error.h"
+#include "common/hash.h"
 
 namespace malleus::model {
 
 namespace {
-
-// splitmix64: a well-mixed 64-bit hash, to derive independent per-tensor seeds.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-uint64_t hash_name(std::string_view name) {
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a: stable across platforms, unlike std::hash
-  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
-  return h;
-}
 
 // Standard normal draws from Box–Muller on mt19937_64, so the values are the same with every
 // standard library (std::normal_distribution's algorithm is implementation-defined).
@@ -136,7 +123,7 @@ void Transformer<T>::init_parameters(uint64_t seed) {
     for (int64_t d : t.full_shape) whole_size *= d;
     whole.assign(static_cast<size_t>(whole_size), T(1));
     if (t.full_shape.size() > 1) {
-      NormalStream normal(mix(seed ^ mix(hash_name(t.name))));
+      NormalStream normal(mix64(seed ^ mix64(hash_text(t.name))));
       const bool residual_out =
           t.name.ends_with("o_proj.weight") || t.name.ends_with("down_proj.weight");
       const double std = config_.init_std * (residual_out ? residual_scale : 1.0);
