@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <thread>
 
 #include "common/error.h"
 #include "layout/redistribution.h"
@@ -30,8 +29,15 @@ double shard_flops(const model::ModelConfig& config, const model::ParameterLayou
   return tokens * (6.0 * weights + (shard.layer_end - shard.layer_begin) * attention);
 }
 
-void sleep_seconds(double seconds) {
-  if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+// An emulated slow device keeps its compute busy: it burns this thread's CPU time rather than
+// sleeping, which on an oversubscribed machine would hand the core to the other ranks and make
+// the rest of the job faster than it would be next to a real straggler.
+void burn_cpu_seconds(double seconds) {
+  const double until = thread_cpu_seconds() + seconds;
+  volatile double sink = 0;
+  while (thread_cpu_seconds() < until) {
+    for (int i = 0; i < 4096; ++i) sink = sink + 1.0;
+  }
 }
 
 int forward_tag(int micro_batch) {
@@ -83,7 +89,7 @@ void Engine::timed(Section&& section, double slowdown, double* seconds) {
   section();
   const double waited = (tp ? tp->collective_cpu_seconds() : 0) - waited_before;
   const double compute = std::max(0.0, thread_cpu_seconds() - start - waited);
-  sleep_seconds((slowdown - 1) * compute);
+  burn_cpu_seconds((slowdown - 1) * compute);
   *seconds += slowdown * compute;
 }
 

@@ -67,7 +67,7 @@ class Engine {
 
   void init_parameters(uint64_t seed);
   // `slowdown` ≥ 1 makes this rank an injected straggler: after each of its compute sections it
-  // sleeps (slowdown − 1) × the section's CPU time (DESIGN.md, "Performance model").
+  // burns (slowdown − 1) × the section's CPU time (DESIGN.md, "Performance model").
   StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0);
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches
   // dealt round-robin to the pipelines. Collective; the result is on every rank.
@@ -88,8 +88,8 @@ class Engine {
   void zero_grads();
   void sync_gradients();
   double local_norm_squares();
-  // Runs `section`, adds its CPU time (less time inside TP collectives) to *seconds, and sleeps
-  // to emulate a slower device when slowdown > 1.
+  // Runs `section`, adds its CPU time (less time inside TP collectives) to *seconds, and burns
+  // CPU to emulate a slower device when slowdown > 1.
   template <typename Section>
   void timed(Section&& section, double slowdown, double* seconds);
   void run_probe(double slowdown, StepResult* result);
