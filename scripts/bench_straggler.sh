@@ -11,6 +11,10 @@ rate=${2:-3}
 compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
 out=${BENCH_OUT:-runs/bench-straggler}
 rm -rf "$out"
+mkdir -p "$out"
+# The controller's cost model is calibrated with this machine's measured layer times.
+build/malleus profile --model demo --micro-batch 1 --seq-len 128 --threads 1 --repeats 5 \
+  --out "$out/profile.json" | sed -n 2,3p
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 common=(--model demo --seq-len 128 --micro-batch 1 --global-batch 16 --steps "$steps" --threads 1
         --lr 1e-3 --warmup-steps 10 --eval-every 0 --checkpoint-every 0 --val-data ""

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "common/error.h"
+#include "elastic/controller.h"
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
 #include "test_util.h"
@@ -74,4 +75,24 @@ TEST(Monitor, SlidingMedianIgnoresOneNoisyStep) {
   EXPECT_GT(step(5.0)[1], 1.5);           // a lasting change shows
   monitor.reset();
   EXPECT_EQ(monitor.samples(), 0);
+}
+
+TEST(Controller, ProfileOfAWholeCoreIsScaledToARanksShare) {
+  plan::Profile p;
+  p.layer_forward_s = 0.002;
+  p.layer_backward_s = 0.004;
+  p.layer_forward_flops_per_s = 1e11;
+  p.layer_backward_flops_per_s = 1e11;
+  p.head_flops_per_s = 5e10;
+  const plan::Profile half = elastic::shared_profile(p, 0.5);  // two ranks per core
+  EXPECT_DOUBLE_EQ(half.layer_forward_s, 0.004);
+  EXPECT_DOUBLE_EQ(half.layer_backward_flops_per_s, 5e10);
+  EXPECT_DOUBLE_EQ(half.head_flops_per_s, 2.5e10);
+  EXPECT_THROW(elastic::shared_profile(p, 0), Error);
+}
+
+TEST(Controller, LocalClusterHasOneDevicePerRank) {
+  const auto cluster = elastic::local_cluster("cpu-local", 6);
+  EXPECT_EQ(cluster.num_devices(), 6);
+  EXPECT_EQ(cluster.nodes, 1);
 }

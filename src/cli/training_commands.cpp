@@ -29,7 +29,7 @@ namespace {
 // Flags that override single fields of a training config; unset flags leave the config alone.
 struct TrainOverrides {
   std::optional<std::string> model, train_data, val_data, out_dir;
-  std::optional<std::string> plan, cluster, straggler_trace;
+  std::optional<std::string> plan, cluster, profile, straggler_trace;
   std::vector<std::string> stragglers;
   bool no_replan = false;
   std::optional<int> seq_len, micro_batch, global_batch, threads, dp, tp, pp;
@@ -64,6 +64,8 @@ struct TrainOverrides {
     app.add_option("--straggler-trace", straggler_trace, "Injected straggler trace (JSON)");
     app.add_flag("--no-replan", no_replan, "Keep the starting plan whatever the rates");
     app.add_option("--cluster", cluster, "Cluster preset or file the controller plans for");
+    app.add_option("--profile", profile,
+                   "Measured layer times (malleus profile) for the controller");
     app.add_option("--seed", seed, "Seed of initialisation and data order");
   }
   void apply(train::TrainConfig& c) const {
@@ -88,6 +90,7 @@ struct TrainOverrides {
     if (straggler_trace) c.straggler_trace = *straggler_trace;
     if (no_replan) c.replan = false;
     if (cluster) c.cluster = *cluster;
+    if (profile) c.profile = *profile;
     if (seed) c.seed = *seed;
   }
 };

@@ -16,6 +16,19 @@ plan::ClusterSpec local_cluster(const std::string& preset, int world_size) {
   return cluster;
 }
 
+plan::Profile shared_profile(plan::Profile p, double share) {
+  check(share > 0 && share <= 1, "a rank's share of a core must be in (0, 1]");
+  for (double* time :
+       {&p.layer_forward_s, &p.layer_backward_s, &p.head_forward_s, &p.head_backward_s}) {
+    *time /= share;
+  }
+  for (double* rate :
+       {&p.layer_forward_flops_per_s, &p.layer_backward_flops_per_s, &p.head_flops_per_s}) {
+    *rate *= share;
+  }
+  return p;
+}
+
 Controller::Controller(plan::CostModel cost, ControllerOptions options)
     : cost_(std::move(cost)),
       options_(std::move(options)),

@@ -58,5 +58,8 @@ class Controller {
 // The cluster to plan for when training on this machine: the named preset (default "cpu-local")
 // with one device per rank on one node.
 plan::ClusterSpec local_cluster(const std::string& preset, int world_size);
+// A profile measured on a whole core, for ranks that each get only `share` of one (several
+// ranks per core): the same work takes 1 / share as long.
+plan::Profile shared_profile(plan::Profile profile, double share);
 
 }  // namespace malleus::elastic

@@ -60,6 +60,7 @@ TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) 
   c.pp = r.optional("pp", c.pp);
   c.replan = r.optional("replan", c.replan);
   c.cluster = r.optional("cluster", c.cluster);
+  c.profile = r.optional("profile", c.profile);
   c.monitor_window = r.optional("monitor_window", c.monitor_window);
   c.replan_horizon = r.optional("replan_horizon", c.replan_horizon);
   c.stragglers = r.optional("stragglers", c.stragglers);
@@ -97,6 +98,7 @@ Json TrainConfig::to_json() const {
               {"pp", pp},
               {"replan", replan},
               {"cluster", cluster},
+              {"profile", profile},
               {"monitor_window", monitor_window},
               {"replan_horizon", replan_horizon},
               {"stragglers", stragglers},

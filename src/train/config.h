@@ -46,6 +46,10 @@ struct TrainConfig {
   // for the cluster preset `cluster` with one device per rank.
   bool replan = true;
   std::string cluster = "cpu-local";
+  // A `malleus profile` file: the controller's cost model then uses these measured layer times
+  // instead of the cluster's peak × MFU (scaled by each rank's share of the cores when more ranks
+  // than cores run on this machine).
+  std::string profile;
   int monitor_window = 3;   // steps in the monitor's sliding median
   int replan_horizon = 50;  // steps over which a re-plan's gain must pay for its migration
   // Injected stragglers for experiments: "RANK:RATE:FROM-TO" entries and/or a trace file.

@@ -87,9 +87,18 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& model_conf
     elastic::ControllerOptions options;
     options.horizon_steps = config_.replan_horizon;
     options.min_samples = config_.monitor_window;
+    std::optional<plan::Profile> profile;
+    if (!config_.profile.empty()) {
+      const int ranks = ranks_on_this_node(world_.size());
+      const int threads = engine_options(config_, world_.size()).threads;
+      const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+      profile = elastic::shared_profile(
+          plan::Profile::from_json(read_json_file(config_.profile), config_.profile),
+          std::min(1.0, static_cast<double>(cores) / (ranks * threads)));
+    }
     controller_ = std::make_unique<elastic::Controller>(
-        plan::CostModel(model_config, elastic::local_cluster(config_.cluster, world_.size()),
-                        batch),
+        plan::CostModel(model_config, elastic::local_cluster(config_.cluster, world_.size()), batch,
+                        profile),
         options);
   }
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_,
