@@ -26,14 +26,11 @@ GradSyncPlan plan_grad_sync(const model::ModelConfig& model, const Layout& layou
 
 bool contributes(const RefinedPiece& piece, int rank) {
   const auto& holders = piece.holders[0];
-  for (const Holder& h : holders) {
-    if (h.rank != rank) continue;
-    // Holders are sorted by rank: contribute if no lower rank shares the replica group.
-    return std::none_of(holders.begin(), holders.end(), [&](const Holder& other) {
-      return other.rank < rank && other.replica_group == h.replica_group;
-    });
-  }
-  return false;
+  const Holder* mine = find_holder(holders, rank);
+  // Contribute unless a lower rank of the same replica group holds the piece too.
+  return mine != nullptr && std::none_of(holders.begin(), holders.end(), [&](const Holder& other) {
+           return other.rank < rank && other.replica_group == mine->replica_group;
+         });
 }
 
 int norm_owner(const RefinedPiece& piece) {

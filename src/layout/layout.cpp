@@ -74,6 +74,13 @@ int64_t local_extent(const model::TensorSpec& local) {
 
 }  // namespace
 
+const Holder* find_holder(const std::vector<Holder>& holders, int rank) {
+  for (const Holder& h : holders) {
+    if (h.rank == rank) return &h;
+  }
+  return nullptr;
+}
+
 std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
                                             const std::vector<const Layout*>& layouts) {
   check(!layouts.empty(), "common refinement of no layouts");

@@ -52,6 +52,9 @@ struct RefinedPiece {
   std::vector<std::vector<Holder>> holders;  // holders[i]: who holds it in layouts[i], by rank
 };
 
+// The entry of `rank` among one layout's holders of a piece, or null if it holds none of it.
+const Holder* find_holder(const std::vector<Holder>& holders, int rank);
+
 // The common refinement of `layouts` (all of the same world size), in tensor order, then axis
 // order. Pieces nobody holds are left out.
 std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,

@@ -210,9 +210,13 @@ void Transformer<T>::backward(int slot_index, T loss_scale) {
 
 template <typename T>
 std::vector<T> Transformer<T>::token_losses(int slot) {
-  const auto& losses = slots_.at(slot).losses;
-  std::vector<T> host(losses.size());
-  backend_.copy_to_host(host.data(), losses.data(), host.size());
+  return host_losses(slots_.at(slot));
+}
+
+template <typename T>
+std::vector<T> Transformer<T>::host_losses(const Slot& slot) {
+  std::vector<T> host(slot.losses.size());
+  backend_.copy_to_host(host.data(), slot.losses.data(), host.size());
   return host;
 }
 
@@ -318,9 +322,7 @@ double Transformer<T>::head_forward(Slot& slot) {
   all_reduce_sum(sum_exp, 2 * static_cast<size_t>(n));
   backend_.cross_entropy_loss(slot.losses.data(), slot.row_max.data(), sum_exp, target_logit, n);
   double sum = 0;
-  for (T loss : token_losses(static_cast<int>(&slot - slots_.data()))) {
-    sum += static_cast<double>(loss);
-  }
+  for (T loss : host_losses(slot)) sum += static_cast<double>(loss);
   return sum;
 }
 

@@ -89,6 +89,7 @@ class Transformer {
   };
 
   void all_reduce_sum(T* data, size_t count);
+  std::vector<T> host_losses(const Slot& slot);
   void block_forward(Slot& slot, int index, const T* x, T* out);
   void block_backward(Slot& slot, int index, const T* x, T* dres);
   double head_forward(Slot& slot);

@@ -266,11 +266,7 @@ void Engine::sync_gradients() {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
       const int64_t n = layout::piece_elements(full, piece.piece);
       if (layout::contributes(piece, me)) {
-        const layout::Holder& h =
-            *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
-                          [&](const layout::Holder& x) { return x.rank == me; });
-        layout::pack_piece(model_->grads(), model_->layout().tensor(h.local_tensor), piece.piece,
-                           cursor);
+        layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
       } else {
         std::fill_n(cursor, n, 0.0f);
       }
@@ -280,14 +276,15 @@ void Engine::sync_gradients() {
     cursor = pack_buffer_.data();
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
-      const layout::Holder& h =
-          *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
-                        [&](const layout::Holder& x) { return x.rank == me; });
-      layout::unpack_piece(cursor, model_->layout().tensor(h.local_tensor), piece.piece,
-                           model_->grads());
+      layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
       cursor += layout::piece_elements(full, piece.piece);
     }
   }
+}
+
+const model::TensorSpec& Engine::my_part(const layout::RefinedPiece& piece) const {
+  return model_->layout().tensor(
+      layout::find_holder(piece.holders[0], state_->rank())->local_tensor);
 }
 
 // Σ g² over the pieces this rank counts, so the global norm sees every element exactly once.
@@ -299,11 +296,8 @@ double Engine::local_norm_squares() {
   double sum = 0;
   for (const auto& piece : sync.pieces) {
     if (layout::norm_owner(piece) != me) continue;
-    const layout::Holder& h = *std::find_if(piece.holders[0].begin(), piece.holders[0].end(),
-                                            [&](const layout::Holder& x) { return x.rank == me; });
     pack_buffer_.resize(static_cast<size_t>(layout::piece_elements(full, piece.piece)));
-    layout::pack_piece(model_->grads(), model_->layout().tensor(h.local_tensor), piece.piece,
-                       pack_buffer_.data());
+    layout::pack_piece(model_->grads(), my_part(piece), piece.piece, pack_buffer_.data());
     sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
   }
   return sum;

@@ -93,6 +93,8 @@ class Engine {
   template <typename Section>
   void timed(Section&& section, double slowdown, double* seconds);
   void run_probe(double slowdown, StepResult* result);
+  // This rank's local tensor holding a piece of the gradient-sync refinement (it must hold it).
+  const model::TensorSpec& my_part(const layout::RefinedPiece& piece) const;
 
   model::ModelConfig model_config_;
   EngineOptions options_;
