@@ -2,7 +2,9 @@
 // "latest" pointer, and the Hugging Face export read back by our reader and by the independent
 // NumPy reference (tests/hf_llama_reference.py).
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "test_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,26 +31,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("malleus_test_checkpoint_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using TempDir = malleus::testing::ScratchDir;
 
 // Random values in every tensor, zero in the alignment gaps (the files store no padding, so only
 // zero gaps survive a round trip bit for bit).

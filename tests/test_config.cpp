@@ -1,6 +1,8 @@
 // Model and training configs: presets, strict keys, impossible shapes.
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include "common/error.h"
 #include "common/files.h"
 #include "model/config.h"
@@ -11,14 +13,7 @@ using model::ModelConfig;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using malleus::testing::error_of;
 
 Json tiny_json() {
   return model::load_model_config("tiny").to_json();

@@ -1,7 +1,9 @@
 // Tests of the data pipeline: byte tokenizer, llm.c shard files, the token dataset and its
 // sampler, and prepare_data (text files to shards).
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "test_util.h"
 
 #include <algorithm>
 #include <atomic>
@@ -28,30 +30,7 @@ using namespace malleus::data;
 
 namespace {
 
-// A fresh directory per test, so tests can run in parallel (ctest -j) and leave nothing behind.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("malleus_test_data_" + std::to_string(::getpid()) + "_" +
-                                         info->name() + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
+using TempDir = malleus::testing::ScratchDir;
 
 std::string read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -2,6 +2,8 @@
 // and the key at fault.
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <cmath>
 
 #include "common/error.h"
@@ -12,14 +14,7 @@ using namespace malleus;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using malleus::testing::error_of;
 
 }  // namespace
 

@@ -6,10 +6,14 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <system_error>
 
+#include "common/error.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 
@@ -17,23 +21,41 @@ namespace malleus::testing {
 
 namespace fs = std::filesystem;
 
-// A fresh directory per test, removed afterwards.
+// A fresh directory, removed afterwards; named after the running test, so tests can run in
+// parallel (ctest -j) and leave nothing behind.
 class ScratchDir {
  public:
   ScratchDir() {
+    static std::atomic<int> counter{0};
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("malleus_" + std::string(info->test_suite_name()) + "_" +
-                                         info->name() + "_" + std::to_string(::getpid()));
+    path_ = fs::temp_directory_path() /
+            ("malleus_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" +
+             std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
-  ~ScratchDir() { fs::remove_all(path_); }
+  ~ScratchDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
   const fs::path& path() const { return path_; }
   fs::path operator/(const std::string& name) const { return path_ / name; }
 
  private:
   fs::path path_;
 };
+
+// The message of the malleus::Error that `f` throws, or "" if it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // English-like text with enough regularity that a tiny model's loss falls within a few dozen
 // steps; written as train and val shards under `dir`.
