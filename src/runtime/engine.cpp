@@ -119,8 +119,6 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     const int stage = st.role().stage, stages = st.num_stages();
     const int micro_batches = st.pipeline().micro_batches, b = plan.micro_batch_size;
     const int seq = options_.seq_len;
-    const size_t activation_bytes =
-        static_cast<size_t>(b) * seq * model_config_.hidden_size * sizeof(float);
     const int slots = model_->slots();
     const bool sender = st.role().tp_rank == 0;  // one rank per stage talks to the neighbours
     comm::Communicator& world = st.world();
@@ -140,27 +138,17 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
       if (op.kind == PipelineOp::kForward) {
         comm::Request::wait_all(forward_sends[static_cast<size_t>(slot)]);
         if (st.first_stage() || st.last_stage()) fill(j);
-        if (!st.first_stage()) {
-          world
-              .irecv(model_->input_activation(slot), activation_bytes,
-                     st.previous_stage_ranks().front(), forward_tag(j))
-              .wait();
-        }
+        receive_input(slot, j);
         double loss = 0;
         timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown,
               &result.compute_seconds);
         if (st.last_stage() && sender) loss_sum += loss;
-        if (!st.last_stage() && sender) {
-          for (int r : st.next_stage_ranks()) {
-            forward_sends[static_cast<size_t>(slot)].push_back(
-                world.isend(model_->output_activation(slot), activation_bytes, r, forward_tag(j)));
-          }
-        }
+        send_output(slot, j, &forward_sends[static_cast<size_t>(slot)]);
       } else {
         comm::Request::wait_all(backward_sends);
         if (!st.last_stage()) {
           world
-              .irecv(model_->output_grad(), activation_bytes, st.next_stage_ranks().front(),
+              .irecv(model_->output_grad(), activation_bytes(), st.next_stage_ranks().front(),
                      backward_tag(j))
               .wait();
         }
@@ -168,7 +156,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
         if (!st.first_stage() && sender) {
           for (int r : st.previous_stage_ranks()) {
             backward_sends.push_back(
-                world.isend(model_->input_grad(), activation_bytes, r, backward_tag(j)));
+                world.isend(model_->input_grad(), activation_bytes(), r, backward_tag(j)));
           }
         }
       }
@@ -205,18 +193,36 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   return result;
 }
 
+size_t Engine::activation_bytes() const {
+  return static_cast<size_t>(state_->plan().micro_batch_size) * options_.seq_len *
+         model_config_.hidden_size * sizeof(float);
+}
+
+void Engine::receive_input(int slot, int micro_batch) {
+  if (state_->first_stage()) return;
+  state_->world()
+      .irecv(model_->input_activation(slot), activation_bytes(),
+             state_->previous_stage_ranks().front(), forward_tag(micro_batch))
+      .wait();
+}
+
+void Engine::send_output(int slot, int micro_batch, std::vector<comm::Request>* sends) {
+  if (state_->last_stage() || state_->role().tp_rank != 0) return;
+  for (int r : state_->next_stage_ranks()) {
+    sends->push_back(state_->world().isend(model_->output_activation(slot), activation_bytes(), r,
+                                           forward_tag(micro_batch)));
+  }
+}
+
 double Engine::evaluate(const SampleFn& sample, int count) {
   check(count > 0, "evaluation needs at least one sequence");
   ParallelState& st = *state_;
   const int b = st.plan().micro_batch_size, seq = options_.seq_len;
   double loss_sum = 0;
   if (model_) {
-    const size_t activation_bytes =
-        static_cast<size_t>(b) * seq * model_config_.hidden_size * sizeof(float);
     const int micro_batches = (count + b - 1) / b;
     const int pipelines = static_cast<int>(st.plan().pipelines.size());
     const bool sender = st.role().tp_rank == 0;
-    comm::Communicator& world = st.world();
     std::vector<comm::Request> sends;
     for (int j = st.role().pipeline; j < micro_batches; j += pipelines) {
       comm::Request::wait_all(sends);
@@ -225,24 +231,14 @@ double Engine::evaluate(const SampleFn& sample, int count) {
         sample(std::min(j * b + i, count - 1), inputs_.data() + size_t(i) * seq,
                targets_.data() + size_t(i) * seq);
       }
-      if (!st.first_stage()) {
-        world
-            .irecv(model_->input_activation(0), activation_bytes, st.previous_stage_ranks().front(),
-                   forward_tag(j))
-            .wait();
-      }
+      receive_input(0, j);
       model_->forward(0, inputs_.data(), targets_.data());
       if (st.last_stage() && sender) {
         const std::vector<float> losses = model_->token_losses(0);
         const int valid = std::min(b, count - j * b);
         for (size_t t = 0; t < static_cast<size_t>(valid) * seq; ++t) loss_sum += losses[t];
       }
-      if (!st.last_stage() && sender) {
-        for (int r : st.next_stage_ranks()) {
-          sends.push_back(
-              world.isend(model_->output_activation(0), activation_bytes, r, forward_tag(j)));
-        }
-      }
+      send_output(0, j, &sends);
     }
     comm::Request::wait_all(sends);
   }
@@ -308,24 +304,28 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   auto next = std::make_unique<Engine>(model_config_, plan, state_->world(), options_);
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  std::vector<const float*> from;
-  std::vector<float*> to;
-  if (model_) from = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
-  if (next->model_) {
-    to = {next->model_->params(), next->optimizer_->first_moment(),
-          next->optimizer_->second_moment()};
-  }
+  const std::vector<float*> from = state_buffers();
   layout::redistribute<float>(moves, model_config_, state_->world(),
-                              model_ ? &model_->layout() : nullptr, from,
-                              next->model_ ? &next->model_->layout() : nullptr, to);
-  next->steps_done_ = steps_done_;
-  if (next->optimizer_) next->optimizer_->set_steps_done(steps_done_);
+                              model_ ? &model_->layout() : nullptr, {from.begin(), from.end()},
+                              next->model_ ? &next->model_->layout() : nullptr,
+                              next->state_buffers());
+  next->set_steps_done(steps_done_);
   if (stats != nullptr) {
     stats->bytes_moved = moves.elements_moved() * 3 * static_cast<int64_t>(sizeof(float));
     stats->seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   return next;
+}
+
+std::vector<float*> Engine::state_buffers() {
+  if (!model_) return {};
+  return {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+}
+
+void Engine::set_steps_done(int64_t steps) {
+  steps_done_ = steps;
+  if (optimizer_) optimizer_->set_steps_done(steps);
 }
 
 FullState Engine::gather(int root) {
@@ -343,10 +343,10 @@ FullState Engine::gather(int root) {
     full.adam_v.assign(total, 0.0f);
     to = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
   }
-  std::vector<const float*> from;
-  if (model_) from = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+  const std::vector<float*> from = state_buffers();
   layout::redistribute<float>(plan, model_config_, st.world(), model_ ? &model_->layout() : nullptr,
-                              from, full_layout ? &*full_layout : nullptr, to);
+                              {from.begin(), from.end()}, full_layout ? &*full_layout : nullptr,
+                              to);
   return full;
 }
 
@@ -363,13 +363,10 @@ void Engine::scatter(const FullState& full, int64_t steps_done, int root) {
           "model state does not match the model's parameter layout");
     from = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
   }
-  std::vector<float*> to;
-  if (model_) to = {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
   layout::redistribute<float>(plan, model_config_, st.world(),
                               full_layout ? &*full_layout : nullptr, from,
-                              model_ ? &model_->layout() : nullptr, to);
-  steps_done_ = steps_done;
-  if (optimizer_) optimizer_->set_steps_done(steps_done);
+                              model_ ? &model_->layout() : nullptr, state_buffers());
+  set_steps_done(steps_done);
 }
 
 }  // namespace malleus::runtime

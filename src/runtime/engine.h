@@ -93,6 +93,16 @@ class Engine {
   template <typename Section>
   void timed(Section&& section, double slowdown, double* seconds);
   void run_probe(double slowdown, StepResult* result);
+  // Bytes of one micro-batch's activations (or their gradient) between pipeline stages.
+  size_t activation_bytes() const;
+  // The stage input of a micro-batch from the previous stage (nothing on the first stage).
+  void receive_input(int slot, int micro_batch);
+  // The stage output to every rank of the next stage; only the group's first rank sends.
+  void send_output(int slot, int micro_batch, std::vector<comm::Request>* sends);
+  // Parameters and both Adam moments, in this rank's layout (none when idle): what moves
+  // between plans and to and from checkpoints.
+  std::vector<float*> state_buffers();
+  void set_steps_done(int64_t steps);
   // This rank's local tensor holding a piece of the gradient-sync refinement (it must hold it).
   const model::TensorSpec& my_part(const layout::RefinedPiece& piece) const;
 
