@@ -4,23 +4,11 @@
 
 #include "common/error.h"
 #include "plan/plan.h"
+#include "test_util.h"
 
 using namespace malleus;
 
 namespace {
-
-model::ModelConfig test_model() {
-  model::ModelConfig c;
-  c.name = "plan-test";
-  c.vocab_size = 257;
-  c.hidden_size = 32;
-  c.num_layers = 4;
-  c.num_heads = 8;
-  c.num_kv_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.max_seq_len = 16;
-  return c;
-}
 
 // Two unlike pipelines on 5 ranks (rank 4 idle): [tp2 (uneven), tp1] and [tp1].
 Json mixed_plan() {
@@ -35,7 +23,7 @@ Json mixed_plan() {
 
 std::string error_of(const Json& json, int world = 5, int batch = 8) {
   try {
-    const auto model = test_model();
+    const auto model = malleus::testing::parallel_test_model();
     const auto plan = plan::Plan::from_json(json, model, "p.json");
     plan::validate(plan, model, world, batch, "p.json");
   } catch (const Error& e) {
@@ -47,7 +35,7 @@ std::string error_of(const Json& json, int world = 5, int batch = 8) {
 }  // namespace
 
 TEST(PlanFormat, RoundTripsAndSummarises) {
-  const auto model = test_model();
+  const auto model = malleus::testing::parallel_test_model();
   const auto plan = plan::Plan::from_json(mixed_plan(), model, "p.json");
   EXPECT_EQ(error_of(mixed_plan()), "");
   EXPECT_EQ(plan.global_batch(), 8);
@@ -64,13 +52,15 @@ TEST(PlanFormat, EvenSharesKeepWholeGroups) {
 }
 
 TEST(PlanFormat, UniformPlanUsesMegatronRankOrder) {
-  const auto plan = plan::uniform_plan(test_model(), 2, 2, 2, 8, 2);
+  const auto plan = plan::uniform_plan(malleus::testing::parallel_test_model(), 2, 2, 2, 8, 2);
   ASSERT_EQ(plan.pipelines.size(), 2u);
   EXPECT_EQ(plan.pipelines[1].stages[0].ranks, (std::vector<int>{4, 5}));
   EXPECT_EQ(plan.pipelines[0].stages[1].layer_begin, 2);
   EXPECT_EQ(plan.pipelines[0].micro_batches, 2);
-  EXPECT_THROW(plan::uniform_plan(test_model(), 1, 8, 1, 8, 2), Error);  // tp > KV heads
-  EXPECT_THROW(plan::uniform_plan(test_model(), 1, 1, 5, 8, 2), Error);  // pp > layers
+  EXPECT_THROW(plan::uniform_plan(malleus::testing::parallel_test_model(), 1, 8, 1, 8, 2),
+               Error);  // tp > KV heads
+  EXPECT_THROW(plan::uniform_plan(malleus::testing::parallel_test_model(), 1, 1, 5, 8, 2),
+               Error);  // pp > layers
 }
 
 TEST(PlanFormat, OverlappingRanksAreRefused) {

@@ -22,21 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Small, but with room for uneven shares: 8 heads in 4 KV groups, 4 layers.
-model::ModelConfig parallel_model() {
-  model::ModelConfig c;
-  c.name = "parallel-test";
-  c.vocab_size = 257;
-  c.hidden_size = 32;
-  c.num_layers = 4;
-  c.num_heads = 8;
-  c.num_kv_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.max_seq_len = 16;
-  c.init_std = 0.1f;
-  return c;
-}
-
 // Shared by all ranks: one scratch directory named by rank 0.
 fs::path shared_dir(Communicator& world) {
   std::string path;
@@ -85,7 +70,7 @@ TrainingRun single_rank_reference(const train::TrainConfig& config, int steps) {
   train::TrainConfig c = config;
   c.plan = "";
   c.dp = c.tp = c.pp = 1;
-  train::Trainer trainer(c, parallel_model(), alone);
+  train::Trainer trainer(c, malleus::testing::parallel_test_model(), alone);
   return train_steps(trainer, steps);
 }
 
@@ -172,7 +157,7 @@ TEST(Runtime, AnyPlanTrainsLikeOneRank) {
     config.plan =
         world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
     world.barrier();  // the plan file exists before anyone reads it
-    train::Trainer trainer(config, parallel_model(), world);
+    train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     const TrainingRun run = train_steps(trainer, 10);
     if (world.rank() == 0) expect_matches(run, reference, name);
   }
@@ -189,7 +174,7 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
   a.pp = world.size() >= 8 ? 2 : 1;
   TrainingRun straight;
   {
-    train::Trainer trainer(a, parallel_model(), world);
+    train::Trainer trainer(a, malleus::testing::parallel_test_model(), world);
     for (int s = 0; s < 5; ++s) straight.losses.push_back(trainer.train_step().loss);
     const train::Checkpoint c = trainer.snapshot();
     if (world.rank() == 0) train::save_checkpoint(dir / "ckpt", c);
@@ -206,7 +191,7 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
   TrainingRun resumed{std::vector<double>(straight.losses.begin(), straight.losses.begin() + 5),
                       {}};
   {
-    train::Trainer trainer(b, parallel_model(), world);
+    train::Trainer trainer(b, malleus::testing::parallel_test_model(), world);
     trainer.restore(train::load_checkpoint_on_root(dir / "ckpt", world));
     EXPECT_EQ(trainer.step(), 5);
     EXPECT_EQ(trainer.consumed_samples(), 5 * b.global_batch_size);
@@ -246,7 +231,7 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
   world.barrier();
   TrainingRun reference;
   if (world.rank() == 0) reference = single_rank_reference(config, 28);
-  train::Trainer trainer(config, parallel_model(), world);
+  train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
   TrainingRun run;
   int replans = 0;
   std::set<std::string> plans{trainer.engine().plan().summary()};
@@ -271,7 +256,7 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
 TEST(Runtime, MigrationKeepsTheStateAndMovesOnlyWhatIsMissing) {
   Communicator world = Communicator::world();
   if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  const auto model = parallel_model();
+  const auto model = malleus::testing::parallel_test_model();
   runtime::EngineOptions options;
   options.seq_len = 16;
   const auto a = plan::uniform_plan(model, world.size(), 1, 1, 8, 1);
@@ -316,7 +301,7 @@ TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
   }
   world.barrier();
   try {
-    train::Trainer trainer(config, parallel_model(), world);
+    train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     ADD_FAILURE() << "a plan for 1000 ranks was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("the plan is for 1000 ranks"), std::string::npos)
