@@ -3,7 +3,9 @@
 # are left to the optimised build, where they take seconds rather than minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMALLEUS_SANITIZE=ON \
+launcher=()
+if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMALLEUS_SANITIZE=ON "${launcher[@]}" \
   -DMALLEUS_WERROR=ON -DMALLEUS_BUILD_BENCH=OFF > build-asan-configure.log ||
   { cat build-asan-configure.log; exit 1; }
 cmake --build build-asan --parallel "$(nproc)"
