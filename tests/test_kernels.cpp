@@ -46,16 +46,16 @@ struct Device {
   template <typename Source>
   Buffer<T> put(const std::vector<Source>& host) {
     std::vector<T> converted(host.begin(), host.end());
-    Buffer<T> buffer(*backend, converted.size());
+    Buffer<T> buffer(*backend, converted.size(), MemoryKind::kWorkspace);
     backend->copy_from_host(buffer.data(), converted.data(), converted.size());
     return buffer;
   }
   Buffer<T, int32_t> put_tokens(const std::vector<int32_t>& host) {
-    Buffer<T, int32_t> buffer(*backend, host.size());
+    Buffer<T, int32_t> buffer(*backend, host.size(), MemoryKind::kWorkspace);
     backend->copy_tokens_from_host(buffer.data(), host.data(), host.size());
     return buffer;
   }
-  Buffer<T> zeros(size_t count) { return Buffer<T>(*backend, count); }
+  Buffer<T> zeros(size_t count) { return Buffer<T>(*backend, count, MemoryKind::kWorkspace); }
   std::vector<T> get(const Buffer<T>& buffer) {
     std::vector<T> host(buffer.size());
     backend->copy_to_host(host.data(), buffer.data(), buffer.size());
@@ -1006,6 +1006,33 @@ TEST(Kernels, ElementwiseAndMemory) {
   EXPECT_EQ(d.backend->num_threads(), 2);
   d.backend->set_num_threads(1);
   EXPECT_EQ(d.backend->num_threads(), 1);
+}
+
+// Every buffer books its bytes under its kind while it lives; the peak remembers the highest
+// total since the last reset, moves do not double-count, and bookings outside buffers count too.
+TEST(MemoryLedger, BuffersBookTheirBytesByKindAndThePeakRemembersTheHighest) {
+  MemoryLedger& ledger = memory_ledger();
+  const MemoryFigures before = ledger.current();
+  ledger.reset_peak();
+  auto backend = make_cpu_backend<float>(1);
+  {
+    Buffer<float> params(*backend, 1000, MemoryKind::kParameters);
+    Buffer<float, int32_t> tokens(*backend, 10, MemoryKind::kActivations);
+    EXPECT_EQ(ledger.current()[MemoryKind::kParameters] - before[MemoryKind::kParameters], 4000);
+    EXPECT_EQ(ledger.current()[MemoryKind::kActivations] - before[MemoryKind::kActivations], 40);
+    Buffer<float> moved = std::move(params);
+    EXPECT_EQ(ledger.current().total() - before.total(), 4040);
+    MemoryBooking staging(MemoryKind::kCommunication, 500);
+    EXPECT_EQ(ledger.current().total() - before.total(), 4540);
+    staging.resize(100);
+    EXPECT_EQ(ledger.current()[MemoryKind::kCommunication] - before[MemoryKind::kCommunication],
+              100);
+  }
+  EXPECT_EQ(ledger.current().total(), before.total());
+  EXPECT_EQ(ledger.peak_total() - before.total(), 4540);
+  EXPECT_EQ(ledger.peak()[MemoryKind::kCommunication] - before[MemoryKind::kCommunication], 500);
+  ledger.reset_peak();
+  EXPECT_EQ(ledger.peak_total(), before.total());
 }
 
 }  // namespace

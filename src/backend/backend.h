@@ -18,6 +18,8 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/memory.h"
+
 namespace malleus::backend {
 
 // Hyper-parameters of one AdamW update (decoupled weight decay, Loshchilov & Hutter 2019).
@@ -126,14 +128,18 @@ class Backend {
 template <typename T>
 std::unique_ptr<Backend<T>> make_cpu_backend(int threads);
 
-// Owning handle for backend memory: values of T, or int32 tokens with Element = int32_t.
+// Owning handle for backend memory: values of T, or int32 tokens with Element = int32_t. Its
+// bytes are booked in the process's memory ledger under `kind` while it lives.
 template <typename T, typename Element = T>
 class Buffer {
   static_assert(std::is_same_v<Element, T> || std::is_same_v<Element, int32_t>);
 
  public:
   Buffer() = default;
-  Buffer(Backend<T>& backend, size_t count) : backend_(&backend), size_(count) {
+  Buffer(Backend<T>& backend, size_t count, MemoryKind kind)
+      : backend_(&backend),
+        size_(count),
+        booking_(kind, static_cast<int64_t>(count * sizeof(Element))) {
     if constexpr (std::is_same_v<Element, T>) {
       data_ = backend.allocate(count);
     } else {
@@ -148,6 +154,7 @@ class Buffer {
       backend_ = other.backend_;
       data_ = other.data_;
       size_ = other.size_;
+      booking_ = std::move(other.booking_);
       other.data_ = nullptr;
       other.size_ = 0;
     }
@@ -165,10 +172,12 @@ class Buffer {
     if (data_ != nullptr) backend_->release(data_);
     data_ = nullptr;
     size_ = 0;
+    booking_.resize(0);
   }
   Backend<T>* backend_ = nullptr;
   Element* data_ = nullptr;
   size_t size_ = 0;
+  MemoryBooking booking_;
 };
 
 }  // namespace malleus::backend

@@ -74,13 +74,19 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
   const size_t kv = static_cast<size_t>(kv_heads_) * config.head_dim();
   const size_t probs = static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len;
   const int blocks = shard.layer_end - shard.layer_begin;
-  auto buf = [&](size_t count) { return backend::Buffer<T>(backend, count); };
+  using backend::MemoryKind;
+  // Activation slots hold what a micro-batch keeps from its forward until its backward; the
+  // backward scratch below is shared by every slot and block.
+  auto buf = [&](size_t count, MemoryKind kind = MemoryKind::kActivations) {
+    return backend::Buffer<T>(backend, count, kind);
+  };
 
-  params_ = buf(layout_.total_size());
-  grads_ = buf(layout_.total_size());
+  params_ = buf(layout_.total_size(), MemoryKind::kParameters);
+  grads_ = buf(layout_.total_size(), MemoryKind::kGradients);
   for (int s = 0; s < slots; ++s) {
     Slot slot;
-    if (shard.has_embedding) slot.inputs = backend::Buffer<T, int32_t>(backend, n);
+    if (shard.has_embedding)
+      slot.inputs = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
     for (int b = 0; b <= blocks; ++b) slot.residual.push_back(buf(n * c));
     for (int b = 0; b < blocks; ++b) {
       slot.blocks.push_back({buf(n * c), buf(n), buf(n * q), buf(n * kv), buf(n * kv), buf(probs),
@@ -88,7 +94,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
                              buf(n * f)});
     }
     if (shard.has_head) {
-      slot.targets = backend::Buffer<T, int32_t>(backend, n);
+      slot.targets = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
       slot.final_ln = buf(n * c);
       slot.final_rstd = buf(n);
       slot.logits = buf(n * v);
@@ -98,18 +104,18 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
     }
     slots_.push_back(std::move(slot));
   }
-  dres_ = buf(n * c);
-  dnorm_ = buf(n * c);
-  dnorm2_ = buf(n * c);
-  dtmp_ = buf(n * c);
-  dq_ = buf(n * q);
-  dk_ = buf(n * kv);
-  dv_ = buf(n * kv);
-  dattn_ = buf(n * q);
-  dgate_ = buf(n * f);
-  dup_ = buf(n * f);
-  dact_ = buf(n * f);
-  if (shard.has_head) dlogits_ = buf(n * v);
+  dres_ = buf(n * c, MemoryKind::kWorkspace);
+  dnorm_ = buf(n * c, MemoryKind::kWorkspace);
+  dnorm2_ = buf(n * c, MemoryKind::kWorkspace);
+  dtmp_ = buf(n * c, MemoryKind::kWorkspace);
+  dq_ = buf(n * q, MemoryKind::kWorkspace);
+  dk_ = buf(n * kv, MemoryKind::kWorkspace);
+  dv_ = buf(n * kv, MemoryKind::kWorkspace);
+  dattn_ = buf(n * q, MemoryKind::kWorkspace);
+  dgate_ = buf(n * f, MemoryKind::kWorkspace);
+  dup_ = buf(n * f, MemoryKind::kWorkspace);
+  dact_ = buf(n * f, MemoryKind::kWorkspace);
+  if (shard.has_head) dlogits_ = buf(n * v, MemoryKind::kWorkspace);
 }
 
 template <typename T>

@@ -56,9 +56,9 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       state_(std::make_unique<ParallelState>(plan, model, std::move(world))),
       backend_(backend::make_cpu_backend<float>(options.threads)) {
   const size_t probe = size_t{kProbeSize} * kProbeSize;
-  probe_a_ = backend::Buffer<float>(*backend_, probe);
-  probe_b_ = backend::Buffer<float>(*backend_, probe);
-  probe_c_ = backend::Buffer<float>(*backend_, probe);
+  probe_a_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
+  probe_b_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
+  probe_c_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
   if (state_->role().idle()) return;
   const int slots = activation_slots(state_->role().stage, state_->num_stages(),
                                      state_->pipeline().micro_batches);

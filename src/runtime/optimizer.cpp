@@ -7,8 +7,8 @@ AdamW::AdamW(backend::Backend<float>& backend, const model::ParameterLayout& lay
     : backend_(backend),
       layout_(layout),
       config_(config),
-      m_(backend, static_cast<size_t>(layout.total_size())),
-      v_(backend, static_cast<size_t>(layout.total_size())) {}
+      m_(backend, static_cast<size_t>(layout.total_size()), backend::MemoryKind::kOptimizer),
+      v_(backend, static_cast<size_t>(layout.total_size()), backend::MemoryKind::kOptimizer) {}
 
 void AdamW::step(float* params, const float* grads, float lr, float grad_scale) {
   ++steps_done_;

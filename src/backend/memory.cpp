@@ -1,0 +1,90 @@
+#include "backend/memory.h"
+
+#include <utility>
+
+namespace malleus::backend {
+
+namespace {
+
+void raise_to(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
+const char* memory_kind_name(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kParameters:
+      return "parameters";
+    case MemoryKind::kGradients:
+      return "gradients";
+    case MemoryKind::kOptimizer:
+      return "optimizer";
+    case MemoryKind::kActivations:
+      return "activations";
+    case MemoryKind::kWorkspace:
+      return "workspace";
+    case MemoryKind::kCommunication:
+      return "communication";
+  }
+  return "unknown";
+}
+
+int64_t MemoryFigures::total() const {
+  int64_t sum = 0;
+  for (int64_t b : bytes) sum += b;
+  return sum;
+}
+
+void MemoryLedger::add(MemoryKind kind, int64_t bytes) {
+  const auto k = static_cast<size_t>(kind);
+  raise_to(peak_[k], current_[k].fetch_add(bytes, std::memory_order_relaxed) + bytes);
+  raise_to(peak_total_, total_.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+}
+
+void MemoryLedger::remove(MemoryKind kind, int64_t bytes) {
+  current_[static_cast<size_t>(kind)].fetch_sub(bytes, std::memory_order_relaxed);
+  total_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+MemoryFigures MemoryLedger::current() const {
+  MemoryFigures f;
+  for (size_t k = 0; k < f.bytes.size(); ++k) f.bytes[k] = current_[k].load();
+  return f;
+}
+
+MemoryFigures MemoryLedger::peak() const {
+  MemoryFigures f;
+  for (size_t k = 0; k < f.bytes.size(); ++k) f.bytes[k] = peak_[k].load();
+  return f;
+}
+
+void MemoryLedger::reset_peak() {
+  for (size_t k = 0; k < peak_.size(); ++k) peak_[k].store(current_[k].load());
+  peak_total_.store(total_.load());
+}
+
+MemoryLedger& memory_ledger() {
+  static MemoryLedger ledger;
+  return ledger;
+}
+
+MemoryBooking& MemoryBooking::operator=(MemoryBooking&& other) noexcept {
+  if (this != &other) {
+    resize(0);
+    kind_ = other.kind_;
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void MemoryBooking::resize(int64_t bytes) {
+  if (bytes == bytes_) return;
+  if (bytes_ > 0) memory_ledger().remove(kind_, bytes_);
+  bytes_ = bytes;
+  if (bytes_ > 0) memory_ledger().add(kind_, bytes_);
+}
+
+}  // namespace malleus::backend
