@@ -158,7 +158,8 @@ TEST(Sampling, FollowsTemperatureTopKAndTopP) {
   model::SamplingOptions o;
   o.temperature = 1;
   auto f = frequencies(o);
-  for (size_t i = 0; i < f.size(); ++i) EXPECT_NEAR(f[i], 0.1 * static_cast<double>(i + 1), 0.01) << i;
+  for (size_t i = 0; i < f.size(); ++i)
+    EXPECT_NEAR(f[i], 0.1 * static_cast<double>(i + 1), 0.01) << i;
   o.top_k = 2;  // 0.3 : 0.4
   f = frequencies(o);
   EXPECT_EQ(f[0] + f[1], 0.0);

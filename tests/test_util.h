@@ -15,8 +15,8 @@
 
 #include "common/error.h"
 #include "data/shard.h"
-#include "data/tokenizer.h"
 #include "model/config.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace malleus::testing {
 
@@ -73,8 +73,13 @@ inline model::ModelConfig parallel_test_model() {
   return c;
 }
 
+// Token ids as shards hold them.
+inline std::vector<uint16_t> shard_tokens(const std::vector<int32_t>& ids) {
+  return {ids.begin(), ids.end()};
+}
+
 // English-like text with enough regularity that a tiny model's loss falls within a few dozen
-// steps; written as train and val shards under `dir`.
+// steps; written as byte-tokenized train and val shards under `dir`, with the tokenizer's record.
 inline void write_synthetic_corpus(const fs::path& dir) {
   const char* subjects[] = {"the cat", "a dog", "my friend", "the old man", "our teacher"};
   const char* verbs[] = {"sees", "likes", "finds", "reads", "paints"};
@@ -85,10 +90,11 @@ inline void write_synthetic_corpus(const fs::path& dir) {
                            objects[(i / 25) % 4] + "\n";
     (i % 10 == 9 ? val : train) += sentence;
   }
-  data::ByteTokenizer tokenizer;
+  const tokenizer::ByteTokenizer bytes;
   fs::create_directories(dir);
-  data::write_shard(dir / "train_000000.bin", tokenizer.encode(train));
-  data::write_shard(dir / "val_000000.bin", tokenizer.encode(val));
+  data::write_shard(dir / "train_000000.bin", shard_tokens(bytes.encode(train)));
+  data::write_shard(dir / "val_000000.bin", shard_tokens(bytes.encode(val)));
+  tokenizer::save_tokenizer(bytes, dir);
 }
 
 struct CommandResult {

@@ -7,7 +7,6 @@
 
 #include "common/error.h"
 #include "common/files.h"
-#include "data/tokenizer.h"
 #include "model/parameters.h"
 #include "train/checkpoint.h"
 
@@ -34,7 +33,7 @@ double shortest_decimal(float value) {
 }  // namespace
 
 Json hf_config_json(const model::ModelConfig& config) {
-  const int eos = data::ByteTokenizer::kEndOfText;
+  auto id = [](int token) { return token >= 0 ? Json(token) : Json(nullptr); };
   return Json{
       {"architectures", Json::array({"LlamaForCausalLM"})},
       {"model_type", "llama"},
@@ -55,9 +54,10 @@ Json hf_config_json(const model::ModelConfig& config) {
       {"mlp_bias", false},
       {"torch_dtype", "float32"},
       {"initializer_range", shortest_decimal(config.init_std)},
-      // The byte tokenizer has no beginning-of-sequence token; LlamaConfig would default to 1.
-      {"bos_token_id", nullptr},
-      {"eos_token_id", config.vocab_size > eos ? Json(eos) : Json(nullptr)},
+      // null, not absent, where there is none: LlamaConfig would default bos to 1 and eos to 2.
+      {"bos_token_id", id(config.bos_token_id)},
+      {"eos_token_id", id(config.eos_token_id)},
+      {"pad_token_id", id(config.pad_token_id)},
   };
 }
 
