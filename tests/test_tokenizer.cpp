@@ -25,40 +25,12 @@ void expect_error(const std::function<void()>& f, std::initializer_list<std::str
   for (const auto& part : parts) EXPECT_NE(message.find(part), std::string::npos) << message;
 }
 
-// About 9 KB of English-like lines with punctuation and numbers: enough for a few hundred pieces.
 std::vector<std::string> corpus_lines() {
-  const char* subjects[] = {"The old sailor", "A quiet child", "Every teacher",   "My neighbour",
-                            "The clever fox", "Nobody",        "Your best friend"};
-  const char* verbs[] = {"remembers",    "forgets",   "believes in",
-                         "writes about", "laughs at", "dreams of"};
-  const char* objects[] = {"the long winter.",
-                           "a red balloon!",
-                           "the 12 wise men?",
-                           "three silver coins.",
-                           "the sea, the sky and the wind.",
-                           "what happened in 1984."};
-  std::vector<std::string> lines;
-  for (int i = 0; i < 210; ++i) {
-    lines.push_back(std::string(subjects[i % 7]) + " " + verbs[(i / 7) % 6] + " " +
-                    objects[(i / 42) % 6]);
-  }
-  return lines;
+  return malleus::testing::tokenizer_corpus_lines();
 }
 
 std::shared_ptr<const tokenizer::Tokenizer> train_on_corpus(const std::string& type, int vocab) {
-  const auto lines = corpus_lines();
-  size_t next = 0;
-  tokenizer::SentencePieceTraining options;
-  options.vocab_size = vocab;
-  options.model_type = type;
-  const std::string model = tokenizer::train_sentencepiece(
-      [&](std::string& sentence) {
-        if (next == lines.size()) return false;
-        sentence = lines[next++];
-        return true;
-      },
-      options);
-  return tokenizer::sentencepiece_from_bytes(model, "trained " + type + " model");
+  return malleus::testing::small_sentencepiece(type, vocab);
 }
 
 // Texts the corpus never showed: unseen characters go through byte fallback.

@@ -17,6 +17,7 @@
 #include "data/shard.h"
 #include "model/config.h"
 #include "tokenizer/byte_tokenizer.h"
+#include "tokenizer/sentencepiece_tokenizer.h"
 
 namespace malleus::testing {
 
@@ -95,6 +96,45 @@ inline void write_synthetic_corpus(const fs::path& dir) {
   data::write_shard(dir / "train_000000.bin", shard_tokens(bytes.encode(train)));
   data::write_shard(dir / "val_000000.bin", shard_tokens(bytes.encode(val)));
   tokenizer::save_tokenizer(bytes, dir);
+}
+
+// About 9 KB of English-like lines with punctuation and numbers: enough for a few hundred
+// SentencePiece pieces.
+inline std::vector<std::string> tokenizer_corpus_lines() {
+  const char* subjects[] = {"The old sailor", "A quiet child", "Every teacher",   "My neighbour",
+                            "The clever fox", "Nobody",        "Your best friend"};
+  const char* verbs[] = {"remembers",    "forgets",   "believes in",
+                         "writes about", "laughs at", "dreams of"};
+  const char* objects[] = {"the long winter.",
+                           "a red balloon!",
+                           "the 12 wise men?",
+                           "three silver coins.",
+                           "the sea, the sky and the wind.",
+                           "what happened in 1984."};
+  std::vector<std::string> lines;
+  for (int i = 0; i < 210; ++i) {
+    lines.push_back(std::string(subjects[i % 7]) + " " + verbs[(i / 7) % 6] + " " +
+                    objects[(i / 42) % 6]);
+  }
+  return lines;
+}
+
+// A SentencePiece model ("bpe" or "unigram") trained on tokenizer_corpus_lines().
+inline std::shared_ptr<const tokenizer::Tokenizer> small_sentencepiece(const std::string& type,
+                                                                       int vocab) {
+  const auto lines = tokenizer_corpus_lines();
+  size_t next = 0;
+  tokenizer::SentencePieceTraining options;
+  options.vocab_size = vocab;
+  options.model_type = type;
+  const std::string model = tokenizer::train_sentencepiece(
+      [&](std::string& sentence) {
+        if (next == lines.size()) return false;
+        sentence = lines[next++];
+        return true;
+      },
+      options);
+  return tokenizer::sentencepiece_from_bytes(model, "trained " + type + " model");
 }
 
 struct CommandResult {

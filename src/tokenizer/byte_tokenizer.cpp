@@ -31,6 +31,11 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
+std::string ByteTokenizer::piece(int32_t id) const {
+  if (id == kEndOfText) return "<|endoftext|>";
+  return decode(std::span<const int32_t>(&id, 1));
+}
+
 const std::string& ByteTokenizer::model_file() const {
   static const std::string kNone;
   return kNone;

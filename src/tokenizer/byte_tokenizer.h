@@ -17,6 +17,8 @@ class ByteTokenizer final : public Tokenizer {
   std::vector<int32_t> encode(std::string_view text) const override;
   // Bytes as they are; the end-of-text token becomes "\n<|endoftext|>\n".
   std::string decode(std::span<const int32_t> ids) const override;
+  // The byte itself; "<|endoftext|>" for end-of-text.
+  std::string piece(int32_t id) const override;
   const std::string& model_file() const override;
 };
 

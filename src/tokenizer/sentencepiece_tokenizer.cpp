@@ -48,6 +48,13 @@ class SentencePieceTokenizer final : public Tokenizer {
     return text;
   }
 
+  std::string piece(int32_t id) const override {
+    check(id >= 0 && id < vocab_size(), "token " + std::to_string(id) +
+                                            " is outside the SentencePiece vocabulary (" +
+                                            std::to_string(vocab_size()) + " tokens)");
+    return processor_.IdToPiece(id);
+  }
+
   const std::string& model_file() const override { return model_file_; }
 
  private:

@@ -33,6 +33,8 @@ class Tokenizer {
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
   // Ids to text; throws Error for an id outside the vocabulary.
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
+  // The vocabulary entry of one id as the tokenizer writes it ("<s>", "▁the", "<0x0A>").
+  virtual std::string piece(int32_t id) const = 0;
   // The file that defines the tokenizer, byte for byte as it was read (a SentencePiece
   // ModelProto); empty for the byte tokenizer, which needs none.
   virtual const std::string& model_file() const = 0;
