@@ -32,12 +32,20 @@ int launched_ranks() {
   return 1;
 }
 
-// Prints generated text as it grows. Tokens are decoded together, not one by one: a SentencePiece
-// piece's leading space and a character split over byte-fallback tokens only come out right in
-// context. Text that ends in an incomplete character waits for the next token.
+// Prints text as it grows. Tokens are decoded together with the prompt, not one by one: a
+// SentencePiece piece's leading space and a character split over byte-fallback tokens only come
+// out right in context. Text that ends in an incomplete character waits for the next token.
 class TextStream {
  public:
-  explicit TextStream(const tokenizer::Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+  // `prompt`: the prompt's tokens after the start-of-document token; printed at once.
+  TextStream(const tokenizer::Tokenizer& tokenizer, std::vector<int32_t> prompt)
+      : tokenizer_(tokenizer), tokens_(std::move(prompt)) {
+    if (!tokens_.empty()) {
+      const int32_t last = tokens_.back();
+      tokens_.pop_back();
+      add(last);
+    }
+  }
   void add(int32_t token) {
     tokens_.push_back(token);
     const std::string text = tokenizer_.decode(tokens_);
@@ -91,9 +99,10 @@ void run_generate(const GenerateArgs& args) {
   if (eos >= 0 && !args.ignore_eos) sampling.stop_tokens.push_back(eos);
   const std::vector<int32_t> prompt = tokenizer::encode_prompt(*tok, args.prompt);
 
-  std::fwrite(args.prompt.data(), 1, args.prompt.size(), stdout);
-  std::fflush(stdout);
-  TextStream stream(*tok);
+  // encode_prompt starts the prompt with bos or eos where the tokenizer has one.
+  const tokenizer::SpecialTokens special = tok->special_tokens();
+  const long start_tokens = special.bos >= 0 || special.eos >= 0 ? 1 : 0;
+  TextStream stream(*tok, {prompt.begin() + start_tokens, prompt.end()});
   const auto start = std::chrono::steady_clock::now();
   const model::Generation out = model::generate(
       model, prompt, sampling,
@@ -107,6 +116,7 @@ void run_generate(const GenerateArgs& args) {
                     : out.stop == model::StopReason::kContextFull ? "context full"
                                                                   : "token limit";
   std::printf("\n");
+  std::fflush(stdout);  // the text before the statistics when both go to one terminal or pipe
   std::fprintf(stderr, "[%zu tokens in %.2f s, %.1f tokens/s, %s; %s, step %lld]\n",
                out.tokens.size(), seconds, static_cast<double>(out.tokens.size()) / seconds, why,
                tok->kind().c_str(), static_cast<long long>(checkpoint.step));
