@@ -138,4 +138,10 @@ TEST(CliModels, ErrorsAreNamed) {
                {"--context 100", "max_seq_len"});
   expect_error(run_malleus("generate --checkpoint " + d + "/run --tokenizer " + d + "/bad.model"),
                {"bad.model"});
+  // The model as training initialises it, for a "before training" sample.
+  const auto untrained = run_malleus("generate --untrained tiny --tokenizer byte --max-tokens 5");
+  EXPECT_EQ(untrained.exit_code, 0) << untrained.output;
+  expect_error(run_malleus("generate --untrained tiny"), {"--tokenizer"});
+  expect_error(run_malleus("generate --untrained tiny --checkpoint " + d + "/run"),
+               {"either --checkpoint or --untrained"});
 }

@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "cli/commands.h"
 #include "common/error.h"
+#include "model/config.h"
 #include "model/generation.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -18,7 +19,8 @@ namespace malleus::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, tokenizer;
+  std::string checkpoint, untrained, prompt, tokenizer;
+  uint64_t init_seed = 1234;
   model::SamplingOptions sampling;
   int context = 0, threads = 1;
   bool ignore_eos = false, no_cache = false;
@@ -68,8 +70,18 @@ void run_generate(const GenerateArgs& args) {
   check(launched_ranks() == 1,
         "generate runs on one rank; start it without mpirun (the checkpoint does not depend on "
         "the plan it was trained under)");
-  const std::filesystem::path dir = train::resolve_checkpoint(args.checkpoint);
-  const train::Checkpoint checkpoint = train::load_checkpoint(dir, /*with_optimizer=*/false);
+  check(args.checkpoint.empty() != args.untrained.empty(),
+        "generate: give either --checkpoint or --untrained");
+  train::Checkpoint checkpoint;
+  std::filesystem::path dir;
+  if (!args.checkpoint.empty()) {
+    dir = train::resolve_checkpoint(args.checkpoint);
+    checkpoint = train::load_checkpoint(dir, /*with_optimizer=*/false);
+  } else {
+    // What training starts from: the same initialisation `train --seed` gives.
+    dir = "untrained " + args.untrained;
+    checkpoint.model = model::load_model_config(args.untrained);
+  }
   std::shared_ptr<const tokenizer::Tokenizer> tok = checkpoint.tokenizer;
   if (!args.tokenizer.empty()) {
     const auto given = tokenizer::load_tokenizer(args.tokenizer);
@@ -78,7 +90,8 @@ void run_generate(const GenerateArgs& args) {
               " that checkpoint " + dir.string() + " was trained with");
     tok = given;
   }
-  check(tok != nullptr, "checkpoint " + dir.string() +
+  check(tok != nullptr, (args.untrained.empty() ? "checkpoint " + dir.string()
+                                                : "an untrained model (--untrained)") +
                             " records no tokenizer (its data came without one): give --tokenizer "
                             "byte or a SentencePiece .model file");
   const model::ModelConfig& config = checkpoint.model;
@@ -92,7 +105,11 @@ void run_generate(const GenerateArgs& args) {
 
   auto backend = backend::make_cpu_backend<float>(train::resolve_threads(args.threads, 1));
   model::Transformer<float> model(config, *backend, 1, context);
-  backend->copy_from_host(model.params(), checkpoint.params.data(), checkpoint.params.size());
+  if (checkpoint.params.empty()) {
+    model.init_parameters(args.init_seed);
+  } else {
+    backend->copy_from_host(model.params(), checkpoint.params.data(), checkpoint.params.size());
+  }
 
   model::SamplingOptions sampling = args.sampling;
   const int32_t eos = tok->special_tokens().eos;
@@ -129,7 +146,12 @@ void add_generate_command(CLI::App& app) {
   args->sampling.max_new_tokens = 200;
   auto* cmd = app.add_subcommand(
       "generate", "Sample text from a checkpoint, with a key/value cache (one rank)");
-  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint, or run directory")->required();
+  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint, or run directory");
+  cmd->add_option("--untrained", args->untrained,
+                  "Instead of a checkpoint: a model preset or file as training initialises it "
+                  "(needs --tokenizer)");
+  cmd->add_option("--init-seed", args->init_seed, "Initialisation seed for --untrained")
+      ->capture_default_str();
   cmd->add_option("--prompt", args->prompt, "Text to continue (default: a new document)");
   cmd->add_option("--max-tokens", args->sampling.max_new_tokens, "New tokens at most")
       ->capture_default_str();
