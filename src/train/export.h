@@ -3,7 +3,7 @@
 // `LlamaForCausalLM.from_pretrained(dir)` loads the model; with a SentencePiece tokenizer also
 // tokenizer.model and tokenizer_config.json (LlamaTokenizer), so the directory is a complete
 // model. The byte tokenizer has no Hugging Face counterpart: its models get config.json and
-// weights only (docs/tokenizers.md).
+// weights only (docs/tokenizers-and-generation.md).
 #pragma once
 
 #include <filesystem>
