@@ -145,3 +145,24 @@ TEST(CliModels, ErrorsAreNamed) {
   expect_error(run_malleus("generate --untrained tiny --checkpoint " + d + "/run"),
                {"either --checkpoint or --untrained"});
 }
+
+// Shards without a tokenizer record (llm.c's, or prepared before records existed) train as before;
+// once the data has its record, resuming such a checkpoint goes on and records the tokenizer.
+TEST(CliModels, CheckpointWithoutTokenizerResumesOnRecordedData) {
+  ScratchDir dir;
+  const std::string d = dir.path().string();
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  fs::remove(dir / "data" / "tokenizer_meta.json");
+  const std::string run =
+      "train --model tiny --seq-len 16 --micro-batch 2 --global-batch 2 "
+      "--threads 1 --eval-every 0 --train-data '" +
+      d + "/data/train_*.bin' --val-data '' --out " + d + "/run";
+  ASSERT_EQ(run_malleus(run + " --steps 2").exit_code, 0);
+  EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / "step_00000002" / "tokenizer_meta.json"));
+  expect_error(run_malleus("generate --checkpoint " + d + "/run"), {"records no tokenizer"});
+  tokenizer::save_tokenizer(tokenizer::ByteTokenizer(), dir / "data");
+  const auto resumed = run_malleus("train --resume " + d + "/run --steps 3");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / "step_00000003" / "tokenizer_meta.json"));
+  EXPECT_EQ(run_malleus("generate --checkpoint " + d + "/run --max-tokens 3").exit_code, 0);
+}

@@ -138,9 +138,17 @@ void Trainer::restore(const Checkpoint& checkpoint) {
   } else if (checkpoint.tokenizer) {
     tokenizer_ = checkpoint.tokenizer;  // data from elsewhere (e.g. llm.c): keep the record
   }
-  check(checkpoint.model.to_json() == model_config_.to_json(),
+  model::ModelConfig expected = model_config_;
+  if (!checkpoint.tokenizer && tokenizer_) {
+    // Written before its data recorded a tokenizer: its config has no special ids yet, and the
+    // run goes on with the fitted ones.
+    expected.bos_token_id = checkpoint.model.bos_token_id;
+    expected.eos_token_id = checkpoint.model.eos_token_id;
+    expected.pad_token_id = checkpoint.model.pad_token_id;
+  }
+  check(checkpoint.model.to_json() == expected.to_json(),
         "checkpoint model " + checkpoint.model.to_json().dump() +
-            " differs from the configured model " + model_config_.to_json().dump());
+            " differs from the configured model " + expected.to_json().dump());
   runtime::FullState full;
   if (is_root()) {
     full.params = checkpoint.params;
