@@ -53,8 +53,17 @@ class TextStream {
     const std::string text = tokenizer_.decode(tokens_);
     static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
     if (std::string_view(text).ends_with(kReplacement)) return;
-    if (text.size() > printed_ && text.compare(0, printed_, text, 0, printed_) == 0) {
-      std::fwrite(text.data() + printed_, 1, text.size() - printed_, stdout);
+    // Decoding more tokens only appends to the text (SentencePiece joins pieces, the byte
+    // tokenizer bytes), so what was printed stays valid.
+    if (text.size() > printed_) {
+      // A model can write any byte; control characters other than newline and tab (terminal
+      // escape sequences among them) are shown as '?' instead of acted on.
+      std::string shown = text.substr(printed_);
+      for (char& c : shown) {
+        const auto byte = static_cast<unsigned char>(c);
+        if ((byte < 0x20 && c != '\n' && c != '\t') || byte == 0x7f) c = '?';
+      }
+      std::fwrite(shown.data(), 1, shown.size(), stdout);
       std::fflush(stdout);
       printed_ = text.size();
     }
