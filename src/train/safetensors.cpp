@@ -152,7 +152,9 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
     in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
     in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
     check(in.good() || raw.empty(), source + ": cannot read its data");
-    if (dtype == "F32") {
+    if (raw.empty()) {
+      // An empty tensor: nothing to copy (and memcpy must not see the null pointers).
+    } else if (dtype == "F32") {
       std::memcpy(tensor.data.data(), raw.data(), raw.size());
     } else {
       for (size_t i = 0; i < elements; ++i) {
