@@ -32,8 +32,8 @@
 #include "common/files.h"
 #include "common/json.h"
 #include "data/shard.h"
-#include "data/tokenizer.h"
 #include "model/config.h"
+#include "tokenizer/byte_tokenizer.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
@@ -84,7 +84,8 @@ std::vector<uint16_t> synthetic_tokens() {
     text += words[(state >> 16) % 20];
     text += ((state >> 8) % 11 == 0) ? ".\n" : " ";
   }
-  return data::ByteTokenizer().encode(text);
+  const std::vector<int32_t> ids = tokenizer::ByteTokenizer().encode(text);
+  return {ids.begin(), ids.end()};
 }
 
 // The 1-minute load average: on a shared machine, other processes' load is part of the result.

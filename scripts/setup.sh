@@ -7,6 +7,7 @@ packages=(
   libopenblas-openmp-dev  # BLAS (OpenMP build, sharing one thread pool with our kernels)
   libopenmpi-dev openmpi-bin  # the multi-rank runtime
   nlohmann-json3-dev libcli11-dev libxxhash-dev
+  libsentencepiece-dev  # SentencePiece tokenizers (read, train; LLaMA-2's tokenizer.model format)
   libgtest-dev libgmock-dev
   fortunes  # the default training corpus (plain-text English)
   python3 python3-numpy  # the independent Hugging Face reference used by the export test

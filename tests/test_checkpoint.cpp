@@ -25,6 +25,7 @@
 #include "model/parameters.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
+#include "train/safetensors.h"
 
 namespace malleus::train {
 namespace {
@@ -551,12 +552,16 @@ TEST(Export, ConfigJsonHasLlamaConfigFields) {
   EXPECT_EQ(config["attention_bias"], false);
   EXPECT_EQ(config["mlp_bias"], false);
   EXPECT_EQ(config["torch_dtype"], "float32");
+  // Special ids come from the model config: none known here.
   EXPECT_TRUE(config["bos_token_id"].is_null());
-  EXPECT_EQ(config["eos_token_id"], 256);
+  EXPECT_TRUE(config["eos_token_id"].is_null());
+  EXPECT_TRUE(config["pad_token_id"].is_null());
+  EXPECT_FALSE(fs::exists(out / "tokenizer.model"));  // no tokenizer recorded, none written
 
-  model::ModelConfig small = c.model;
-  small.vocab_size = 200;  // no room for the end-of-text token
-  EXPECT_TRUE(hf_config_json(small)["eos_token_id"].is_null());
+  model::ModelConfig byte_model = c.model;
+  byte_model.eos_token_id = 256;  // what a run on byte-tokenized data records
+  EXPECT_EQ(hf_config_json(byte_model)["eos_token_id"], 256);
+  EXPECT_TRUE(hf_config_json(byte_model)["bos_token_id"].is_null());
 }
 
 TEST(Export, OverwritesAnEarlierExport) {
@@ -608,8 +613,10 @@ TEST(Safetensors, RefusesMalformedHeaders) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {R"({"a": {"dtype": "F32", "shape": [2, 3], )", "malformed JSON"},
       {R"([1, 2])", "not a JSON object"},
-      {R"({"a": {"dtype": "F16", "shape": [2, 3], "data_offsets": [0, 12]}})",
-       "unsupported dtype \"F16\""},
+      {R"({"a": {"dtype": "F64", "shape": [3], "data_offsets": [0, 24]}})",
+       "unsupported dtype \"F64\""},
+      {R"({"a": {"dtype": "F16", "shape": [2, 3], "data_offsets": [0, 24]}})",
+       "shape has 6 elements of F16"},
       {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 24]}})",
        "shape has 4 elements"},
       {R"({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}})", "out of range"},
@@ -638,6 +645,35 @@ TEST(Safetensors, RefusesMalformedHeaders) {
   EXPECT_EQ(tensors.at("a").shape, (std::vector<int64_t>{3, 2}));
   EXPECT_EQ(std::memcmp(tensors.at("a").data.data(), values, sizeof values), 0);
   EXPECT_TRUE(tensors.at("z").data.empty());
+}
+
+// Half-precision weights (as most Hugging Face models are stored) are read exactly into float.
+TEST(Safetensors, ReadsBf16AndF16Exactly) {
+  TempDir tmp;
+  const fs::path path = tmp.path() / "half.safetensors";
+  // F16: 1, -2, the smallest subnormal 2^-24, the largest finite 65504, +inf, a subnormal 3·2^-24.
+  // BF16 (float's upper 16 bits): 1, -3.140625, 2^-133 (a float subnormal), -0.
+  const uint16_t f16[6] = {0x3C00, 0xC000, 0x0001, 0x7BFF, 0x7C00, 0x0003};
+  const uint16_t bf16[4] = {0x3F80, 0xC049, 0x0001, 0x8000};
+  std::string data(reinterpret_cast<const char*>(f16), sizeof f16);
+  data.append(reinterpret_cast<const char*>(bf16), sizeof bf16);
+  write_file_atomic(path, safetensors_bytes(R"({"h": {"dtype": "F16", "shape": [6],
+        "data_offsets": [0, 12]}, "b": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [12, 20]}})",
+                                            data));
+  const auto tensors = read_safetensors(path);
+  const std::vector<float> h = tensors.at("h").data;
+  EXPECT_EQ(tensors.at("h").dtype, "F16");
+  EXPECT_EQ(h[0], 1.0f);
+  EXPECT_EQ(h[1], -2.0f);
+  EXPECT_EQ(h[2], std::ldexp(1.0f, -24));
+  EXPECT_EQ(h[3], 65504.0f);
+  EXPECT_TRUE(std::isinf(h[4]) && h[4] > 0);
+  EXPECT_EQ(h[5], 3 * std::ldexp(1.0f, -24));
+  const std::vector<float> b = tensors.at("b").data;
+  EXPECT_EQ(b[0], 1.0f);
+  EXPECT_EQ(b[1], -3.140625f);
+  EXPECT_EQ(b[2], std::ldexp(1.0f, -133));
+  EXPECT_TRUE(b[3] == 0.0f && std::signbit(b[3]));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// Tests of the data pipeline: byte tokenizer, llm.c shard files, the token dataset and its
+// Tests of the data pipeline: llm.c shard files, the token dataset and its
 // sampler, and prepare_data (text files to shards).
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@
 #include "data/dataset.h"
 #include "data/prepare.h"
 #include "data/shard.h"
-#include "data/tokenizer.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace fs = std::filesystem;
 using malleus::Error;
@@ -80,35 +80,6 @@ std::vector<uint16_t> iota_tokens(size_t n) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// ByteTokenizer
-
-TEST(ByteTokenizer, EncodesBytesAsTheirValues) {
-  ByteTokenizer tok;
-  // "é" is C3 A9 in UTF-8: bytes above 0x7F must become 128..255, not negative chars.
-  EXPECT_EQ(tok.encode("Aé"), (std::vector<uint16_t>{65, 0xC3, 0xA9}));
-  EXPECT_TRUE(tok.encode("").empty());
-}
-
-TEST(ByteTokenizer, RoundTripsUtf8AndEveryByte) {
-  ByteTokenizer tok;
-  const std::string utf8 = "naïve café — 日本語 🚀\n\ttab";
-  EXPECT_EQ(tok.decode(tok.encode(utf8)), utf8);
-
-  std::string all;
-  for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
-  const auto tokens = tok.encode(all);
-  ASSERT_EQ(tokens.size(), 256u);
-  for (int b = 0; b < 256; ++b) EXPECT_EQ(tokens[static_cast<size_t>(b)], b);
-  EXPECT_EQ(tok.decode(tokens), all);
-}
-
-TEST(ByteTokenizer, EndOfTextAndVocab) {
-  ByteTokenizer tok;
-  EXPECT_EQ(ByteTokenizer::kEndOfText, 256);
-  EXPECT_EQ(ByteTokenizer::kVocabSize, 257);
-  EXPECT_EQ(tok.decode({'a', 256, 'b'}), "a\n<|endoftext|>\nb");
-  expect_error([&] { tok.decode({'a', 300}); }, {"300", "257"});
-}
 
 // ---------------------------------------------------------------------------------------------
 // Shards
@@ -406,8 +377,10 @@ std::vector<std::string> numbered_docs(const std::string& tag, int n) {
 }
 
 std::string decode_split(const fs::path& dir, const std::string& split) {
-  TokenDataset data((dir / (split + "_*.bin")).string(), ByteTokenizer::kVocabSize);
-  return ByteTokenizer().decode(data.tokens());
+  TokenDataset data((dir / (split + "_*.bin")).string(),
+                    malleus::tokenizer::ByteTokenizer::kVocabSize);
+  const std::vector<int32_t> ids(data.tokens().begin(), data.tokens().end());
+  return malleus::tokenizer::ByteTokenizer().decode(ids);
 }
 
 std::string joined(const std::vector<std::string>& docs) {
@@ -480,9 +453,10 @@ TEST(PrepareData, FortuneDirectoryToShards) {
       EXPECT_EQ(size, 100u);
     }
   }
-  // Nothing else in the output directory (no leftover temporary files).
+  // Nothing else in the output directory (no leftover temporary files) but the tokenizer's record.
   EXPECT_EQ(std::distance(fs::directory_iterator(options.output_dir), fs::directory_iterator()),
-            static_cast<std::ptrdiff_t>(summary.shards.size()));
+            static_cast<std::ptrdiff_t>(summary.shards.size()) + 1);
+  EXPECT_TRUE(fs::exists(fs::path(options.output_dir) / "tokenizer_meta.json"));
 }
 
 TEST(PrepareData, ValidationGetsAtLeastOneDocument) {
@@ -604,7 +578,7 @@ TEST(PrepareData, RerunReplacesShardsAtomicallyAndRemovesStaleOnes) {
     names.insert(entry.path().filename().string());
   }
   EXPECT_EQ(names, (std::set<std::string>{"train_000000.bin", "val_000000.bin", "notes.txt",
-                                          "train_000000.bin.bak"}));
+                                          "train_000000.bin.bak", "tokenizer_meta.json"}));
 }
 
 TEST(PrepareData, Errors) {

@@ -11,6 +11,8 @@
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
+#include "train/import.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 
 using namespace malleus;
@@ -93,4 +95,30 @@ TEST(Export, ReferenceSelfTest) {
       malleus::testing::run_command(std::string(MALLEUS_PYTHON) + " " + MALLEUS_SOURCE_DIR +
                                     "/tests/hf_llama_reference.py --selftest");
   EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// An exported model, imported back, has the same loss on the validation data, to the last bit.
+TEST(Import, ReproducesTheExportedModelsEvalLossExactly) {
+  ScratchDir dir;
+  const auto checkpoint = trained_tiny_checkpoint(dir, "tiny");
+  train::export_hf(checkpoint, dir / "hf");
+  const train::ImportResult imported = train::import_hf(dir / "hf");
+  EXPECT_EQ(imported.checkpoint.params, checkpoint.params);
+
+  train::TrainConfig c;
+  c.model = "tiny";
+  c.train_data = (dir / "data" / "train_*.bin").string();
+  c.seq_len = 16;
+  c.micro_batch_size = 2;
+  c.global_batch_size = 2;
+  c.threads = 1;
+  c.out_dir = (dir / "eval").string();
+  const std::string val = (dir / "data" / "val_*.bin").string();
+  train::Trainer original(c, checkpoint.model, comm::Communicator::world());
+  original.restore(checkpoint);
+  train::Trainer reloaded(c, imported.checkpoint.model, comm::Communicator::world());
+  reloaded.restore(imported.checkpoint);
+  const double a = original.evaluate(val, 16), b = reloaded.evaluate(val, 16);
+  EXPECT_EQ(a, b);
+  EXPECT_TRUE(std::isfinite(a) && a > 0);
 }

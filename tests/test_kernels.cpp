@@ -172,7 +172,7 @@ struct RopeShape {
 template <typename T>
 Vector rope(Device<T>& d, const Vector& in, const RopeShape& s) {
   auto x = d.put(in);
-  d.backend->rope_forward(x.data(), s.batch, s.seq, s.heads, s.head_dim, s.theta);
+  d.backend->rope_forward(x.data(), s.batch, s.seq, s.heads, s.head_dim, s.theta, 0);
   return d.get_double(x);
 }
 
@@ -193,7 +193,7 @@ Vector attention(Device<T>& d, const Vector& q, const Vector& k, const Vector& v
   auto out = d.zeros(s.q_size());
   auto p = d.zeros(s.probs_size());
   d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
-                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+                               s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
   if (probs != nullptr) *probs = d.get_double(p);
   return d.get_double(out);
 }
@@ -207,7 +207,7 @@ Tensors attention_grad(Device<T>& d, const Vector& q, const Vector& k, const Vec
   auto out = d.zeros(s.q_size());
   auto p = d.zeros(s.probs_size());
   d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
-                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+                               s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
   auto dob = d.put(dout);
   auto dq = d.zeros(s.q_size());
   auto dk = d.zeros(s.kv_size());
@@ -819,6 +819,43 @@ TEST(Kernels, AttentionIsCausalAndNormalized) {
   }
 }
 
+// Cached inference: rotating positions [past, past + seq) of a sequence on their own gives the
+// same values as rotating the whole sequence, and attention of those queries over the keys and
+// values of all past + seq positions gives the last rows of whole-sequence attention.
+TEST(Kernels, RopeAndAttentionWithPastPositionsMatchTheWholeSequence) {
+  Device<double> d(2);
+  const int seq = 70, heads = 4, kv_heads = 2, head_dim = 8;
+  const RopeShape whole{1, seq, heads, head_dim, 10000.0f};
+  const Vector x = random_vector(whole.size(), 54);
+  const Vector rotated = rope(d, x, whole);
+  const AttentionShape s{1, seq, heads, kv_heads, head_dim};
+  const Vector q = random_vector(s.q_size(), 55, -2, 2);
+  const Vector k = random_vector(s.kv_size(), 56, -2, 2);
+  const Vector v = random_vector(s.kv_size(), 57);
+  const Vector out = attention(d, q, k, v, s);
+  const size_t q_row = static_cast<size_t>(heads) * head_dim;
+  for (const int past : {1, 37, 64, 69}) {
+    const int fresh = seq - past;
+    const long q_begin = static_cast<long>(past * q_row);
+    auto tail = d.put(Vector(x.begin() + q_begin, x.end()));
+    d.backend->rope_forward(tail.data(), 1, fresh, heads, head_dim, 10000.0f, past);
+    const Vector tail_rotated = d.get_double(tail);
+    EXPECT_LT(max_relative_error(tail_rotated, Vector(rotated.begin() + q_begin, rotated.end())),
+              1e-14)
+        << "past " << past;
+
+    auto qb = d.put(Vector(q.begin() + q_begin, q.end()));
+    auto kb = d.put(k);
+    auto vb = d.put(v);
+    auto o = d.zeros(static_cast<size_t>(fresh) * q_row);
+    auto p = d.zeros(static_cast<size_t>(heads) * fresh * seq);
+    d.backend->attention_forward(o.data(), p.data(), qb.data(), kb.data(), vb.data(), 1, fresh,
+                                 past, heads, kv_heads, head_dim);
+    EXPECT_LT(max_relative_error(d.get_double(o), Vector(out.begin() + q_begin, out.end())), 1e-12)
+        << "past " << past;
+  }
+}
+
 // ---- AdamW -------------------------------------------------------------------------------------
 
 template <typename T>
@@ -919,7 +956,7 @@ Outputs backward_outputs(int threads) {
   auto dk = d.zeros(s.kv_size());
   auto dv = d.zeros(s.kv_size());
   d.backend->attention_forward(att.data(), probs.data(), q.data(), k.data(), v.data(), s.batch,
-                               s.seq, s.q_heads, s.kv_heads, s.head_dim);
+                               s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
   d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs.data(),
                                 q.data(), k.data(), v.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
                                 s.head_dim);

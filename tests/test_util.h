@@ -15,8 +15,9 @@
 
 #include "common/error.h"
 #include "data/shard.h"
-#include "data/tokenizer.h"
 #include "model/config.h"
+#include "tokenizer/byte_tokenizer.h"
+#include "tokenizer/sentencepiece_tokenizer.h"
 
 namespace malleus::testing {
 
@@ -73,8 +74,13 @@ inline model::ModelConfig parallel_test_model() {
   return c;
 }
 
+// Token ids as shards hold them.
+inline std::vector<uint16_t> shard_tokens(const std::vector<int32_t>& ids) {
+  return {ids.begin(), ids.end()};
+}
+
 // English-like text with enough regularity that a tiny model's loss falls within a few dozen
-// steps; written as train and val shards under `dir`.
+// steps; written as byte-tokenized train and val shards under `dir`, with the tokenizer's record.
 inline void write_synthetic_corpus(const fs::path& dir) {
   const char* subjects[] = {"the cat", "a dog", "my friend", "the old man", "our teacher"};
   const char* verbs[] = {"sees", "likes", "finds", "reads", "paints"};
@@ -85,10 +91,50 @@ inline void write_synthetic_corpus(const fs::path& dir) {
                            objects[(i / 25) % 4] + "\n";
     (i % 10 == 9 ? val : train) += sentence;
   }
-  data::ByteTokenizer tokenizer;
+  const tokenizer::ByteTokenizer bytes;
   fs::create_directories(dir);
-  data::write_shard(dir / "train_000000.bin", tokenizer.encode(train));
-  data::write_shard(dir / "val_000000.bin", tokenizer.encode(val));
+  data::write_shard(dir / "train_000000.bin", shard_tokens(bytes.encode(train)));
+  data::write_shard(dir / "val_000000.bin", shard_tokens(bytes.encode(val)));
+  tokenizer::save_tokenizer(bytes, dir);
+}
+
+// About 9 KB of English-like lines with punctuation and numbers: enough for a few hundred
+// SentencePiece pieces.
+inline std::vector<std::string> tokenizer_corpus_lines() {
+  const char* subjects[] = {"The old sailor", "A quiet child", "Every teacher",   "My neighbour",
+                            "The clever fox", "Nobody",        "Your best friend"};
+  const char* verbs[] = {"remembers",    "forgets",   "believes in",
+                         "writes about", "laughs at", "dreams of"};
+  const char* objects[] = {"the long winter.",
+                           "a red balloon!",
+                           "the 12 wise men?",
+                           "three silver coins.",
+                           "the sea, the sky and the wind.",
+                           "what happened in 1984."};
+  std::vector<std::string> lines;
+  for (int i = 0; i < 210; ++i) {
+    lines.push_back(std::string(subjects[i % 7]) + " " + verbs[(i / 7) % 6] + " " +
+                    objects[(i / 42) % 6]);
+  }
+  return lines;
+}
+
+// A SentencePiece model ("bpe" or "unigram") trained on tokenizer_corpus_lines().
+inline std::shared_ptr<const tokenizer::Tokenizer> small_sentencepiece(const std::string& type,
+                                                                       int vocab) {
+  const auto lines = tokenizer_corpus_lines();
+  size_t next = 0;
+  tokenizer::SentencePieceTraining options;
+  options.vocab_size = vocab;
+  options.model_type = type;
+  const std::string model = tokenizer::train_sentencepiece(
+      [&](std::string& sentence) {
+        if (next == lines.size()) return false;
+        sentence = lines[next++];
+        return true;
+      },
+      options);
+  return tokenizer::sentencepiece_from_bytes(model, "trained " + type + " model");
 }
 
 struct CommandResult {

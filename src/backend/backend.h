@@ -79,18 +79,23 @@ class Backend {
   virtual void matmul_backward(T* din, T* dweight, const T* dout, const T* in, const T* weight,
                                int n, int ic, int oc) = 0;
 
-  // Rotary position embedding, in place, on x[batch, seq, heads, head_dim], position = seq index.
+  // Rotary position embedding, in place, on x[batch, seq, heads, head_dim], position =
+  // first_position + seq index (first_position > 0 when new tokens follow cached ones).
   // Hugging Face Llama convention ("rotate_half"): element i pairs with i + head_dim/2, angle
   // pos * theta^(-2i/head_dim).
-  virtual void rope_forward(T* x, int batch, int seq, int heads, int head_dim, float theta) = 0;
-  // The transpose (inverse rotation), in place on the gradient.
+  virtual void rope_forward(T* x, int batch, int seq, int heads, int head_dim, float theta,
+                            int first_position) = 0;
+  // The transpose (inverse rotation), in place on the gradient; positions start at 0.
   virtual void rope_backward(T* dx, int batch, int seq, int heads, int head_dim, float theta) = 0;
 
   // Causal scaled-dot-product attention with grouped KV heads: query head h reads kv head
-  // h / (q_heads / kv_heads). q, out: [batch, seq, q_heads, head_dim]; k, v: [batch, seq,
-  // kv_heads, head_dim]. probs [batch, q_heads, seq, seq] keeps the softmax for backward.
+  // h / (q_heads / kv_heads). The `seq` queries of a sequence sit at positions past .. past +
+  // seq - 1 and query t sees keys 0 .. past + t: training runs whole sequences (past = 0), cached
+  // inference appends new positions to the keys and values of earlier ones (past > 0).
+  // q, out: [batch, seq, q_heads, head_dim]; k, v: [batch, past + seq, kv_heads, head_dim].
+  // probs [batch, q_heads, seq, past + seq] keeps the softmax for backward (which takes past = 0).
   virtual void attention_forward(T* out, T* probs, const T* q, const T* k, const T* v, int batch,
-                                 int seq, int q_heads, int kv_heads, int head_dim) = 0;
+                                 int seq, int past, int q_heads, int kv_heads, int head_dim) = 0;
   virtual void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* probs, const T* q,
                                   const T* k, const T* v, int batch, int seq, int q_heads,
                                   int kv_heads, int head_dim) = 0;

@@ -12,5 +12,11 @@ void add_training_commands(CLI::App& app);
 void add_planning_commands(CLI::App& app);
 // report
 void add_report_command(CLI::App& app);
+// generate
+void add_generate_command(CLI::App& app);
+// import
+void add_import_command(CLI::App& app);
+// train-tokenizer
+void add_tokenizer_command(CLI::App& app);
 
 }  // namespace malleus::cli

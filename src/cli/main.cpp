@@ -13,6 +13,9 @@ int main(int argc, char** argv) {
   malleus::cli::add_training_commands(app);
   malleus::cli::add_planning_commands(app);
   malleus::cli::add_report_command(app);
+  malleus::cli::add_generate_command(app);
+  malleus::cli::add_import_command(app);
+  malleus::cli::add_tokenizer_command(app);
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback
   } catch (const CLI::ParseError& e) {

@@ -95,15 +95,6 @@ struct TrainOverrides {
   }
 };
 
-// A checkpoint directory, or a run directory / checkpoint root whose latest checkpoint is meant.
-fs::path resolve_checkpoint(const fs::path& path) {
-  if (fs::exists(path / "manifest.json")) return path;
-  for (const fs::path& root : {path / "checkpoints", path}) {
-    if (auto latest = train::latest_checkpoint(root)) return *latest;
-  }
-  throw Error(path.string() + " is not a checkpoint and holds no checkpoints/latest");
-}
-
 // Runs `body` with MPI up. On error with several ranks, every rank stops (MPI_Abort) so none is
 // left waiting in a collective; a single rank just reports the error.
 template <typename Body>
@@ -126,7 +117,7 @@ void run_train(const std::string& config_file, const std::string& resume,
     std::optional<train::Checkpoint> checkpoint;
     train::TrainConfig config;
     if (!resume.empty()) {
-      const fs::path dir = resolve_checkpoint(resume);
+      const fs::path dir = train::resolve_checkpoint(resume);
       checkpoint = train::load_checkpoint_on_root(dir, world);
       config =
           train::TrainConfig::from_json(checkpoint->train_config, (dir / "manifest.json").string());
@@ -151,7 +142,7 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
               int micro_batch, int seq_len, int threads) {
   with_mpi([&](comm::Communicator& world) {
     check(world.size() == 1, "eval runs on one rank");
-    const fs::path dir = resolve_checkpoint(checkpoint_path);
+    const fs::path dir = train::resolve_checkpoint(checkpoint_path);
     train::Checkpoint checkpoint = train::load_checkpoint(dir, /*with_optimizer=*/false);
     if (seq_len == 0) {
       seq_len = train::TrainConfig::from_json(checkpoint.train_config, dir.string()).seq_len;
@@ -223,14 +214,20 @@ void add_training_commands(CLI::App& app) {
   prepare_cmd->add_option("--shard-tokens", prepare->shard_tokens, "Maximum tokens per shard")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  prepare_cmd->callback([prepare] {
+  auto tokenizer_name = std::make_shared<std::string>("byte");
+  prepare_cmd
+      ->add_option("--tokenizer", *tokenizer_name,
+                   "\"byte\" or a SentencePiece .model file (e.g. from train-tokenizer)")
+      ->capture_default_str();
+  prepare_cmd->callback([prepare, tokenizer_name] {
+    prepare->tokenizer = tokenizer::load_tokenizer(*tokenizer_name);
     const data::PrepareSummary s = data::prepare_data(*prepare);
     std::printf(
         "prepared %lld documents from %lld files: %lld train tokens, %lld val tokens in %zu "
-        "shards under %s\n",
+        "shards under %s (%s)\n",
         static_cast<long long>(s.documents), static_cast<long long>(s.files),
         static_cast<long long>(s.train_tokens), static_cast<long long>(s.val_tokens),
-        s.shards.size(), prepare->output_dir.c_str());
+        s.shards.size(), prepare->output_dir.c_str(), prepare->tokenizer->describe().c_str());
   });
 
   // eval
@@ -269,10 +266,9 @@ void add_training_commands(CLI::App& app) {
       ->required();
   export_cmd->add_option("--output", export_args->output, "Output directory")->required();
   export_cmd->callback([export_args] {
-    const fs::path dir = resolve_checkpoint(export_args->checkpoint);
+    const fs::path dir = train::resolve_checkpoint(export_args->checkpoint);
     train::export_hf(train::load_checkpoint(dir, /*with_optimizer=*/false), export_args->output);
-    std::printf("exported %s to %s (model.safetensors, config.json)\n", dir.c_str(),
-                export_args->output.c_str());
+    std::printf("exported %s to %s\n", dir.c_str(), export_args->output.c_str());
   });
 
   // models

@@ -12,7 +12,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "data/shard.h"
-#include "data/tokenizer.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace malleus::data {
 
@@ -54,7 +54,9 @@ class ShardWriter {
         shard_tokens_(static_cast<size_t>(shard_tokens)),
         written_(written) {}
 
-  void add(const std::vector<uint16_t>& tokens) {
+  void add(const std::vector<int32_t>& ids) {
+    // Ids were checked against the vocabulary size, which fits uint16.
+    const std::vector<uint16_t> tokens(ids.begin(), ids.end());
     size_t done = 0;
     while (done < tokens.size()) {
       const size_t take = std::min(shard_tokens_ - buffer_.size(), tokens.size() - done);
@@ -165,6 +167,23 @@ void split_documents(std::string_view text, const std::string& separator, F&& on
 
 }  // namespace
 
+void for_each_document(const PrepareOptions& options, PrepareSummary& summary,
+                       const std::function<void(std::string_view)>& on_document) {
+  check(!options.inputs.empty(), "prepare-data: no inputs given");
+  // Inputs are listed before anything is written, so shards from an earlier run in a directory
+  // that is also an input are never read back as text.
+  const std::vector<fs::path> files = collect_inputs(options.inputs, summary.skipped);
+  for (const auto& path : files) {
+    const std::string text = read_file(path);
+    if (options.skip_binary && text.find('\0') != std::string::npos) {
+      summary.skipped.push_back(path.string() + " (binary: contains NUL bytes)");
+      continue;
+    }
+    ++summary.files;
+    split_documents(text, options.document_separator, on_document);
+  }
+}
+
 PrepareSummary prepare_data(const PrepareOptions& options) {
   check(!options.inputs.empty(), "prepare-data: no inputs given");
   check(!options.output_dir.empty(), "prepare-data: no output directory given");
@@ -175,11 +194,20 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
         "prepare-data: shard_tokens must be in [1, 2^31 - 1] (the shard header's count is an "
         "int32), got " +
             std::to_string(options.shard_tokens));
+  const std::shared_ptr<const tokenizer::Tokenizer> encoder =
+      options.tokenizer ? options.tokenizer : std::make_shared<tokenizer::ByteTokenizer>();
+  check(encoder->vocab_size() <= 65536,
+        "prepare-data: the " + encoder->describe() +
+            " has more ids than shards can hold (uint16 tokens: at most 65536)");
 
   PrepareSummary summary;
-  // Inputs are listed before anything is written, so shards from an earlier run in a directory
-  // that is also an input are never read back as text.
-  const std::vector<fs::path> files = collect_inputs(options.inputs, summary.skipped);
+  // Checked before the output directory is touched.
+  for (const auto& input : options.inputs) {
+    std::error_code ec;
+    check(!input.empty(), "prepare-data: an input path is empty");
+    check(fs::exists(fs::status(input, ec)),
+          "prepare-data input " + input + ": no such file or directory");
+  }
 
   const fs::path out_dir(options.output_dir);
   std::error_code ec;
@@ -191,42 +219,30 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
   std::vector<std::string> train_shards, val_shards;
   ShardWriter train(out_dir, "train", options.shard_tokens, train_shards);
   ShardWriter val(out_dir, "val", options.shard_tokens, val_shards);
-  const ByteTokenizer tokenizer;
 
   auto goes_to_val = [fraction](int64_t k) {
     const auto kd = static_cast<double>(k);
     return fraction > 0 && std::floor((kd + 1) * fraction) > std::floor(kd * fraction);
   };
-  auto emit = [&](const std::vector<uint16_t>& tokens, bool to_val) {
+  auto emit = [&](const std::vector<int32_t>& tokens, bool to_val) {
     (to_val ? val : train).add(tokens);
     ++(to_val ? summary.val_documents : summary.train_documents);
   };
 
   // Each document is held back until the next one arrives: only at the end is it known whether
   // the validation split would stay empty, and then the last document goes there instead.
-  std::vector<uint16_t> pending;
+  std::vector<int32_t> pending;
   bool have_pending = false;
   int64_t k = 0;  // number of the pending document
-  auto on_document = [&](std::string_view doc) {
+  for_each_document(options, summary, [&](std::string_view doc) {
     if (whitespace_only(doc)) return;
     if (have_pending) {
       emit(pending, goes_to_val(k));
       ++k;
     }
-    pending = tokenizer.encode(doc);
-    pending.push_back(static_cast<uint16_t>(ByteTokenizer::kEndOfText));
+    pending = tokenizer::encode_document(*encoder, doc);
     have_pending = true;
-  };
-
-  for (const auto& path : files) {
-    const std::string text = read_file(path);
-    if (options.skip_binary && text.find('\0') != std::string::npos) {
-      summary.skipped.push_back(path.string() + " (binary: contains NUL bytes)");
-      continue;
-    }
-    ++summary.files;
-    split_documents(text, options.document_separator, on_document);
-  }
+  });
   check(have_pending, "prepare-data: no usable text found in the inputs (" +
                           std::to_string(summary.files) + " text file(s) read, " +
                           std::to_string(summary.skipped.size()) + " skipped)");
@@ -239,6 +255,8 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
   summary.val_tokens = val.total();
   summary.shards = train_shards;
   summary.shards.insert(summary.shards.end(), val_shards.begin(), val_shards.end());
+
+  tokenizer::save_tokenizer(*encoder, out_dir);
 
   // Each shard is replaced atomically, but the set of shards is not: a run that fails midway
   // leaves old and new shards side by side, and must be rerun.

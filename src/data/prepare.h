@@ -11,16 +11,24 @@
 // - With skip_binary, a file holding a NUL byte is skipped as binary.
 // - The same file reached twice (through symlinks, or named twice) is read once.
 //
-// Output: each document's bytes (ByteTokenizer) followed by the end-of-text token, streamed into
+// Output: each document's tokens (tokenizer::encode_document: bos if the tokenizer has one, the
+// text, eos if it has one; for the byte tokenizer the bytes and end-of-text), streamed into
 // <output_dir>/train_000000.bin, train_000001.bin, ... and val_000000.bin, ..., each at most
-// shard_tokens tokens (a document may continue into the next shard), each written atomically.
+// shard_tokens tokens (a document may continue into the next shard), each written atomically;
+// then the tokenizer itself (tokenizer::save_tokenizer), so training and generation know how the
+// shards were made. Shards hold uint16 tokens: a tokenizer of more than 65 536 tokens is refused.
 // Shards named like ours ("train_" or "val_", digits, ".bin") left in output_dir by an earlier run
 // and not rewritten by this one are deleted, so "train_*.bin" never picks up stale data.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "tokenizer/tokenizer.h"
 
 namespace malleus::data {
 
@@ -38,6 +46,7 @@ struct PrepareOptions {
   double val_fraction = 0.05;
   int64_t shard_tokens = 100'000'000;  // 1 .. 2^31 - 1 (the header's count is an int32)
   bool skip_binary = true;             // files with NUL bytes (e.g. fortune's .dat indexes)
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer;  // null: the byte tokenizer
 };
 
 struct PrepareSummary {
@@ -50,5 +59,12 @@ struct PrepareSummary {
 // Throws Error for: no inputs, an input that does not exist, no usable text found, invalid
 // options, and any failure to read an input or write a shard.
 PrepareSummary prepare_data(const PrepareOptions& options);
+
+// The documents prepare_data would tokenize (same input selection and splitting, empty documents
+// included), in order: on_document is called once per document. Fills summary.files and
+// summary.skipped. Throws Error like prepare_data for bad inputs. Training a tokenizer reads the
+// corpus through this.
+void for_each_document(const PrepareOptions& options, PrepareSummary& summary,
+                       const std::function<void(std::string_view)>& on_document);
 
 }  // namespace malleus::data

@@ -49,6 +49,13 @@ void ModelConfig::validate(const std::string& source) const {
   check(head_dim() % 2 == 0, source + ": head dimension hidden_size/num_heads (" +
                                  std::to_string(head_dim()) +
                                  ") must be even for rotary embedding");
+  for (const auto& [key, id] : {std::pair{"bos_token_id", bos_token_id},
+                                {"eos_token_id", eos_token_id},
+                                {"pad_token_id", pad_token_id}}) {
+    check(id >= -1 && id < vocab_size, source + ": \"" + key + "\" (" + std::to_string(id) +
+                                           ") must be -1 (none) or a token id below vocab_size (" +
+                                           std::to_string(vocab_size) + ")");
+  }
 }
 
 ModelConfig ModelConfig::from_json(const Json& json, const std::string& source) {
@@ -65,23 +72,31 @@ ModelConfig ModelConfig::from_json(const Json& json, const std::string& source) 
   c.rope_theta = r.optional<float>("rope_theta", c.rope_theta);
   c.norm_eps = r.optional<float>("norm_eps", c.norm_eps);
   c.init_std = r.optional<float>("init_std", c.init_std);
+  c.bos_token_id = r.optional<int>("bos_token_id", c.bos_token_id);
+  c.eos_token_id = r.optional<int>("eos_token_id", c.eos_token_id);
+  c.pad_token_id = r.optional<int>("pad_token_id", c.pad_token_id);
   r.finish();
   c.validate(source);
   return c;
 }
 
 Json ModelConfig::to_json() const {
-  return Json{{"name", name},
-              {"vocab_size", vocab_size},
-              {"hidden_size", hidden_size},
-              {"num_layers", num_layers},
-              {"num_heads", num_heads},
-              {"num_kv_heads", num_kv_heads},
-              {"ffn_hidden_size", ffn_hidden_size},
-              {"max_seq_len", max_seq_len},
-              {"rope_theta", rope_theta},
-              {"norm_eps", norm_eps},
-              {"init_std", init_std}};
+  Json json{{"name", name},
+            {"vocab_size", vocab_size},
+            {"hidden_size", hidden_size},
+            {"num_layers", num_layers},
+            {"num_heads", num_heads},
+            {"num_kv_heads", num_kv_heads},
+            {"ffn_hidden_size", ffn_hidden_size},
+            {"max_seq_len", max_seq_len},
+            {"rope_theta", rope_theta},
+            {"norm_eps", norm_eps},
+            {"init_std", init_std}};
+  // Only when known, so configs of models without a tokenizer read as they always did.
+  if (bos_token_id >= 0) json["bos_token_id"] = bos_token_id;
+  if (eos_token_id >= 0) json["eos_token_id"] = eos_token_id;
+  if (pad_token_id >= 0) json["pad_token_id"] = pad_token_id;
+  return json;
 }
 
 ModelConfig load_model_config(const std::string& name_or_path) {

@@ -22,6 +22,11 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   float norm_eps = 1e-5f;
   float init_std = 0.02f;  // normal(0, init_std) for weights; residual outputs scaled by 1/sqrt(2L)
+  // Special token ids of the tokenizer the model is trained with (LlamaConfig's fields); -1: none
+  // or unknown. Set from the training data's tokenizer (train/), or from an imported config.json.
+  int bos_token_id = -1;
+  int eos_token_id = -1;
+  int pad_token_id = -1;
 
   int head_dim() const { return hidden_size / num_heads; }
   int kv_dim() const { return num_kv_heads * head_dim(); }

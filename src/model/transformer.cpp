@@ -170,33 +170,78 @@ const T* Transformer<T>::output_activation(int slot) {
 }
 
 template <typename T>
+void Transformer<T>::check_tokens(const int32_t* tokens, size_t n, const char* what) const {
+  for (size_t i = 0; i < n; ++i) {
+    check(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
+          std::string(what) + " token " + std::to_string(tokens[i]) + " at position " +
+              std::to_string(i) + " is outside the vocabulary [0, " +
+              std::to_string(config_.vocab_size) + ")");
+  }
+}
+
+template <typename T>
+void Transformer<T>::embed(Slot& slot, const int32_t* tokens, int n) {
+  const size_t count = static_cast<size_t>(n);
+  check_tokens(tokens, count, "input");
+  backend_.copy_tokens_from_host(slot.inputs.data(), tokens, count);
+  backend_.embedding_forward(slot.residual[0].data(), slot.inputs.data(),
+                             param(layout_.embedding()), layout_.shard().vocab_begin, vocab_, n,
+                             config_.hidden_size);
+  all_reduce_sum(slot.residual[0].data(), count * config_.hidden_size);
+}
+
+template <typename T>
 double Transformer<T>::forward(int slot_index, const int32_t* inputs, const int32_t* targets) {
   Slot& slot = slots_.at(slot_index);
   const ShardSpec& shard = layout_.shard();
   const size_t n = static_cast<size_t>(tokens_per_micro_batch());
-  auto check_tokens = [&](const int32_t* tokens, const char* what) {
-    for (size_t i = 0; i < n; ++i) {
-      check(tokens[i] >= 0 && tokens[i] < config_.vocab_size,
-            std::string(what) + " token " + std::to_string(tokens[i]) + " at position " +
-                std::to_string(i) + " is outside the vocabulary [0, " +
-                std::to_string(config_.vocab_size) + ")");
-    }
-  };
-  if (shard.has_embedding) {
-    check_tokens(inputs, "input");
-    backend_.copy_tokens_from_host(slot.inputs.data(), inputs, n);
-    backend_.embedding_forward(slot.residual[0].data(), slot.inputs.data(),
-                               param(layout_.embedding()), shard.vocab_begin, vocab_,
-                               tokens_per_micro_batch(), config_.hidden_size);
-    all_reduce_sum(slot.residual[0].data(), n * config_.hidden_size);
-  }
+  if (shard.has_embedding) embed(slot, inputs, tokens_per_micro_batch());
   for (size_t b = 0; b < slot.blocks.size(); ++b) {
-    block_forward(slot, static_cast<int>(b), slot.residual[b].data(), slot.residual[b + 1].data());
+    BlockActivations& a = slot.blocks[b];
+    block_forward(a, static_cast<int>(b), slot.residual[b].data(), slot.residual[b + 1].data(),
+                  Positions{micro_batch_, seq_len_, 0, a.k.data(), a.v.data()});
   }
   if (!shard.has_head) return 0;
-  check_tokens(targets, "target");
+  check_tokens(targets, n, "target");
   backend_.copy_tokens_from_host(slot.targets.data(), targets, n);
   return head_forward(slot);
+}
+
+template <typename T>
+std::vector<T> Transformer<T>::forward_cached(const int32_t* tokens, int count) {
+  const ShardSpec& shard = layout_.shard();
+  check(shard.has_embedding && shard.has_head && heads_ == config_.num_heads &&
+            ffn_ == config_.ffn_hidden_size && vocab_ == config_.vocab_size &&
+            shard.layer_begin == 0 && shard.layer_end == config_.num_layers,
+        "cached inference needs the whole model on one rank");
+  check(count > 0, "cached inference: no tokens given");
+  check(count <= seq_len_ - cached_positions_,
+        "cached inference: " + std::to_string(cached_positions_) + " cached + " +
+            std::to_string(count) + " new positions exceed the sequence length " +
+            std::to_string(seq_len_));
+  const size_t kv = static_cast<size_t>(kv_heads_) * config_.head_dim();
+  if (k_cache_.empty()) {
+    for (size_t b = 0; b < slots_[0].blocks.size(); ++b) {
+      k_cache_.emplace_back(backend_, static_cast<size_t>(seq_len_) * kv,
+                            backend::MemoryKind::kActivations);
+      v_cache_.emplace_back(backend_, static_cast<size_t>(seq_len_) * kv,
+                            backend::MemoryKind::kActivations);
+    }
+  }
+  Slot& slot = slots_[0];
+  embed(slot, tokens, count);
+  for (size_t b = 0; b < slot.blocks.size(); ++b) {
+    block_forward(slot.blocks[b], static_cast<int>(b), slot.residual[b].data(),
+                  slot.residual[b + 1].data(),
+                  Positions{1, count, cached_positions_, k_cache_[b].data(), v_cache_[b].data()});
+  }
+  cached_positions_ += count;
+  // Only the last position's next-token distribution is wanted.
+  const size_t last = static_cast<size_t>(count - 1) * config_.hidden_size;
+  head_logits(slot, slot.residual.back().data() + last, 1);
+  std::vector<T> host(static_cast<size_t>(vocab_));
+  backend_.copy_to_host(host.data(), slot.logits.data(), host.size());
+  return host;
 }
 
 template <typename T>
@@ -220,6 +265,14 @@ std::vector<T> Transformer<T>::token_losses(int slot) {
 }
 
 template <typename T>
+std::vector<T> Transformer<T>::logits(int slot) {
+  const Slot& s = slots_.at(slot);
+  std::vector<T> host(s.logits.size());
+  backend_.copy_to_host(host.data(), s.logits.data(), host.size());
+  return host;
+}
+
+template <typename T>
 std::vector<T> Transformer<T>::host_losses(const Slot& slot) {
   std::vector<T> host(slot.losses.size());
   backend_.copy_to_host(host.data(), slot.losses.data(), host.size());
@@ -227,24 +280,27 @@ std::vector<T> Transformer<T>::host_losses(const Slot& slot) {
 }
 
 template <typename T>
-void Transformer<T>::block_forward(Slot& slot, int index, const T* x, T* out) {
+void Transformer<T>::block_forward(BlockActivations& a, int index, const T* x, T* out,
+                                   const Positions& at) {
   auto& be = backend_;
-  BlockActivations& a = slot.blocks[static_cast<size_t>(index)];
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
+  const int n = at.batch * at.seq, c = config_.hidden_size, hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
   const size_t nc = static_cast<size_t>(n) * c;
+  // New keys and values go after the `past` ones (only one sequence has past positions).
+  T* k_new = at.k + static_cast<size_t>(at.past) * kv;
+  T* v_new = at.v + static_cast<size_t>(at.past) * kv;
 
   // Attention: q/k/v are column-parallel (this rank's heads), o_proj row-parallel; the partial
   // outputs are summed over the group before the residual is added (once).
   be.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, param(w.attn_norm), n, c, config_.norm_eps);
   be.matmul_forward(a.q.data(), a.ln1.data(), param(w.q_proj), n, c, q);
-  be.matmul_forward(a.k.data(), a.ln1.data(), param(w.k_proj), n, c, kv);
-  be.matmul_forward(a.v.data(), a.ln1.data(), param(w.v_proj), n, c, kv);
-  be.rope_forward(a.q.data(), micro_batch_, seq_len_, heads_, hd, config_.rope_theta);
-  be.rope_forward(a.k.data(), micro_batch_, seq_len_, kv_heads_, hd, config_.rope_theta);
-  be.attention_forward(a.attn.data(), a.probs.data(), a.q.data(), a.k.data(), a.v.data(),
-                       micro_batch_, seq_len_, heads_, kv_heads_, hd);
+  be.matmul_forward(k_new, a.ln1.data(), param(w.k_proj), n, c, kv);
+  be.matmul_forward(v_new, a.ln1.data(), param(w.v_proj), n, c, kv);
+  be.rope_forward(a.q.data(), at.batch, at.seq, heads_, hd, config_.rope_theta, at.past);
+  be.rope_forward(k_new, at.batch, at.seq, kv_heads_, hd, config_.rope_theta, at.past);
+  be.attention_forward(a.attn.data(), a.probs.data(), a.q.data(), at.k, at.v, at.batch, at.seq,
+                       at.past, heads_, kv_heads_, hd);
   be.matmul_forward(a.mid.data(), a.attn.data(), param(w.o_proj), n, q, c);
   all_reduce_sum(a.mid.data(), nc);
   be.add(a.mid.data(), x, nc);  // mid = x + o_proj(attention)
@@ -312,13 +368,18 @@ void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres) 
 // statistics are reduced over the group (max, then the two sums), so no rank ever holds the full
 // logits.
 template <typename T>
-double Transformer<T>::head_forward(Slot& slot) {
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size;
-  const T* x = slot.residual.back().data();
+void Transformer<T>::head_logits(Slot& slot, const T* x, int n) {
+  const int c = config_.hidden_size;
   backend_.rmsnorm_forward(slot.final_ln.data(), slot.final_rstd.data(), x,
                            param(layout_.final_norm()), n, c, config_.norm_eps);
   backend_.matmul_forward(slot.logits.data(), slot.final_ln.data(), param(layout_.lm_head()), n, c,
                           vocab_);
+}
+
+template <typename T>
+double Transformer<T>::head_forward(Slot& slot) {
+  const int n = tokens_per_micro_batch();
+  head_logits(slot, slot.residual.back().data(), n);
   backend_.logits_row_max(slot.row_max.data(), slot.logits.data(), n, vocab_);
   if (tp_ != nullptr && tp_->size() > 1) tp_->all_reduce_max(slot.row_max.data(), n);
   T* sum_exp = slot.softmax_sums.data();

@@ -9,6 +9,9 @@
 //
 // Activations are kept per "slot", so a pipeline stage can hold several micro-batches in flight
 // (1F1B keeps up to pipeline depth − stage index of them).
+//
+// Inference (forward_cached) runs the same layer code on one sequence, keeping every layer's keys
+// and values so that each new token costs one position instead of the whole sequence again.
 #pragma once
 
 #include <cstdint>
@@ -75,6 +78,17 @@ class Transformer {
   void backward(T loss_scale) { backward(0, loss_scale); }
   // Host copy of the last forward's per-token losses in `slot` (shards with the head).
   std::vector<T> token_losses(int slot = 0);
+  // Host copy of the last forward's logits in `slot`, [micro_batch × seq_len × vocabulary share].
+  std::vector<T> logits(int slot = 0);
+
+  // ---- inference with a key/value cache (a shard holding the whole model) -------------------
+  // Runs tokens[0 .. count) of one sequence at positions cached_positions() .. + count - 1, each
+  // attending to every earlier position of the sequence through the cache (appended to), and
+  // returns the logits of the last of them (host, vocab_size values). The sequence holds at most
+  // seq_len() positions; clear_cache() starts a new one. Uses activation slot 0.
+  std::vector<T> forward_cached(const int32_t* tokens, int count);
+  int cached_positions() const { return cached_positions_; }
+  void clear_cache() { cached_positions_ = 0; }
 
  private:
   struct BlockActivations {
@@ -88,10 +102,22 @@ class Transformer {
     backend::Buffer<T> final_ln, final_rstd, logits, losses, row_max, softmax_sums;
   };
 
+  // The positions one forward pass runs, and where its keys and values go: training runs whole
+  // sequences from position 0 with k and v in the slot's activations; cached inference appends
+  // positions [past, past + seq) of one sequence to the cache and attends over all of them.
+  struct Positions {
+    int batch, seq, past;
+    T *k, *v;  // [batch, past + seq, this shard's kv heads, head_dim]; rows from `past` are written
+  };
+
   void all_reduce_sum(T* data, size_t count);
   std::vector<T> host_losses(const Slot& slot);
-  void block_forward(Slot& slot, int index, const T* x, T* out);
+  void check_tokens(const int32_t* tokens, size_t n, const char* what) const;
+  void embed(Slot& slot, const int32_t* tokens, int n);
+  void block_forward(BlockActivations& a, int index, const T* x, T* out, const Positions& at);
   void block_backward(Slot& slot, int index, const T* x, T* dres);
+  // Final norm and this shard's logits for n rows of the stage output x.
+  void head_logits(Slot& slot, const T* x, int n);
   double head_forward(Slot& slot);
   void head_backward(Slot& slot, T loss_scale);
 
@@ -104,6 +130,10 @@ class Transformer {
 
   backend::Buffer<T> params_, grads_;
   std::vector<Slot> slots_;
+  // Per block, keys and values of the cached sequence [seq_len × kv heads × head_dim]; allocated
+  // by the first forward_cached.
+  std::vector<backend::Buffer<T>> k_cache_, v_cache_;
+  int cached_positions_ = 0;
   // Backward scratch, shared by all blocks and slots.
   backend::Buffer<T> dres_, dnorm_, dnorm2_, dtmp_, dq_, dk_, dv_, dattn_, dgate_, dup_, dact_,
       dlogits_;

@@ -224,6 +224,7 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
     // e.g. a train_config string that is not valid UTF-8
     throw Error(where + ": cannot write manifest.json: " + e.what());
   }
+  if (checkpoint.tokenizer) tokenizer::save_tokenizer(*checkpoint.tokenizer, tmp);
   // Written last: a directory with a manifest is a complete checkpoint.
   write_file_atomic(tmp / kManifest, text);
 
@@ -313,6 +314,7 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
     read_tensors(dir, where, kOptimizer, optimizer, layout,
                  {&checkpoint.adam_m, &checkpoint.adam_v});
   }
+  checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
   return checkpoint;
 }
 
@@ -321,6 +323,14 @@ fs::path checkpoint_dir(const fs::path& root, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
   return root / name;
+}
+
+fs::path resolve_checkpoint(const fs::path& path) {
+  if (fs::exists(path / kManifest)) return path;
+  for (const fs::path& root : {path / "checkpoints", path}) {
+    if (auto latest = latest_checkpoint(root)) return *latest;
+  }
+  throw Error(path.string() + " is not a checkpoint and holds no checkpoints/latest");
 }
 
 void mark_latest(const fs::path& root, const fs::path& dir) {

@@ -62,15 +62,38 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
                             world_size);
 }
 
-Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& model_config,
+std::shared_ptr<const tokenizer::Tokenizer> data_tokenizer(const std::string& pattern) {
+  const std::filesystem::path dir = std::filesystem::path(pattern).parent_path();
+  return tokenizer::load_saved_tokenizer(dir.empty() ? std::filesystem::path(".") : dir);
+}
+
+model::ModelConfig fit_model_to_tokenizer(model::ModelConfig model,
+                                          const tokenizer::Tokenizer* tokenizer) {
+  if (tokenizer == nullptr) return model;
+  const tokenizer::SpecialTokens special = tokenizer->special_tokens();
+  model.vocab_size = std::max(model.vocab_size, tokenizer->vocab_size());
+  model.bos_token_id = special.bos;
+  model.eos_token_id = special.eos;
+  model.pad_token_id = special.pad;
+  return model;
+}
+
+Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_model,
                  comm::Communicator world)
     : config_(config),
-      model_config_(model_config),
+      tokenizer_(data_tokenizer(config.train_data)),
+      model_config_(fit_model_to_tokenizer(requested_model, tokenizer_.get())),
       world_(std::move(world)),
       schedule_{config.lr, config.min_lr_ratio, config.warmup_steps, config.steps},
       monitor_(world_.size(), config.monitor_window),
-      train_data_(config.train_data, model_config.vocab_size),
+      train_data_(config.train_data, model_config_.vocab_size),
       sampler_(train_data_, config.seq_len, config.seed) {
+  const model::ModelConfig& model_config = model_config_;
+  if (is_root() && tokenizer_ && requested_model.vocab_size != model_config.vocab_size) {
+    std::printf("model vocab_size %d -> %d for the training data's %s\n",
+                requested_model.vocab_size, model_config.vocab_size,
+                tokenizer_->describe().c_str());
+  }
   config_.validate("training config");
   check(config.seq_len <= model_config.max_seq_len,
         "\"seq_len\" " + std::to_string(config.seq_len) + " exceeds the model's max_seq_len " +
@@ -107,9 +130,25 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& model_conf
 }
 
 void Trainer::restore(const Checkpoint& checkpoint) {
-  check(checkpoint.model.to_json() == model_config_.to_json(),
+  if (checkpoint.tokenizer && tokenizer_) {
+    check(tokenizer::same_tokenizer(*checkpoint.tokenizer, *tokenizer_),
+          "the checkpoint's model was trained with a " + checkpoint.tokenizer->describe() +
+              ", but the training data " + config_.train_data + " was made with a different " +
+              tokenizer_->describe());
+  } else if (checkpoint.tokenizer) {
+    tokenizer_ = checkpoint.tokenizer;  // data from elsewhere (e.g. llm.c): keep the record
+  }
+  model::ModelConfig expected = model_config_;
+  if (!checkpoint.tokenizer && tokenizer_) {
+    // Written before its data recorded a tokenizer: its config has no special ids yet, and the
+    // run goes on with the fitted ones.
+    expected.bos_token_id = checkpoint.model.bos_token_id;
+    expected.eos_token_id = checkpoint.model.eos_token_id;
+    expected.pad_token_id = checkpoint.model.pad_token_id;
+  }
+  check(checkpoint.model.to_json() == expected.to_json(),
         "checkpoint model " + checkpoint.model.to_json().dump() +
-            " differs from the configured model " + model_config_.to_json().dump());
+            " differs from the configured model " + expected.to_json().dump());
   runtime::FullState full;
   if (is_root()) {
     full.params = checkpoint.params;
@@ -131,6 +170,7 @@ Checkpoint Trainer::snapshot() {
   c.params = std::move(full.params);
   c.adam_m = std::move(full.adam_m);
   c.adam_v = std::move(full.adam_v);
+  c.tokenizer = tokenizer_;
   return c;
 }
 

@@ -43,12 +43,15 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
 
 class Trainer {
  public:
-  // Collective over `world`. A fresh run: parameters initialised from config.seed.
+  // Collective over `world`. A fresh run: parameters initialised from config.seed. The model is
+  // fitted to the training data's tokenizer (fit_model_to_tokenizer), which every checkpoint of
+  // the run records.
   Trainer(const TrainConfig& config, const model::ModelConfig& model_config,
           comm::Communicator world);
 
   // Collective: continues from a checkpoint whose buffers are read on rank 0 (other ranks may
-  // pass a checkpoint without buffers; see load_checkpoint_on_root).
+  // pass a checkpoint without buffers; see load_checkpoint_on_root). Throws Error if the
+  // checkpoint's tokenizer differs from the training data's.
   void restore(const Checkpoint& checkpoint);
   // Collective: the whole state, on rank 0 (other ranks get empty buffers).
   Checkpoint snapshot();
@@ -75,6 +78,7 @@ class Trainer {
   void log_step(const StepStats& s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
   TrainConfig config_;
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;  // before model_config_: it fits it
   model::ModelConfig model_config_;
   comm::Communicator world_;
   std::unique_ptr<runtime::Engine> engine_;
@@ -95,5 +99,15 @@ Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Commu
 
 // Threads per rank for a configured value (0: the machine's cores shared among the ranks on it).
 int resolve_threads(int configured, int ranks);
+
+// The tokenizer saved beside the shards of `pattern` (by prepare-data), or null when there is none
+// (e.g. shards made by llm.c's scripts).
+std::shared_ptr<const tokenizer::Tokenizer> data_tokenizer(const std::string& pattern);
+
+// The model config a run trains with data made by `tokenizer`: special token ids are the
+// tokenizer's, and the vocabulary grows to the tokenizer's if it is smaller (a larger one is kept:
+// rows past the tokenizer's ids are never seen). Unchanged without a tokenizer.
+model::ModelConfig fit_model_to_tokenizer(model::ModelConfig model,
+                                          const tokenizer::Tokenizer* tokenizer);
 
 }  // namespace malleus::train

@@ -290,18 +290,20 @@ class CpuBackend final : public Backend<T> {
     }
   }
 
-  void rope_forward(T* x, int batch, int seq, int heads, int head_dim, float theta) override {
-    rope(x, batch, seq, heads, head_dim, theta, T(1));
+  void rope_forward(T* x, int batch, int seq, int heads, int head_dim, float theta,
+                    int first_position) override {
+    rope(x, batch, seq, heads, head_dim, theta, first_position, T(1));
   }
 
   void rope_backward(T* dx, int batch, int seq, int heads, int head_dim, float theta) override {
     // A rotation's transpose is the rotation by the opposite angle.
-    rope(dx, batch, seq, heads, head_dim, theta, T(-1));
+    rope(dx, batch, seq, heads, head_dim, theta, 0, T(-1));
   }
 
   void attention_forward(T* out, T* probs, const T* q, const T* k, const T* v, int batch, int seq,
-                         int q_heads, int kv_heads, int head_dim) override {
+                         int past, int q_heads, int kv_heads, int head_dim) override {
     check_heads(q_heads, kv_heads);
+    check(past >= 0, "attention: past must not be negative, got " + std::to_string(past));
     if (batch == 0 || seq == 0 || q_heads == 0) return;
     const int group = q_heads / kv_heads;
     // q, k, v of one head are strided views of the [batch, seq, heads, head_dim] tensors: BLAS
@@ -309,7 +311,8 @@ class CpuBackend final : public Backend<T> {
     const int q_stride = q_heads * head_dim;
     const int kv_stride = kv_heads * head_dim;
     const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-    const size_t square = static_cast<size_t>(seq) * seq;
+    const int keys = past + seq;  // per sequence
+    const size_t rectangle = static_cast<size_t>(seq) * keys;
     const int items = batch * q_heads;
     prepare_blas();
     // One (sequence, head) per iteration. BLAS called inside the parallel region runs on the
@@ -321,25 +324,26 @@ class CpuBackend final : public Backend<T> {
       const size_t q_offset =
           static_cast<size_t>(b) * seq * q_stride + static_cast<size_t>(h) * head_dim;
       const size_t kv_offset =
-          static_cast<size_t>(b) * seq * kv_stride + static_cast<size_t>(h / group) * head_dim;
+          static_cast<size_t>(b) * keys * kv_stride + static_cast<size_t>(h / group) * head_dim;
       const T* qh = q + q_offset;
       const T* kh = k + kv_offset;
       const T* vh = v + kv_offset;
       T* oh = out + q_offset;
-      T* ph = probs + static_cast<size_t>(item) * square;
+      T* ph = probs + static_cast<size_t>(item) * rectangle;
       for (int r0 = 0; r0 < seq; r0 += kAttentionBlock) {
         const int r1 = std::min(seq, r0 + kAttentionBlock);
         const int rows = r1 - r0;
-        T* block = ph + static_cast<size_t>(r0) * seq;
-        gemm(CblasNoTrans, CblasTrans, rows, r1, head_dim, scale,
-             qh + static_cast<size_t>(r0) * q_stride, q_stride, kh, kv_stride, T(0), block, seq);
+        const int visible = past + r1;  // keys seen by the block's last query
+        T* block = ph + static_cast<size_t>(r0) * keys;
+        gemm(CblasNoTrans, CblasTrans, rows, visible, head_dim, scale,
+             qh + static_cast<size_t>(r0) * q_stride, q_stride, kh, kv_stride, T(0), block, keys);
         for (int t = r0; t < r1; ++t) {
-          T* row = ph + static_cast<size_t>(t) * seq;
-          softmax_in_place(row, t + 1);
-          std::fill(row + t + 1, row + seq, T(0));
+          T* row = ph + static_cast<size_t>(t) * keys;
+          softmax_in_place(row, past + t + 1);
+          std::fill(row + past + t + 1, row + keys, T(0));
         }
-        gemm(CblasNoTrans, CblasNoTrans, rows, head_dim, r1, T(1), block, seq, vh, kv_stride, T(0),
-             oh + static_cast<size_t>(r0) * q_stride, q_stride);
+        gemm(CblasNoTrans, CblasNoTrans, rows, head_dim, visible, T(1), block, keys, vh, kv_stride,
+             T(0), oh + static_cast<size_t>(r0) * q_stride, q_stride);
       }
     }
   }
@@ -602,15 +606,18 @@ class CpuBackend final : public Backend<T> {
   }
 
   // Rotates every (i, i + head_dim/2) pair by `direction` × its angle.
-  void rope(T* x, int batch, int seq, int heads, int head_dim, float theta, T direction) {
+  void rope(T* x, int batch, int seq, int heads, int head_dim, float theta, int first_position,
+            T direction) {
     check(head_dim % 2 == 0, "rope: head_dim must be even, got " + std::to_string(head_dim));
-    const RopeTable<T>& table = rope_table(seq, head_dim, theta);
+    check(first_position >= 0,
+          "rope: first_position must not be negative, got " + std::to_string(first_position));
+    const RopeTable<T>& table = rope_table(first_position + seq, head_dim, theta);
     const size_t half = static_cast<size_t>(head_dim / 2);
     const size_t row = static_cast<size_t>(heads) * head_dim;
     const int rows = batch * seq;
 #pragma omp parallel for schedule(static) num_threads(threads_)
     for (int r = 0; r < rows; ++r) {
-      const size_t t = static_cast<size_t>(r % seq);
+      const size_t t = static_cast<size_t>(first_position + r % seq);
       const T* cos = table.cos.data() + t * half;
       const T* sin = table.sin.data() + t * half;
       for (int h = 0; h < heads; ++h) {

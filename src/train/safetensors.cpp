@@ -1,0 +1,171 @@
+#include "train/safetensors.h"
+
+#include <bit>
+#include <cstring>
+#include <fstream>
+#include <system_error>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/json.h"
+
+namespace malleus::train {
+
+namespace {
+
+// safetensors stores little-endian data; float32 is copied from memory as it is.
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; a big-endian host needs byte swapping");
+
+constexpr size_t kLengthBytes = 8;
+
+float bf16_to_float(uint16_t bits) {
+  return std::bit_cast<float>(uint32_t{bits} << 16);
+}
+
+// IEEE half precision: 1 sign, 5 exponent (bias 15), 10 mantissa bits.
+float f16_to_float(uint16_t bits) {
+  const uint32_t sign = uint32_t{bits & 0x8000u} << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  uint32_t mantissa = bits & 0x3ffu;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) {
+    return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  }
+  if (mantissa == 0) return std::bit_cast<float>(sign);
+  // Subnormal half: normalise it, which float's wider exponent always allows.
+  int shift = 0;
+  while ((mantissa & 0x400u) == 0) {
+    mantissa <<= 1;
+    ++shift;
+  }
+  mantissa &= 0x3ffu;
+  return std::bit_cast<float>(sign | ((113u - static_cast<uint32_t>(shift)) << 23) |
+                              (mantissa << 13));
+}
+
+size_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "F32") return 4;
+  if (dtype == "BF16" || dtype == "F16") return 2;
+  return 0;
+}
+
+}  // namespace
+
+void write_safetensors(const fs::path& path, const std::vector<TensorRef>& tensors) {
+  // ordered_json: readers do not care, but the given order keeps the file easy to inspect and
+  // its bytes a function of the tensors alone.
+  nlohmann::ordered_json header;
+  header["__metadata__"] = {{"format", "pt"}};
+  int64_t offset = 0;
+  for (const auto& tensor : tensors) {
+    int64_t elements = 1;
+    for (int64_t d : tensor.shape) elements *= d;
+    const int64_t bytes = elements * static_cast<int64_t>(sizeof(float));
+    header[tensor.name] = {
+        {"dtype", "F32"},
+        {"shape", tensor.shape},
+        {"data_offsets", nlohmann::ordered_json::array({offset, offset + bytes})}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  // Padding keeps the data 8-byte aligned for readers that map the file.
+  text.append((kLengthBytes - text.size() % kLengthBytes) % kLengthBytes, ' ');
+  unsigned char length[kLengthBytes];
+  for (size_t i = 0; i < kLengthBytes; ++i) {
+    length[i] = static_cast<unsigned char>((uint64_t{text.size()} >> (8 * i)) & 0xff);
+  }
+  AtomicFile file(path);
+  file.write(length, sizeof length);
+  file.write(text);
+  for (const auto& tensor : tensors) {
+    int64_t elements = 1;
+    for (int64_t d : tensor.shape) elements *= d;
+    file.write(tensor.data, static_cast<size_t>(elements) * sizeof(float));
+  }
+  file.commit();
+}
+
+std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) {
+  const std::string where = path.string();
+  std::error_code ec;
+  check(fs::is_regular_file(path, ec), where + ": no such file");
+  const uint64_t file_size = fs::file_size(path, ec);
+  check(!ec, where + ": cannot stat: " + ec.message());
+  check(file_size >= kLengthBytes,
+        where + ": too short for a safetensors file (" + std::to_string(file_size) + " bytes)");
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), where + ": cannot open");
+
+  unsigned char length[kLengthBytes];
+  in.read(reinterpret_cast<char*>(length), sizeof length);
+  check(in.good(), where + ": cannot read the header length");
+  uint64_t header_size = 0;
+  for (size_t i = 0; i < kLengthBytes; ++i) header_size |= uint64_t{length[i]} << (8 * i);
+  check(header_size <= file_size - kLengthBytes,
+        where + ": header length " + std::to_string(header_size) +
+            " is beyond the end of the file (" + std::to_string(file_size) + " bytes)");
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  check(in.good(), where + ": cannot read the header");
+  const Json header = parse_json(text, where + " (safetensors header)");
+  check(header.is_object(), where + ": the safetensors header is not a JSON object");
+
+  const uint64_t data_start = kLengthBytes + header_size;
+  const uint64_t data_size = file_size - data_start;
+  std::map<std::string, SafetensorsTensor> tensors;
+  std::vector<char> raw;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") continue;
+    const std::string source = where + ": tensor \"" + name + "\"";
+    JsonReader reader(value, source);
+    const auto dtype = reader.required<std::string>("dtype");
+    const auto shape = reader.required<std::vector<int64_t>>("shape");
+    const auto offsets = reader.required<std::vector<uint64_t>>("data_offsets");
+    reader.finish();
+    const size_t width = dtype_bytes(dtype);
+    check(width > 0, source + ": unsupported dtype \"" + dtype + "\" (F32, BF16 and F16 are read)");
+    check(offsets.size() == 2, source + ": data_offsets must be [begin, end]");
+    check(offsets[0] <= offsets[1] && offsets[1] <= data_size,
+          source + ": data_offsets [" + std::to_string(offsets[0]) + ", " +
+              std::to_string(offsets[1]) + "] are out of range (the data is " +
+              std::to_string(data_size) + " bytes)");
+    // Bounded by the byte count already known to be in the file, so the product cannot overflow.
+    const uint64_t max_elements = (offsets[1] - offsets[0]) / width;
+    uint64_t elements = 1;
+    for (int64_t dim : shape) {
+      check(dim >= 0, source + ": negative dimension in shape");
+      const auto d = static_cast<uint64_t>(dim);
+      check(d == 0 || elements <= max_elements / d,
+            source + ": shape does not match data_offsets (more elements than bytes)");
+      elements *= d;
+    }
+    check(elements * width == offsets[1] - offsets[0],
+          source + ": shape has " + std::to_string(elements) + " elements of " + dtype +
+              ", but data_offsets span " + std::to_string(offsets[1] - offsets[0]) + " bytes");
+
+    SafetensorsTensor tensor;
+    tensor.dtype = dtype;
+    tensor.shape = shape;
+    tensor.data.resize(elements);
+    raw.resize(elements * width);
+    in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
+    in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+    check(in.good() || raw.empty(), source + ": cannot read its data");
+    if (raw.empty()) {
+      // An empty tensor: nothing to copy (and memcpy must not see the null pointers).
+    } else if (dtype == "F32") {
+      std::memcpy(tensor.data.data(), raw.data(), raw.size());
+    } else {
+      for (size_t i = 0; i < elements; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, raw.data() + 2 * i, 2);
+        tensor.data[i] = dtype == "BF16" ? bf16_to_float(bits) : f16_to_float(bits);
+      }
+    }
+    tensors.emplace(name, std::move(tensor));
+  }
+  return tensors;
+}
+
+}  // namespace malleus::train
