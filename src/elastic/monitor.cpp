@@ -26,17 +26,9 @@ Monitor::Monitor(int world_size, MonitorOptions options)
       ranks_(static_cast<size_t>(std::max(world_size, 0))),
       rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0) {
   check(world_size > 0, "monitor: the world size must be positive");
-  check(options.window >= 1 && options.history >= options.window,
-        "monitor: the window must be at least 1 and the history at least the window");
-  check(options.quantile >= 0 && options.quantile <= 1, "monitor: the quantile must be in [0, 1]");
+  check(options.window >= 1 && options.block >= options.window,
+        "monitor: the window must be at least 1 and the block at least the window");
   check(options.calibration_tolerance >= 1, "monitor: the calibration tolerance must be >= 1");
-}
-
-double Monitor::low_quantile(const std::deque<double>& values) const {
-  std::vector<double> v(values.begin(), values.end());
-  const auto k = static_cast<std::ptrdiff_t>(options_.quantile * static_cast<double>(v.size() - 1));
-  std::nth_element(v.begin(), v.begin() + k, v.end());
-  return v[static_cast<size_t>(k)];
 }
 
 double Monitor::reference(int rank) const {
@@ -62,25 +54,25 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
       st.entry_rate = st.geometry.empty() ? 0 : st.rate;
       st.geometry = geometries[r];
       st.window.clear();
-      st.visit_steps = 0;
     }
     Reference& ref = st.references[st.geometry];
-    ref.history.push_back(t);
-    if (ref.history.size() > static_cast<size_t>(options_.history)) ref.history.pop_front();
+    ref.block.push_back(t);
+    if (ref.block.size() > static_cast<size_t>(options_.block)) ref.block.pop_front();
     st.window.push_back(t);
     if (st.window.size() > window) st.window.pop_front();
-    ++st.visit_steps;
     const double now = median({st.window.begin(), st.window.end()});
-    if (ref.value == 0 && static_cast<size_t>(st.visit_steps) >= window) {
+    if (ref.value == 0 && st.window.size() == window) {
       if (st.entry_rate > 0) {
         ref.value = now / st.entry_rate;  // seeded: the slowdown carried across the switch
       } else {
-        ref.value = low_quantile(ref.history);  // the run's first geometry: calibrated
+        ref.value = now;  // the run's first geometry: calibrated
         calibrated.push_back(r);
       }
     }
     if (ref.value > 0) {
-      if (ref.history.size() >= window) ref.value = std::min(ref.value, low_quantile(ref.history));
+      if (ref.block.size() >= window) {
+        ref.value = std::min(ref.value, median({ref.block.begin(), ref.block.end()}));
+      }
       st.rate = now / ref.value;
     } else {
       st.rate = st.entry_rate > 0 ? st.entry_rate : 1.0;  // settling: keep what was known

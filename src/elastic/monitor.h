@@ -9,17 +9,18 @@
 // embedding and the LM head — so references are kept per rank and per geometry (the shape of
 // the rank's shard, or the probe an idle rank runs):
 //
-// - a reference is a low quantile of the rank's history in that geometry, never raised again
-//   (a rank slow for a long time does not become the new normal);
+// - a reference is the lowest median of `block` consecutive steps the rank has shown in that
+//   geometry: it is never raised again (a rank slow for a long time does not become the new
+//   normal), and neither one lucky step nor a slow first one (cold caches, new buffers) moves it;
 // - a rank entering a geometry it has no reference for keeps its previous rate for `window`
 //   steps, then seeds the reference from them: median time per FLOP there / the rank's rate just
-//   before the switch (its slowdown is assumed unchanged across the switch; the low quantile
-//   corrects the seed when the rank later runs faster);
-// - the first geometry of the run is calibrated from its first `window` steps; a rank whose
-//   calibration is more than `calibration_tolerance` slower than the fastest rank calibrating the
-//   identical geometry takes that rank's reference, so a device slow from the first step is seen
-//   (devices of one job are assumed to be of one kind, as the cluster spec says). A rank slow
-//   from the start with no identical peer reads 1 until it speeds up;
+//   before the switch (its slowdown is assumed unchanged across the switch; the reference comes
+//   down to the truth when the rank later runs faster than the seed says);
+// - the first geometry of the run is calibrated from its first `window` measured steps; a rank
+//   whose calibration is more than `calibration_tolerance` slower than the fastest rank
+//   calibrating the identical geometry takes that rank's reference, so a device slow from the
+//   first step is seen (devices of one job are assumed to be of one kind, as the cluster spec
+//   says). A rank slow from the start with no identical peer reads 1 until it speeds up;
 // - when every rank slows at once, every rate says so; nothing is gained by re-planning.
 //
 // Rates are a per-rank median over a sliding window of `window` steps, so one noisy step moves
@@ -37,8 +38,7 @@ namespace malleus::elastic {
 
 struct MonitorOptions {
   int window = 3;                      // steps in the sliding median; steps to settle a geometry
-  int history = 64;                    // samples per (rank, geometry) the quantile looks at
-  double quantile = 0.1;               // the low quantile that defines "healthy"
+  int block = 8;                       // steps whose median may lower a reference
   double calibration_tolerance = 1.2;  // a first calibration this much slower than a peer's
 };
 
@@ -60,18 +60,16 @@ class Monitor {
 
  private:
   struct Reference {
-    std::deque<double> history;  // time per FLOP, newest last
-    double value = 0;            // the healthy time per FLOP; 0: not known yet
+    std::deque<double> block;  // the last `block` measured times per FLOP, newest last
+    double value = 0;          // the healthy time per FLOP; 0: not known yet
   };
   struct RankState {
-    std::string geometry;  // of the current visit; empty before the first step
-    std::deque<double> window;
-    int visit_steps = 0;
-    double entry_rate = 0;  // rate when this visit began; 0: the run's first geometry
+    std::string geometry;       // of the current visit; empty before the first step
+    std::deque<double> window;  // this visit's last `window` measured times per FLOP
+    double entry_rate = 0;      // rate when this visit began; 0: the run's first geometry
     double rate = 1;
     std::map<std::string, Reference> references;
   };
-  double low_quantile(const std::deque<double>& values) const;
 
   MonitorOptions options_;
   std::vector<RankState> ranks_;

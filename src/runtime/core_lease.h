@@ -69,6 +69,17 @@ class CoreLease {
   bool held_ = false;
 };
 
+// Waiting for communication without taking a shared core from the rank that computes. MPI's own
+// waits poll without pause (sched_yield at best), which on a shared core steals time from the
+// partner holding the lease and inflates what it measures. With a lease these give the lease
+// back, poll with MPI_Test and short sleeps, and take it again; with none (`lease` null) they
+// are MPI's blocking calls, the fastest when a rank has its core to itself.
+void wait(comm::Request& request, CoreLease* lease);
+void wait_all(std::vector<comm::Request>& requests, CoreLease* lease);
+void all_reduce_sum(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease);
+void all_reduce_sum(const comm::Communicator& comm, double* data, size_t count, CoreLease* lease);
+void all_reduce_max(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease);
+
 // How this job's ranks sit on the machine's cores.
 struct CoreSharing {
   // Collective over `world`. Reads every rank's CPU affinity; ranks on one host that all have

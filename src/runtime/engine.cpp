@@ -157,7 +157,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     for (const PipelineOp& op : one_f_one_b(stage, stages, micro_batches)) {
       const int j = op.micro_batch, slot = j % slots;
       if (op.kind == PipelineOp::kForward) {
-        comm::Request::wait_all(forward_sends[static_cast<size_t>(slot)]);
+        wait_all(forward_sends[static_cast<size_t>(slot)], lease());
         if (st.first_stage() || st.last_stage()) fill(j);
         receive_input(slot, j);
         double loss = 0;
@@ -166,12 +166,11 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
         if (st.last_stage() && sender) loss_sum += loss;
         send_output(slot, j, &forward_sends[static_cast<size_t>(slot)]);
       } else {
-        comm::Request::wait_all(backward_sends);
+        wait_all(backward_sends, lease());
         if (!st.last_stage()) {
-          world
-              .irecv(model_->output_grad(), activation_bytes(), st.next_stage_ranks().front(),
-                     backward_tag(j))
-              .wait();
+          comm::Request gradient = world.irecv(model_->output_grad(), activation_bytes(),
+                                               st.next_stage_ranks().front(), backward_tag(j));
+          wait(gradient, lease());
         }
         result.compute_seconds += timed([&] { model_->backward(slot, loss_scale); }, slowdown);
         if (!st.first_stage() && sender) {
@@ -182,8 +181,8 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
         }
       }
     }
-    for (auto& sends : forward_sends) comm::Request::wait_all(sends);
-    comm::Request::wait_all(backward_sends);
+    for (auto& sends : forward_sends) wait_all(sends, lease());
+    wait_all(backward_sends, lease());
     result.flops = work_flops_;
   } else {
     result.flops = run_probe(slowdown, &result.compute_seconds);
@@ -204,7 +203,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   double* mine = shared.data() + 2 + 2 * static_cast<size_t>(world.rank());
   mine[0] = result.compute_seconds;
   mine[1] = result.flops;
-  world.all_reduce_sum(shared.data(), shared.size());
+  all_reduce_sum(world, shared.data(), shared.size(), lease());
   result.loss = shared[0] / static_cast<double>(global_tokens);
   result.grad_norm = std::sqrt(shared[1]);
   result.measurements.assign(shared.begin() + 2, shared.end());
@@ -225,10 +224,10 @@ size_t Engine::activation_bytes() const {
 
 void Engine::receive_input(int slot, int micro_batch) {
   if (state_->first_stage()) return;
-  state_->world()
-      .irecv(model_->input_activation(slot), activation_bytes(),
-             state_->previous_stage_ranks().front(), forward_tag(micro_batch))
-      .wait();
+  comm::Request input =
+      state_->world().irecv(model_->input_activation(slot), activation_bytes(),
+                            state_->previous_stage_ranks().front(), forward_tag(micro_batch));
+  wait(input, lease());
 }
 
 void Engine::send_output(int slot, int micro_batch, std::vector<comm::Request>* sends) {
@@ -293,10 +292,7 @@ void Engine::sync_gradients() {
       }
       cursor += n;
     }
-    {
-      CoreLease::Gap wait(lease());
-      st.grad_sync_comm(g).all_reduce_sum(pack_buffer_.data(), pack_buffer_.size());
-    }
+    all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
     cursor = pack_buffer_.data();
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];

@@ -19,19 +19,13 @@ double seconds_since(Clock::time_point start) {
 
 void MpiTensorParallelGroup::all_reduce_sum(float* data, size_t count) {
   const auto start = Clock::now();
-  {
-    CoreLease::Gap gap(lease_);
-    comm_.all_reduce_sum(data, count);
-  }
+  runtime::all_reduce_sum(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);
 }
 
 void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {
   const auto start = Clock::now();
-  {
-    CoreLease::Gap gap(lease_);
-    comm_.all_reduce_max(data, count);
-  }
+  runtime::all_reduce_max(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);
 }
 
