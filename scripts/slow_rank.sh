@@ -5,7 +5,9 @@
 #
 # Usage: scripts/slow_rank.sh RUN_DIR RANK FROM TO METHOD
 #   RUN_DIR  the run's output directory: ranks.json says where each rank runs (pid, CPUs), and
-#            metrics.jsonl how far training is. Waits for them to appear.
+#            metrics.jsonl how far training is. Start this script before the run (or while it
+#            runs): it waits for a ranks.json written after it started, and reads only the
+#            metrics appended after that (a run directory may hold earlier runs' metrics).
 #   FROM-TO  the slowdown starts once step FROM-1 is logged and ends once step TO is logged
 #            (steps 1-based, like --straggler).
 #   METHOD   busy:N     N busy processes pinned to the rank's CPUs with taskset: the rank gets
@@ -43,11 +45,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# The run's latest logged step (0 before the first).
+started=$(date +%s)
+offset=$(stat -c %s "$run/metrics.jsonl" 2> /dev/null || echo 0)
+# The run's latest logged step (0 before the first), from what was appended since we started.
 latest_step() {
   local last
-  last=$(tail -c 8192 "$run/metrics.jsonl" 2> /dev/null | grep -o '"step":[0-9]*' | tail -n 1) || true
-  echo "${last#\"step\":}" | sed 's/^$/0/'
+  last=$(tail -c +$((offset + 1)) "$run/metrics.jsonl" 2> /dev/null | tail -c 8192 |
+    grep -o '"step":[0-9]*' | tail -n 1) || true
+  last=${last#\"step\":}
+  echo "${last:-0}"
 }
 # Waits until step $1 is logged; returns 1 if the rank's process ends first.
 wait_for_step() {
@@ -57,8 +63,9 @@ wait_for_step() {
   done
 }
 
-for _ in $(seq 600); do [[ -s $run/ranks.json ]] && break; sleep 0.1; done
-[[ -s $run/ranks.json ]] || { echo "slow_rank: no $run/ranks.json after 60 s" >&2; exit 1; }
+fresh_ranks() { [[ -s $run/ranks.json ]] && (($(stat -c %Y "$run/ranks.json") >= started)); }
+for _ in $(seq 1200); do fresh_ranks && break; sleep 0.1; done
+fresh_ranks || { echo "slow_rank: no new $run/ranks.json within 120 s" >&2; exit 1; }
 read -r rank_pid rank_cpus < <(python3 - "$run/ranks.json" "$rank" << 'EOF'
 import json, sys
 ranks = json.load(open(sys.argv[1]))["ranks"]
