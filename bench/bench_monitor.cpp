@@ -2,7 +2,7 @@
 //
 // Trains the demo model data-parallel on every rank (seq 128, micro-batches of 1, global batch
 // 16, one thread per rank) under several engine settings, side by side in interleaved rounds
-// (A, B, C, A, B, C, ...) so that a change in the machine's load hits every setting alike:
+// (A, B, C, then B, C, A, ...) so that a change in the machine's load hits every setting alike:
 //   monitored     compute sections timed (steady clock, TP waits subtracted), the measurements
 //                 gathered with the loss, and elastic::Monitor::observe run every step: what
 //                 training does
@@ -96,21 +96,35 @@ void run(comm::Communicator& world, int argc, char** argv) {
   };
   const std::vector<std::string> geometries =
       elastic::work_geometries(settings.front().engine->state().layout());
+  std::vector<double> observe_s;
   auto step = [&](Setting& s) {
     world.barrier();
     const auto start = Clock::now();
     const runtime::StepResult r = s.engine->step(sample, 1e-4f, 1.0f);
-    if (s.measure) s.monitor->observe(r.measurements, geometries);
+    if (s.measure) {
+      const auto before = Clock::now();
+      s.monitor->observe(r.measurements, geometries);
+      observe_s.push_back(std::chrono::duration<double>(Clock::now() - before).count());
+    }
     world.barrier();
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
+  // What one clock read costs (the engine reads the clock twice per compute section, plus twice
+  // per tensor-parallel collective).
+  const auto clock_start = Clock::now();
+  constexpr int kReads = 1000000;
+  for (int i = 0; i < kReads; ++i) Clock::now();
+  const double clock_read_s =
+      std::chrono::duration<double>(Clock::now() - clock_start).count() / kReads;
 
   const std::string load_before = load_average();
   for (Setting& s : settings) {
     for (int i = 0; i < kWarmupSteps; ++i) step(s);
   }
+  // The order rotates every round, so no setting always follows the same other one.
   for (int round = 0; round < rounds; ++round) {
-    for (Setting& s : settings) {
+    for (size_t k = 0; k < settings.size(); ++k) {
+      Setting& s = settings[(k + static_cast<size_t>(round)) % settings.size()];
       for (int i = 0; i < steps_per_round; ++i) s.step_s.push_back(step(s));
     }
   }
@@ -126,6 +140,11 @@ void run(comm::Communicator& world, int argc, char** argv) {
     std::printf("  %-22s %.4f s/step median [%.4f-%.4f], %+.2f%% vs unmonitored\n", s.name.c_str(),
                 median(s.step_s), *lo, *hi, 100 * (median(s.step_s) / base - 1));
   }
+  const int sections = 2 * kGlobalBatch / world.size();  // forward and backward per micro-batch
+  std::printf(
+      "  timing: %d compute sections per step, a clock read %.0f ns; Monitor::observe "
+      "%.1f us per step (median)\n",
+      sections, 1e9 * clock_read_s, 1e6 * median(observe_s));
   // The same comparison within each round (settings ran back to back there): robust to drift.
   std::vector<double> ratios;
   for (size_t i = 0; i < settings[0].step_s.size(); ++i) {
