@@ -8,14 +8,17 @@
 #   injected  4 ranks on 2 cores (bound and taking turns), rank 1 injected 3x slower
 #   external  2 ranks bound one per core, two busy processes pinned to rank 1's core
 #             (scripts/slow_rank.sh busy:2): a slowdown malleus knows nothing about
-#   two       4 ranks on 2 cores, rank 0 injected 2x and rank 2 5x slower
+#   two       4 ranks on 2 cores, rank 0 injected 2x and rank 1 5x slower (one on each core)
+#   two-shared  the same with rank 2 instead of rank 1: both stragglers on core 0. The planner
+#             treats ranks as independent devices; ranks sharing a core are not, and here its
+#             plan loads core 1 (two healthy ranks with large shares) far more than core 0
 #
-# Usage: scripts/bench_straggler.sh [scenarios, comma-separated (injected,external,two)]
+# Usage: scripts/bench_straggler.sh [scenarios, comma-separated (injected,external,two,two-shared)]
 #                                   [runs (3)] [steps (100)]
 # Results go to runs/bench-straggler/<scenario>/run<i>/{replan,uniform} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scenarios=${1:-injected,external,two}
+scenarios=${1:-injected,external,two,two-shared}
 runs=${2:-3}
 steps=${3:-100}
 from=$((steps / 5)) to=$((steps * 4 / 5))
@@ -41,6 +44,9 @@ train() {
         --straggler "1:3:$from-$to" --out "$dir" ;;
     two)
       mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
+        --straggler "0:2:$from-$to" --straggler "1:5:$from-$to" --out "$dir" ;;
+    two-shared)
+      mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
         --straggler "0:2:$from-$to" --straggler "2:5:$from-$to" --out "$dir" ;;
     external)
       scripts/slow_rank.sh "$dir" 1 "$from" "$to" busy:2 & slower=$!
@@ -48,7 +54,8 @@ train() {
         --cluster cpu-core --out "$dir"
       wait "$slower" || true
       slower="" ;;
-    *) echo "bench_straggler: unknown scenario \"$scenario\" (injected, external, two)" >&2; exit 2 ;;
+    *) echo "bench_straggler: unknown scenario \"$scenario\" (injected, external, two, two-shared)" >&2
+       exit 2 ;;
   esac
 }
 
@@ -65,7 +72,8 @@ for scenario in "${chosen[@]}"; do
   done
   case $scenario in
     injected) world=4 slowed=1:3 ;;
-    two) world=4 slowed=0:2,2:5 ;;
+    two) world=4 slowed=0:2,1:5 ;;
+    two-shared) world=4 slowed=0:2,2:5 ;;
     external) world=2 slowed=1:busy ;;
   esac
   echo "== $scenario: summary"

@@ -96,7 +96,7 @@ void Engine::zero_grads() {
 template <typename Section>
 double Engine::timed(Section&& section, double slowdown) {
   CoreLease::Hold turn(lease());  // waiting for a turn on the core is not computing
-  if (!options_.measure) {
+  if (!options_.measure && slowdown == 1) {
     section();
     return 0;
   }
@@ -210,8 +210,12 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (optimizer_) {
+    // Not a section the monitor times (its cost does not scale with the plan's work), but an
+    // emulated slow device is slow here too.
     CoreLease::Hold turn(lease());
+    const auto start = Clock::now();
     optimizer_->step(model_->params(), model_->grads(), lr, static_cast<float>(clip));
+    if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
   }
   ++steps_done_;
   return result;

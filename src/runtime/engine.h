@@ -28,7 +28,8 @@ struct EngineOptions {
   // This rank's turn on cores it shares with other ranks (CoreSharing::detect); null when its
   // cores are its own. Held while computing, given back while waiting for communication.
   std::shared_ptr<CoreLease> core_lease;
-  // Time the compute sections for the straggler monitor (off only to measure what timing costs).
+  // Time the compute sections for the straggler monitor (off only to measure what timing costs;
+  // an injected slowdown still times the sections it lengthens).
   bool measure = true;
 };
 
@@ -72,9 +73,9 @@ class Engine {
 
   void init_parameters(uint64_t seed);
   // `slowdown` ≥ 1 makes this rank an injected straggler: at the end of each of its compute
-  // sections it keeps computing (busy work, not sleep) for (slowdown − 1) × the section's
-  // elapsed time, inside the timed section; it reports nothing else, so the monitor measures it
-  // like any other slowdown.
+  // sections (and of its optimizer step) it keeps computing — busy work, not sleep — for
+  // (slowdown − 1) × the section's elapsed time, inside the timed section; it reports nothing
+  // else, so the monitor measures it like any other slowdown.
   StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0);
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches
   // dealt round-robin to the pipelines. Collective; the result is on every rank.
