@@ -6,6 +6,7 @@
 // Run under mpirun with 1 to 8 ranks; every rank runs every test (they are collective), rank 0
 // computes the single-rank reference in a communicator of its own and compares.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <cmath>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "comm/communicator.h"
 #include "layout/redistribution.h"
+#include "runtime/core_lease.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
@@ -309,4 +311,51 @@ TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
   }
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, RanksThatOutnumberTheirCoresAreBoundAndTakeTurns) {
+  // mpirun --oversubscribe leaves ranks unbound: every rank may run on all the CPUs. When they
+  // outnumber them, detection binds each to one CPU and gives every rank a lease; otherwise it
+  // changes nothing.
+  Communicator world = Communicator::world();
+  cpu_set_t before;
+  ASSERT_EQ(sched_getaffinity(0, sizeof before, &before), 0);
+  const int cpus = CPU_COUNT(&before);
+  double mask = 0;  // the first 52 CPUs, exactly
+  for (int c = 0; c < 52; ++c) mask += CPU_ISSET(c, &before) ? std::ldexp(1.0, c) : 0.0;
+  const bool unbound = world.all_reduce_max(mask) == -world.all_reduce_max(-mask);
+  const runtime::CoreSharing sharing = runtime::CoreSharing::detect(world, 1);
+  ASSERT_EQ(sharing.pids.size(), static_cast<size_t>(world.size()));
+  EXPECT_EQ(sharing.pids[static_cast<size_t>(world.rank())], ::getpid());
+  if (!unbound || world.size() <= cpus) {
+    EXPECT_EQ(sharing.lease, nullptr) << sharing.summary;
+    GTEST_SKIP() << "ranks do not outnumber their CPUs here: " << sharing.summary;
+  }
+  cpu_set_t after;
+  ASSERT_EQ(sched_getaffinity(0, sizeof after, &after), 0);
+  EXPECT_EQ(CPU_COUNT(&after), 1);
+  EXPECT_EQ(sharing.cpus[static_cast<size_t>(world.rank())], std::to_string(world.rank() % cpus));
+  EXPECT_NE(sharing.summary.find("take turns"), std::string::npos) << sharing.summary;
+  ASSERT_NE(sharing.lease, nullptr);
+  runtime::CoreLease& lease = *sharing.lease;
+  {
+    runtime::CoreLease::Hold turn(&lease);
+    EXPECT_TRUE(lease.held());
+    {
+      runtime::CoreLease::Gap wait(&lease);
+      EXPECT_FALSE(lease.held());
+    }
+    EXPECT_TRUE(lease.held());
+  }
+  EXPECT_FALSE(lease.held());
+  // Collectives through the lease match across ranks, with and without a turn held.
+  double value = 1;
+  runtime::all_reduce_sum(world, &value, 1, &lease);
+  EXPECT_EQ(value, world.size());
+  {
+    runtime::CoreLease::Hold turn(&lease);
+    value = 1;
+    runtime::all_reduce_sum(world, &value, 1, &lease);
+    EXPECT_EQ(value, world.size());
+  }
 }

@@ -79,13 +79,14 @@ int next_serial() {
 }  // namespace
 
 CoreLease::~CoreLease() {
+  if (semaphore_ == nullptr) return;
   if (held_) sem_post(semaphore_);
   sem_close(semaphore_);
 }
 
 void CoreLease::acquire() {
   check(!held_, "core lease: acquired twice");
-  while (sem_wait(semaphore_) != 0) {
+  while (semaphore_ != nullptr && sem_wait(semaphore_) != 0) {
     check(errno == EINTR, std::string("core lease: sem_wait failed: ") + std::strerror(errno));
   }
   held_ = true;
@@ -94,7 +95,7 @@ void CoreLease::acquire() {
 void CoreLease::release() {
   check(held_, "core lease: released without holding it");
   held_ = false;
-  sem_post(semaphore_);
+  if (semaphore_ != nullptr) sem_post(semaphore_);
 }
 
 CoreLease::Hold::Hold(CoreLease* lease) {
@@ -222,7 +223,7 @@ CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per
   for (int r = 0; r < ranks; ++r) by_host[hosts[r]].push_back(r);
   std::vector<std::string> notes;
   std::string lease_name;  // this rank's lease, if it shares CPUs
-  bool lease_leader = false;
+  bool lease_leader = false, any_lease = false;
   int lease_slots = 1;
   for (auto& [h, local] : by_host) {
     // Unbound and oversubscribed: the same mask everywhere with fewer CPUs than ranks need.
@@ -253,6 +254,7 @@ CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per
     for (auto& [mask, group] : by_mask) {
       const int slots = std::max(1, static_cast<int>(mask.size()) / threads_per_rank);
       if (static_cast<int>(group.size()) <= slots) continue;
+      any_lease = true;
       notes.push_back("ranks " + format_ranks(group) + " share CPU " + format_cpus(mask) +
                       " and take turns (core lease, " + std::to_string(slots) + " at a time)");
       if (std::find(group.begin(), group.end(), me) == group.end()) continue;
@@ -296,7 +298,14 @@ CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per
   }
   world.barrier();
   if (lease_leader) sem_unlink(lease_name.c_str());
-  if (semaphore != SEM_FAILED) result.lease.reset(new CoreLease(semaphore, lease_slots));
+  if (semaphore != SEM_FAILED) {
+    result.lease.reset(new CoreLease(semaphore, lease_slots));
+  } else if (any_lease) {
+    // A core of its own in a job where others take turns: nothing to take turns on, but its
+    // collectives must be the nonblocking kind its peers use (MPI never matches a blocking
+    // collective with a nonblocking one), so it gets a lease without a semaphore.
+    result.lease.reset(new CoreLease(nullptr, static_cast<int>(masks[me].size())));
+  }
 
   for (int r = 0; r < ranks; ++r) {
     result.pids.push_back(static_cast<int>(field(r, 2)));

@@ -11,7 +11,9 @@
 //
 // The lease is a POSIX named semaphore with one slot per core of the group (cores / threads per
 // rank); its name is unique to the job and unlinked as soon as every member has opened it, so
-// nothing is left behind even when the job is killed.
+// nothing is left behind even when the job is killed. A rank with a core of its own in a job
+// where others share gets a lease without a semaphore: it never waits for a turn, but it waits
+// for communication the way its peers do (below).
 #pragma once
 
 #include <semaphore.h>
@@ -72,8 +74,11 @@ class CoreLease {
 // Waiting for communication without taking a shared core from the rank that computes. MPI's own
 // waits poll without pause (sched_yield at best), which on a shared core steals time from the
 // partner holding the lease and inflates what it measures. With a lease these give the lease
-// back, poll with MPI_Test and short sleeps, and take it again; with none (`lease` null) they
-// are MPI's blocking calls, the fastest when a rank has its core to itself.
+// back, use nonblocking collectives, poll with MPI_Test and short sleeps, and take the lease
+// again; with none (`lease` null: no rank of the job shares a core) they are MPI's blocking
+// calls, the fastest when every rank has its core to itself. Every rank of a job must be in the
+// same case, as CoreSharing::detect ensures: MPI never matches a blocking collective with a
+// nonblocking one.
 void wait(comm::Request& request, CoreLease* lease);
 void wait_all(std::vector<comm::Request>& requests, CoreLease* lease);
 void all_reduce_sum(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease);
@@ -85,7 +90,8 @@ struct CoreSharing {
   // Collective over `world`. Reads every rank's CPU affinity; ranks on one host that all have
   // the same unrestricted mask and outnumber its cores (× threads) are first bound one per core
   // (local rank i to core i mod cores). Ranks with identical masks that outnumber the mask's
-  // cores share a lease; `lease` is null when this rank's cores are its own.
+  // cores share a lease; when some do, every other rank gets a lease without a semaphore;
+  // `lease` is null when no rank of the job shares its cores.
   static CoreSharing detect(const comm::Communicator& world, int threads_per_rank);
 
   std::shared_ptr<CoreLease> lease;
