@@ -12,10 +12,11 @@
 #            (steps 1-based, like --straggler).
 #   METHOD   busy:N     N busy processes pinned to the rank's CPUs with taskset: the rank gets
 #                       about 1/(N+1) of its core (Linux shares a core fairly), so N+1 times slower
-#            cpulimit:P Debian's cpulimit lets the rank run P % of the time (SIGSTOP/SIGCONT)
-#            quota:P    a cgroup CPU quota of P % of one CPU for the rank (cgroup v2 cpu.max, or
-#                       v1 cpu.cfs_quota_us); exits with status 3 and a message where the machine
-#                       has no writable cpu controller
+#            cpulimit:P Debian's cpulimit lets the rank run P % of the time (SIGSTOP/SIGCONT;
+#                       its control is coarse)
+#            quota:P    a cgroup CPU quota of P % of one CPU per 10 ms for the rank (cgroup v2
+#                       cpu.max, or v1 cpu.cfs_quota_us); exits with status 3 and a message where
+#                       the machine has no writable cpu controller
 # Prints one line when the slowdown starts and one when it ends. Whatever it started is stopped
 # when it ends, is interrupted, or the run goes away; every busy process also carries its own
 # time limit, so nothing outlives a killed script for long.
@@ -116,10 +117,10 @@ case $kind in
     cgroup=$base/malleus-slow-$$
     mkdir "$cgroup"
     if [[ $base == /sys/fs/cgroup ]]; then
-      echo "$((amount * 1000)) 100000" > "$cgroup/cpu.max"
+      echo "$((amount * 100)) 10000" > "$cgroup/cpu.max"
     else
-      echo 100000 > "$cgroup/cpu.cfs_period_us"
-      echo $((amount * 1000)) > "$cgroup/cpu.cfs_quota_us"
+      echo 10000 > "$cgroup/cpu.cfs_period_us"
+      echo $((amount * 100)) > "$cgroup/cpu.cfs_quota_us"
     fi
     echo "$rank_pid" > "$cgroup/cgroup.procs"  # the whole process, every thread
     ;;
