@@ -21,7 +21,7 @@
 # when it ends, is interrupted, or the run goes away; every busy process also carries its own
 # time limit, so nothing outlives a killed script for long.
 set -euo pipefail
-[[ $# -eq 5 ]] || { sed -n 2,21p "$0" >&2; exit 2; }
+[[ $# -eq 5 ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2; }
 run=$1 rank=$2 from=$3 to=$4 method=$5
 kind=${method%%:*} amount=${method#*:}
 [[ $kind == busy || $kind == cpulimit || $kind == quota ]] && [[ $amount =~ ^[0-9]+$ ]] ||
