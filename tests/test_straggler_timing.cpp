@@ -209,7 +209,7 @@ TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {
   // come from measured time like any other. Re-planning is off so every rank keeps its work.
   ScratchDir dir;
   malleus::testing::write_synthetic_corpus(dir / "data");
-  constexpr int kFrom = 6, kSteps = 16;
+  constexpr int kFrom = 6, kSteps = 18;
   const std::string from = std::to_string(kFrom);
   const CommandResult r = run_in_own_session(
       dir, mpirun(4, "--oversubscribe") + train_flags(dir, "run", kSteps, 16) +
@@ -219,13 +219,20 @@ TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {
   const TrainingRun run = read_run(dir / "run", r.output);
   ASSERT_EQ(run.steps.size(), size_t{kSteps}) << r.output;
   const std::string table = rate_table(run);
+  // Over the slowed steps (from the second on, once the sliding median has turned) each rank's
+  // rate is within 20 % of its slowdown (healthy: 1 ± 0.15); no single step is off by more than
+  // 35 % (0.3) — a few steps of other work on a core read as that core being slower.
   const std::vector<double> truth = {2, 1, 5, 1};
-  for (int s = kFrom + 2; s <= kSteps; ++s) {
-    for (size_t rank = 0; rank < 4; ++rank) {
-      const double rate = run.steps.at(s).rates[rank];
-      const double tolerance = truth[rank] > 1 ? 0.2 * truth[rank] : 0.15;
-      EXPECT_NEAR(rate, truth[rank], tolerance) << "step " << s << ", rank " << rank << "\n"
-                                                << table;
+  for (size_t rank = 0; rank < 4; ++rank) {
+    const bool slow = truth[rank] > 1;
+    EXPECT_NEAR(median_rate(run, rank, kFrom + 2, kSteps), truth[rank],
+                slow ? 0.2 * truth[rank] : 0.15)
+        << "rank " << rank << "\n"
+        << table;
+    for (int s = kFrom + 2; s <= kSteps; ++s) {
+      EXPECT_NEAR(run.steps.at(s).rates[rank], truth[rank], slow ? 0.35 * truth[rank] : 0.3)
+          << "step " << s << ", rank " << rank << "\n"
+          << table;
     }
   }
 }
