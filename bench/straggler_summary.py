@@ -1,11 +1,21 @@
 #!/usr/bin/env python3
-"""Summarises two metrics files of the straggler benchmark (scripts/bench_straggler.sh): the
-run with re-planning and the uniform baseline, both with the same injected straggler.
+"""Summarises the straggler benchmark (scripts/bench_straggler.sh): for each run of a scenario, the
+metrics of training with live re-planning and of the uniform baseline (--no-replan) under the
+same slowdown.
 
-Prints throughput before, during and after the straggler for both, the speedup while it is
-present, its fraction of the ideal (healthy throughput x sum(1/r) / N, the throughput of the same
-devices if work could be split in proportion to speed), the cost of each switch, and how the
-measured step time of each plan used compares with the cost model's prediction."""
+Usage: straggler_summary.py FIRST LAST WORLD SLOWED RUN_DIR [RUN_DIR...]
+  FIRST-LAST  the steps during which the ranks are slowed
+  SLOWED      the slowed ranks and their true rates, "1:3" or "0:2,2:5"; a rate of "busy" means
+              "measure it": the uniform run's step time while slowed over its healthy step time
+              (the slowed rank paces every step of the uniform plan)
+  RUN_DIR     holds replan/metrics.jsonl and uniform/metrics.jsonl
+
+Prints, per run and as the median over the runs: throughput while slowed with and without
+re-planning; its fraction of the ideal (healthy throughput x sum(1/r) / N: the same devices with
+the work split in proportion to their speed); the detection delay (steps from FIRST until every
+slowed rank's rate is within 25 % of its true rate) and the re-plan delay (steps from FIRST to the
+first re-plan, which takes effect on the next step); the cost of each switch in iterations; and
+each plan's measured step time against the cost model's prediction."""
 import json
 import statistics
 import sys
@@ -30,44 +40,100 @@ def throughput(steps, first, last):
     return tokens / sum(r["step_time_s"] for r in window)
 
 
-def main():
-    ours_path, base_path, first, last, rate, world = sys.argv[1:7]
-    first, last, rate, world = int(first), int(last), float(rate), int(world)
-    ours, replans = load(ours_path)
-    base, _ = load(base_path)
+def parse_slowed(text):
+    slowed = {}
+    for part in text.split(","):
+        rank, rate = part.split(":")
+        slowed[int(rank)] = None if rate == "busy" else float(rate)
+    return slowed
+
+
+def summarise(run_dir, first, last, world, slowed):
+    ours, replans = load(f"{run_dir}/replan/metrics.jsonl")
+    base, _ = load(f"{run_dir}/uniform/metrics.jsonl")
     end = max(ours)
-    healthy = throughput(base, 3, first - 1)  # same plan in both runs before the straggler
-    ideal = healthy * ((world - 1) + 1 / rate) / world
+    healthy = throughput(base, 3, first - 1)  # same plan in both runs before the slowdown
+    rates = dict(slowed)
+    for rank, rate in slowed.items():
+        if rate is None:  # measured: the uniform run's slowdown, past the first 2 slowed steps
+            slow_time = statistics.median(base[s]["step_time_s"] for s in range(first + 2, last + 1))
+            healthy_time = statistics.median(base[s]["step_time_s"] for s in range(3, first))
+            rates[rank] = slow_time / healthy_time
+    ideal_factor = sum(1 / rates.get(r, 1.0) for r in range(world)) / world
+    ideal = healthy * ideal_factor
     ours_during, base_during = throughput(ours, first, last), throughput(base, first, last)
-    print(f"{world} ranks, rank slowed {rate:g}x during steps {first}-{last} of {end}")
-    print(f"{'':28}{'re-planning':>14}{'uniform':>14}")
-    for name, a, b in [("healthy, before (tok/s)", throughput(ours, 3, first - 1), healthy),
-                       ("straggler present (tok/s)", ours_during, base_during),
-                       ("healed, after (tok/s)", throughput(ours, last + 1, end),
-                        throughput(base, last + 1, end))]:
-        print(f"{name:28}{a:14.0f}{b:14.0f}")
-    print(f"ideal while the straggler is present: {ideal:.0f} tok/s "
-          f"(healthy x {(world - 1 + 1 / rate) / world:.3f})")
-    print(f"speedup over uniform while present: {ours_during / base_during:.2f}x; "
-          f"fraction of ideal: {ours_during / ideal:.2f} (uniform: {base_during / ideal:.2f})")
+
+    def detected(step):
+        return all(abs(ours[step]["rates"][r] - rate) <= 0.25 * rate for r, rate in rates.items())
+
+    detection = next((s - first for s in range(first, last + 1) if s in ours and detected(s)), None)
+    first_replan = next((r["step"] - first for r in replans if r["step"] >= first), None)
+    switches = []
     for r in replans:
-        step_time = statistics.median(ours[s]["step_time_s"] for s in
-                                      range(max(1, r["step"] - 5), r["step"]) if s in ours)
-        cost = r["migration_s"] + r["planning_s"]
-        print(f"re-plan at step {r['step']}: {r['old_plan']} -> {r['new_plan']}; planning "
-              f"{r['planning_s'] * 1e3:.1f} ms, migration {r['migration_s'] * 1e3:.0f} ms "
-              f"({r['bytes_moved'] / 1e6:.1f} MB) = {cost / step_time:.2f} iterations")
-    # Measured step time of each plan against the cost model's prediction for it.
+        step_time = statistics.median(
+            ours[s]["step_time_s"] for s in range(max(1, r["step"] - 5), r["step"]) if s in ours)
+        switches.append({"step": r["step"], "old": r["old_plan"], "new": r["new_plan"],
+                         "planning_s": r["planning_s"], "migration_s": r["migration_s"],
+                         "bytes": r["bytes_moved"],
+                         "iterations": (r["migration_s"] + r["planning_s"]) / step_time})
+    predictions = []
     boundaries = [r["step"] for r in replans] + [end]
-    start = 1
     for r, stop in zip(replans, boundaries[1:]):
         segment = [ours[s]["step_time_s"] for s in range(r["step"] + 2, stop + 1) if s in ours]
         if len(segment) >= 3:
             measured = statistics.median(segment)
-            predicted = r["predicted_new_s"]
-            print(f"plan {r['new_plan']}: measured {measured:.3f} s/step (median of "
-                  f"{len(segment)}), predicted {predicted:.3f} s, error "
-                  f"{100 * (predicted / measured - 1):+.0f}%")
+            predictions.append({"plan": r["new_plan"], "measured_s": measured,
+                                "predicted_s": r["predicted_new_s"],
+                                "error": r["predicted_new_s"] / measured - 1})
+    return {"end": end, "rates": rates, "healthy": healthy,
+            "ours_before": throughput(ours, 3, first - 1), "ours_during": ours_during,
+            "base_during": base_during, "ours_after": throughput(ours, last + 1, end),
+            "base_after": throughput(base, last + 1, end), "ideal": ideal,
+            "ideal_factor": ideal_factor, "fraction": ours_during / ideal,
+            "base_fraction": base_during / ideal, "speedup": ours_during / base_during,
+            "detection": detection, "first_replan": first_replan, "switches": switches,
+            "predictions": predictions}
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def main():
+    if len(sys.argv) < 6:
+        sys.exit(__doc__)
+    first, last, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    slowed = parse_slowed(sys.argv[4])
+    runs = [summarise(d, first, last, world, slowed) for d in sys.argv[5:]]
+    rates = ", ".join(f"rank {r} at {rate:.2f}x" for r, rate in runs[0]["rates"].items())
+    print(f"{world} ranks, slowed during steps {first}-{last} of {runs[0]['end']}: {rates}"
+          + (" (measured, run 1)" if None in slowed.values() else ""))
+    print("| run | tok/s healthy | tok/s slowed: re-planning / uniform | fraction of ideal "
+          "(uniform) | speedup | detection, steps | re-plan, steps | switch cost, iterations |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for i, r in enumerate(runs, 1):
+        costs = " / ".join(f"{s['iterations']:.2f}" for s in r["switches"]) or "-"
+        print(f"| {i} | {r['healthy']:.0f} | {r['ours_during']:.0f} / {r['base_during']:.0f} | "
+              f"{r['fraction']:.2f} ({r['base_fraction']:.2f}) | {r['speedup']:.2f}x | "
+              f"{fmt(r['detection'], 'd')} | {fmt(r['first_replan'], 'd')} | {costs} |")
+    if len(runs) > 1:
+        def med(key):
+            values = [r[key] for r in runs if r[key] is not None]
+            return statistics.median(values) if values else None
+        costs = [s["iterations"] for r in runs for s in r["switches"]]
+        print(f"| median | {med('healthy'):.0f} | {med('ours_during'):.0f} / "
+              f"{med('base_during'):.0f} | {med('fraction'):.2f} ({med('base_fraction'):.2f}) | "
+              f"{med('speedup'):.2f}x | {fmt(med('detection'), 'g')} | "
+              f"{fmt(med('first_replan'), 'g')} | {statistics.median(costs) if costs else 0:.2f} "
+              f"(max {max(costs) if costs else 0:.2f}) |")
+    for i, r in enumerate(runs, 1):
+        for s in r["switches"]:
+            print(f"run {i}: re-plan at step {s['step']}: {s['old']} -> {s['new']}; planning "
+                  f"{s['planning_s'] * 1e3:.1f} ms, migration {s['migration_s'] * 1e3:.0f} ms "
+                  f"({s['bytes'] / 1e6:.1f} MB) = {s['iterations']:.2f} iterations")
+        for p in r["predictions"]:
+            print(f"run {i}: plan {p['plan']}: measured {p['measured_s']:.3f} s/step, predicted "
+                  f"{p['predicted_s']:.3f} s, error {100 * p['error']:+.0f}%")
 
 
 if __name__ == "__main__":

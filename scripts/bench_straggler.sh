@@ -1,32 +1,84 @@
 #!/usr/bin/env bash
-# The straggler benchmark (issue 5): the demo model on 4 ranks, one rank slowed 3x from step 20
-# and healed at step 80, once with live re-planning and once with the uniform plan kept
-# (Megatron-LM / DeepSpeed behaviour), in the same conditions; then the comparison.
-# Usage: scripts/bench_straggler.sh [steps] [rate]
+# The straggler benchmark. Each scenario trains the demo model (seq 128, micro-batch 1, global
+# batch 16) once with live re-planning and once keeping the uniform plan (--no-replan: Megatron-LM
+# / DeepSpeed behaviour) under the same slowdown, RUNS times; bench/straggler_summary.py then
+# compares them, per run and as medians.
+#
+# Scenarios (steps are for the default 100; the slowdown lasts from 20% to 80% of the run):
+#   injected  4 ranks on 2 cores (bound and taking turns), rank 1 injected 3x slower
+#   external  2 ranks bound one per core, two busy processes pinned to rank 1's core
+#             (scripts/slow_rank.sh busy:2): a slowdown malleus knows nothing about
+#   two       4 ranks on 2 cores, rank 0 injected 2x and rank 1 5x slower (one on each core)
+#   two-shared  the same with rank 2 instead of rank 1: both stragglers on core 0. The planner
+#             treats ranks as independent devices; ranks sharing a core are not, and here its
+#             plan loads core 1 (two healthy ranks with large shares) far more than core 0
+#
+# Usage: scripts/bench_straggler.sh [scenarios, comma-separated (injected,external,two,two-shared)]
+#                                   [runs (3)] [steps (100)]
+# Results go to runs/bench-straggler/<scenario>/run<i>/{replan,uniform} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-100}
-rate=${2:-3}
+scenarios=${1:-injected,external,two,two-shared}
+runs=${2:-3}
+steps=${3:-100}
+from=$((steps / 5)) to=$((steps * 4 / 5))
 [[ -x build/malleus ]] || scripts/build.sh
 compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
 out=${BENCH_OUT:-runs/bench-straggler}
-rm -rf "$out"
-mkdir -p "$out"
-# The controller's cost model is calibrated with this machine's measured layer times.
-build/malleus profile --model demo --micro-batch 1 --seq-len 128 --threads 1 --repeats 5 \
-  --out "$out/profile.json" | sed -n 2,3p
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 common=(--model demo --seq-len 128 --micro-batch 1 --global-batch 16 --steps "$steps" --threads 1
-        --lr 1e-3 --warmup-steps 10 --eval-every 0 --checkpoint-every 0 --val-data ""
-        --straggler "1:$rate:20-80")
-for mode in replan uniform; do
-  flags=()
+        --lr 1e-3 --warmup-steps 10 --eval-every 0 --checkpoint-every 0 --val-data "")
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+slower=""
+trap '[[ -n $slower ]] && kill $slower 2> /dev/null; true' EXIT
+
+# train SCENARIO DIR MODE: one training run of a scenario, re-planning or uniform.
+train() {
+  local scenario=$1 dir=$2 mode=$3 flags=()
   [[ $mode == uniform ]] && flags=(--no-replan)
-  echo "== $mode"
-  mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
-    --out "$out/$mode" | grep -E "^(re-plan|plan on)" || true
+  rm -rf "$dir"
+  case $scenario in
+    injected)
+      mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
+        --straggler "1:3:$from-$to" --out "$dir" ;;
+    two)
+      mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
+        --straggler "0:2:$from-$to" --straggler "1:5:$from-$to" --out "$dir" ;;
+    two-shared)
+      mpirun --oversubscribe -np 4 build/malleus train "${common[@]}" "${flags[@]}" \
+        --straggler "0:2:$from-$to" --straggler "2:5:$from-$to" --out "$dir" ;;
+    external)
+      scripts/slow_rank.sh "$dir" 1 "$from" "$to" busy:2 & slower=$!
+      mpirun --bind-to core --map-by core -np 2 build/malleus train "${common[@]}" "${flags[@]}" \
+        --cluster cpu-core --out "$dir"
+      wait "$slower" || true
+      slower="" ;;
+    *) echo "bench_straggler: unknown scenario \"$scenario\" (injected, external, two, two-shared)" >&2
+       exit 2 ;;
+  esac
+}
+
+IFS=, read -r -a chosen <<< "$scenarios"
+for scenario in "${chosen[@]}"; do
+  dirs=()
+  for i in $(seq "$runs"); do
+    dir=$out/$scenario/run$i
+    for mode in replan uniform; do
+      echo "== $scenario, run $i, $mode"
+      train "$scenario" "$dir/$mode" "$mode" | grep -E "^(re-plan|cores|slow_rank)" || true
+    done
+    dirs+=("$dir")
+  done
+  case $scenario in
+    injected) world=4 slowed=1:3 ;;
+    two) world=4 slowed=0:2,1:5 ;;
+    two-shared) world=4 slowed=0:2,2:5 ;;
+    external) world=2 slowed=1:busy ;;
+  esac
+  echo "== $scenario: summary"
+  python3 bench/straggler_summary.py "$from" "$to" "$world" "$slowed" "${dirs[@]}"
+  build/malleus report "${dirs[0]}/replan" --output "$out/$scenario-timeline.svg" > /dev/null
+  echo "timeline of run 1: $out/$scenario-timeline.svg"
 done
-python3 bench/straggler_summary.py "$out/replan/metrics.jsonl" "$out/uniform/metrics.jsonl" \
-  20 80 "$rate" 4
-build/malleus report "$out/replan" --output "$out/replan-timeline.svg" > /dev/null
-echo "timeline: $out/replan-timeline.svg"
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -12,6 +12,7 @@ packages=(
   fortunes  # the default training corpus (plain-text English)
   python3 python3-numpy  # the independent Hugging Face reference used by the export test
   clang-format
+  cpulimit  # slows a rank from outside malleus in straggler experiments (scripts/slow_rank.sh)
 )
 
 missing=()

@@ -1,5 +1,5 @@
-// The pieces of the straggler loop that need no MPI: injected-straggler schedules and the
-// monitor's rates.
+// The pieces of the straggler loop that need no MPI: injected-straggler schedules, the monitor's
+// reference logic and the controller's helpers.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -51,30 +51,180 @@ TEST(Stragglers, TraceFileEventsHoldUntilTheNextOne) {
   EXPECT_THROW(s.add_trace(path), Error);
 }
 
-TEST(Monitor, RatesAreTimePerFlopOverTheMedianRank) {
-  // 4 ranks: rank 2 three times slower; rank 3 idle (no work), its probe twice as slow.
-  const std::vector<double> m = {1.0, 1e9, 0.001, 1e6,  //
-                                 2.0, 2e9, 0.001, 1e6,  //
-                                 3.0, 1e9, 0.003, 1e6,  //
-                                 0.0, 0.0, 0.002, 1e6};
-  const auto rates = elastic::Monitor::rates_of(m);
-  EXPECT_DOUBLE_EQ(rates[0], 1.0);
-  EXPECT_DOUBLE_EQ(rates[1], 1.0);
-  EXPECT_DOUBLE_EQ(rates[2], 3.0);
-  EXPECT_DOUBLE_EQ(rates[3], 2.0 / 1.5);  // probe against the median probe of all ranks
+namespace {
+
+// Feeds a monitor steps of per-rank time per FLOP (seconds for 1 GFLOP of work each).
+struct MonitorFeed {
+  explicit MonitorFeed(int ranks, int window = 3)
+      : monitor(ranks, elastic::MonitorOptions{.window = window}),
+        geometries(static_cast<size_t>(ranks), "full") {}
+  std::vector<double> step(const std::vector<double>& seconds) {
+    std::vector<double> m;
+    for (double s : seconds) {
+      m.push_back(s);
+      m.push_back(1e9);
+    }
+    return monitor.observe(m, geometries);
+  }
+  elastic::Monitor monitor;
+  std::vector<std::string> geometries;
+};
+
+// Healthy steps with a little noise, as on a real machine (every value within 3 %).
+std::vector<double> healthy(int ranks, int step) {
+  std::vector<double> s;
+  for (int r = 0; r < ranks; ++r) s.push_back(1.0 + 0.01 * ((step * 7 + r * 3) % 4));
+  return s;
 }
 
-TEST(Monitor, SlidingMedianIgnoresOneNoisyStep) {
-  elastic::Monitor monitor(2, 3);
-  auto step = [&](double slow) {
-    return monitor.observe({1.0, 1e9, 0.001, 1e6, slow, 1e9, 0.001, 1e6});
-  };
-  step(1.0);
-  step(1.0);
-  EXPECT_NEAR(step(5.0)[1], 1.0, 1e-12);  // one spike among three steps: median unmoved
-  EXPECT_GT(step(5.0)[1], 1.5);           // a lasting change shows
-  monitor.reset();
-  EXPECT_EQ(monitor.samples(), 0);
+}  // namespace
+
+TEST(Monitor, EachRankIsRatedAgainstItsOwnHealthySpeedWhateverTheOthersDo) {
+  // 1, 2, all-but-one and all of 4 ranks slowed: each reads its own slowdown, whatever the rest
+  // do (a median-of-peers reference reads 1.3 0.7 3.5 0.7 for rates 2 1 5 1).
+  const std::vector<std::vector<double>> cases = {
+      {3, 1, 1, 1}, {2, 1, 5, 1}, {2, 4, 1, 8}, {2, 2, 3, 1.5}, {2, 2, 2, 2}};
+  for (const auto& slow : cases) {
+    MonitorFeed feed(4);
+    for (int s = 0; s < 6; ++s) feed.step(healthy(4, s));
+    std::vector<double> rates;
+    for (int s = 6; s < 9; ++s) {
+      std::vector<double> t = healthy(4, s);
+      for (size_t r = 0; r < 4; ++r) t[r] *= slow[r];
+      rates = feed.step(t);
+    }
+    for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(rates[r], slow[r], 0.04 * slow[r]) << "rank " << r;
+  }
+}
+
+TEST(Monitor, OneNoisyStepMovesNothingALastingChangeShowsAndRecoveryTooWithinTheWindow) {
+  MonitorFeed feed(2);
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.0});
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 5.0})[1], 1.0);  // one spike among three steps: median unmoved
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 1.0);
+  feed.step({1.0, 3.0});
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 3.0})[1], 3.0);  // a lasting change shows on its second step
+  feed.step({1.0, 3.0});
+  feed.step({1.0, 1.0});
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 1.0);  // and a recovery too
+  EXPECT_EQ(feed.monitor.samples(), 12);
+  feed.monitor.note_replan();
+  EXPECT_EQ(feed.monitor.samples(), 0);
+}
+
+TEST(Monitor, ALastingStragglerDoesNotBecomeTheNewNormal) {
+  MonitorFeed feed(2);
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.0});
+  feed.step({1.0, 2.5});
+  for (int s = 1; s < 200; ++s)
+    ASSERT_DOUBLE_EQ(feed.step({1.0, 2.5})[1], 2.5) << "slow step " << s;
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 2.5);
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 1.0);
+}
+
+TEST(Monitor, AGeometryIsRatedAgainstThatGeometrysHealthySpeed) {
+  // Rank 1 holds the full model (1 s per GFLOP when healthy), turns 3× slower, and is re-planned
+  // onto a narrow tensor-parallel share whose GEMMs take 1.5× longer per FLOP when healthy. Rank 0
+  // makes the same move while healthy. Both must read their true slowdown in the new geometry,
+  // not 1.5× more, and rank 1 must read 1 there once it recovers.
+  MonitorFeed feed(2);
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.0});
+  for (int s = 0; s < 3; ++s) feed.step({1.0, 3.0});
+  EXPECT_DOUBLE_EQ(feed.monitor.rates()[1], 3.0);
+  feed.geometries = {"narrow share a", "narrow share b"};
+  feed.monitor.note_replan();
+  for (int s = 0; s < 6; ++s) {
+    const auto rates = feed.step({1.5, 4.5});
+    EXPECT_DOUBLE_EQ(rates[0], 1.0) << "step " << s << " in the new geometry";
+    EXPECT_DOUBLE_EQ(rates[1], 3.0) << "step " << s << " in the new geometry";
+  }
+  EXPECT_DOUBLE_EQ(feed.monitor.reference(1), 1.5e-9);
+  feed.step({1.5, 1.5});
+  EXPECT_DOUBLE_EQ(feed.step({1.5, 1.5})[1], 1.0);  // recovered, within the window
+  EXPECT_DOUBLE_EQ(feed.monitor.rates()[0], 1.0);
+  // Back to the first geometry: its own reference again, at once.
+  feed.geometries = {"full", "full"};
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 1.0);
+  EXPECT_DOUBLE_EQ(feed.monitor.reference(1), 1e-9);
+}
+
+TEST(Monitor, ASeededReferenceIsCorrectedOnceTheRankRunsFaster) {
+  // A seed assumes the slowdown is the same on both sides of the switch. Here it grows from 2×
+  // to 4× at the switch, so the seed is twice the healthy time and the rank reads 2 (the limit of
+  // seeding, written in docs/elastic.md); once it recovers it reads below 1 until its healthy
+  // steps are the median of a block, which lowers the reference to the truth.
+  MonitorFeed feed(2);
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.0});
+  for (int s = 0; s < 3; ++s) feed.step({1.0, 2.0});
+  feed.geometries = {"a", "b"};
+  for (int s = 0; s < 4; ++s) feed.step({1.0, 4.0});
+  EXPECT_DOUBLE_EQ(feed.monitor.rates()[1], 2.0);
+  feed.step({1.0, 1.0});  // the sliding median still holds two slow steps
+  for (int s = 0; s < 3; ++s) EXPECT_LE(feed.step({1.0, 1.0})[1], 1.0);
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0})[1], 1.0);
+  EXPECT_DOUBLE_EQ(feed.monitor.reference(1), 1e-9);
+}
+
+TEST(Monitor, AStragglerFromTheFirstStepIsSeenAgainstIdenticalPeers) {
+  // The first three steps calibrate.
+  MonitorFeed feed(4);
+  std::vector<double> rates;
+  for (int s = 0; s < 2; ++s) {
+    rates = feed.step({1.0, 3.0, 1.0, 1.0});
+    EXPECT_EQ(rates, std::vector<double>(4, 1.0)) << "calibrating";
+  }
+  rates = feed.step({1.0, 3.0, 1.0, 1.0});
+  EXPECT_DOUBLE_EQ(rates[1], 3.0);
+  EXPECT_DOUBLE_EQ(rates[0], 1.0);
+  // Within the tolerance a rank keeps its own calibration (1.1 is noise, or a part of the
+  // machine that is a little slower, not a straggler).
+  MonitorFeed near(2);
+  for (int s = 0; s < 3; ++s) rates = near.step({1.0, 1.1});
+  EXPECT_DOUBLE_EQ(rates[1], 1.0);
+  // Without an identical peer there is nothing to compare with: it reads 1 until it speeds up,
+  // then below 1 until a block of healthy steps lowers its reference, and its slowdowns after
+  // that are seen.
+  MonitorFeed alone(2);
+  alone.geometries = {"first stage", "last stage"};
+  for (int s = 0; s < 3; ++s) rates = alone.step({1.0, 3.0});
+  EXPECT_DOUBLE_EQ(rates[1], 1.0);
+  for (int s = 0; s < 5; ++s) rates = alone.step({1.0, 1.0});
+  EXPECT_DOUBLE_EQ(rates[1], 1.0);
+  EXPECT_DOUBLE_EQ(alone.monitor.reference(1), 1e-9);
+  alone.step({1.0, 3.0});
+  EXPECT_DOUBLE_EQ(alone.step({1.0, 3.0})[1], 3.0);
+}
+
+TEST(Monitor, IdleRanksAreRatedByTheirProbeAndRejoinWhenTheyRecover) {
+  MonitorFeed feed(3);
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.0, 1.0});
+  for (int s = 0; s < 3; ++s) feed.step({1.0, 1.0, 20.0});
+  ASSERT_DOUBLE_EQ(feed.monitor.rates()[2], 20.0);
+  // Rank 2 is excluded: it now times the probe (0.8 s per GFLOP when healthy).
+  feed.geometries = {"full", "full", "probe"};
+  for (int s = 0; s < 3; ++s) EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0, 16.0})[2], 20.0);
+  feed.step({1.0, 1.0, 0.8});
+  EXPECT_DOUBLE_EQ(feed.step({1.0, 1.0, 0.8})[2], 1.0);
+}
+
+TEST(Monitor, BadInputIsNamed) {
+  EXPECT_THROW(elastic::Monitor(0), Error);
+  EXPECT_THROW(elastic::Monitor(2, elastic::MonitorOptions{.window = 0}), Error);
+  elastic::Monitor monitor(2);
+  EXPECT_THROW(monitor.observe({1, 1e9}, {"a", "b"}), Error);
+  EXPECT_THROW(monitor.observe({1, 1e9, 1, 1e9}, {"a"}), Error);
+}
+
+TEST(Monitor, GeometriesIgnoreThePositionInTheModelButNotTheShape) {
+  const auto model = malleus::testing::parallel_test_model();
+  plan::Plan plan = plan::uniform_plan(model, 1, 1, 2, 8, 1, 3);  // pp2, rank 2 idle
+  const auto geometries = elastic::work_geometries(layout::plan_layout(plan, model));
+  ASSERT_EQ(geometries.size(), 3u);
+  EXPECT_NE(geometries[0], geometries[1]);  // first stage: embedding; last: LM head
+  EXPECT_EQ(geometries[2], "probe");
+  const auto dp = elastic::work_geometries(
+      layout::plan_layout(plan::uniform_plan(model, 2, 1, 1, 8, 1), model));
+  EXPECT_EQ(dp[0], dp[1]);
 }
 
 TEST(Controller, ProfileOfAWholeCoreIsScaledToARanksShare) {

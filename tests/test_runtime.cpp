@@ -6,13 +6,16 @@
 // Run under mpirun with 1 to 8 ranks; every rank runs every test (they are collective), rank 0
 // computes the single-rank reference in a communicator of its own and compares.
 #include <gtest/gtest.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <set>
 
 #include "comm/communicator.h"
 #include "layout/redistribution.h"
+#include "runtime/core_lease.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
@@ -309,4 +312,50 @@ TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
   }
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Runtime, RanksThatOutnumberTheirCoresAreBoundAndTakeTurns) {
+  // mpirun --oversubscribe leaves ranks unbound: every rank may run on all the CPUs. When they
+  // outnumber the CPUs they may use, detection binds each to one CPU (unless an earlier
+  // detection in this process did) and gives every rank a lease; otherwise no rank gets one.
+  Communicator world = Communicator::world();
+  cpu_set_t before;
+  ASSERT_EQ(sched_getaffinity(0, sizeof before, &before), 0);
+  std::vector<double> used(64, 0.0);  // which CPUs some rank may use (tests run on one host)
+  for (int c = 0; c < 64; ++c) used[static_cast<size_t>(c)] = CPU_ISSET(c, &before) ? 1 : 0;
+  world.all_reduce_max(used.data(), used.size());
+  const int cpus = static_cast<int>(std::count(used.begin(), used.end(), 1.0));
+  const runtime::CoreSharing sharing = runtime::CoreSharing::detect(world, 1);
+  ASSERT_EQ(sharing.pids.size(), static_cast<size_t>(world.size()));
+  EXPECT_EQ(sharing.pids[static_cast<size_t>(world.rank())], ::getpid());
+  if (world.size() <= cpus) {
+    EXPECT_EQ(sharing.lease, nullptr) << sharing.summary;
+    GTEST_SKIP() << "ranks do not outnumber their CPUs here: " << sharing.summary;
+  }
+  cpu_set_t after;
+  ASSERT_EQ(sched_getaffinity(0, sizeof after, &after), 0);
+  EXPECT_EQ(CPU_COUNT(&after), 1);
+  EXPECT_NE(sharing.summary.find("take turns"), std::string::npos) << sharing.summary;
+  ASSERT_NE(sharing.lease, nullptr);
+  runtime::CoreLease& lease = *sharing.lease;
+  {
+    runtime::CoreLease::Hold turn(&lease);
+    EXPECT_TRUE(lease.held());
+    {
+      runtime::CoreLease::Gap wait(&lease);
+      EXPECT_FALSE(lease.held());
+    }
+    EXPECT_TRUE(lease.held());
+  }
+  EXPECT_FALSE(lease.held());
+  // Collectives through the lease match across ranks, with and without a turn held.
+  double value = 1;
+  runtime::all_reduce_sum(world, &value, 1, &lease);
+  EXPECT_EQ(value, world.size());
+  {
+    runtime::CoreLease::Hold turn(&lease);
+    value = 1;
+    runtime::all_reduce_sum(world, &value, 1, &lease);
+    EXPECT_EQ(value, world.size());
+  }
 }

@@ -70,6 +70,19 @@ void all_reduce_in_place(MPI_Comm comm, T* data, size_t count, MPI_Op op) {
   }
 }
 
+template <typename T>
+MPI_Request iall_reduce_in_place(MPI_Comm comm, T* data, size_t count, MPI_Op op) {
+  check(data != nullptr || count == 0, "Communicator::iall_reduce: null buffer");
+  check(count <= static_cast<size_t>(INT_MAX),
+        "Communicator::iall_reduce: " + std::to_string(count) +
+            " elements exceed the limit of INT_MAX of a nonblocking reduction");
+  MPI_Request request = MPI_REQUEST_NULL;
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), mpi_type<T>(), op, comm,
+                           &request),
+            "MPI_Iallreduce");
+  return request;
+}
+
 // FNV-1a over the rank list, folded into [0, tag_ub]: distinct groups that are being created at
 // the same time by overlapping ranks get distinct tags (with high probability).
 int group_tag(const std::vector<int>& ranks) {
@@ -238,6 +251,16 @@ void Communicator::all_reduce_max(float* data, size_t count) const {
 }
 void Communicator::all_reduce_max(double* data, size_t count) const {
   all_reduce_in_place(live_state().comm, data, count, MPI_MAX);
+}
+
+Request Communicator::iall_reduce_sum(float* data, size_t count) const {
+  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_SUM), false, 0, -1, 0);
+}
+Request Communicator::iall_reduce_sum(double* data, size_t count) const {
+  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_SUM), false, 0, -1, 0);
+}
+Request Communicator::iall_reduce_max(float* data, size_t count) const {
+  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_MAX), false, 0, -1, 0);
 }
 
 double Communicator::all_reduce_sum(double value) const {

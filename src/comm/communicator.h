@@ -102,6 +102,13 @@ class Communicator {
   int64_t all_reduce_sum(int64_t value) const;
   double all_reduce_max(double value) const;
 
+  // Nonblocking forms (MPI_Iallreduce, in place): the data is reduced once the request
+  // completes. At most INT_MAX elements (checked, Error otherwise). Used to wait for a
+  // collective without MPI's busy polling (runtime/core_lease.h).
+  Request iall_reduce_sum(float* data, size_t count) const;
+  Request iall_reduce_sum(double* data, size_t count) const;
+  Request iall_reduce_max(float* data, size_t count) const;
+
   // Copies `bytes` bytes from rank `root`'s buffer into every other rank's buffer.
   void broadcast(void* data, size_t bytes, int root) const;
   void barrier() const;

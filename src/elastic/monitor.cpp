@@ -8,6 +8,7 @@ namespace malleus::elastic {
 
 namespace {
 
+// A local median (the project's shared one is on its way to common/; this is the only use here).
 double median(std::vector<double> values) {
   if (values.empty()) return 0;
   const size_t mid = values.size() / 2;
@@ -20,51 +21,99 @@ double median(std::vector<double> values) {
 
 }  // namespace
 
-Monitor::Monitor(int world_size, int window)
-    : world_size_(world_size),
-      window_(static_cast<size_t>(window)),
-      smoothed_(static_cast<size_t>(world_size), 1.0) {
-  check(world_size > 0 && window > 0, "monitor: world size and window must be positive");
+Monitor::Monitor(int world_size, MonitorOptions options)
+    : options_(options),
+      ranks_(static_cast<size_t>(std::max(world_size, 0))),
+      rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0) {
+  check(world_size > 0, "monitor: the world size must be positive");
+  check(options.window >= 1 && options.block >= options.window,
+        "monitor: the window must be at least 1 and the block at least the window");
+  check(options.calibration_tolerance >= 1, "monitor: the calibration tolerance must be >= 1");
 }
 
-std::vector<double> Monitor::rates_of(const std::vector<double>& m) {
-  const size_t n = m.size() / 4;
-  std::vector<double> train(n, 0), probe(n, 0), active_train, all_probe;
-  for (size_t r = 0; r < n; ++r) {
-    const double compute = m[4 * r], work = m[4 * r + 1], probe_s = m[4 * r + 2],
-                 probe_flops = m[4 * r + 3];
-    if (work > 0 && compute > 0) {
-      train[r] = compute / work;
-      active_train.push_back(train[r]);
-    }
-    if (probe_flops > 0 && probe_s > 0) {
-      probe[r] = probe_s / probe_flops;
-      all_probe.push_back(probe[r]);
-    }
-  }
-  const double train_reference = median(active_train), probe_reference = median(all_probe);
-  std::vector<double> rates(n, 1.0);
-  for (size_t r = 0; r < n; ++r) {
-    if (train[r] > 0 && train_reference > 0) {
-      rates[r] = train[r] / train_reference;
-    } else if (probe[r] > 0 && probe_reference > 0) {
-      rates[r] = probe[r] / probe_reference;
-    }
-  }
-  return rates;
+double Monitor::reference(int rank) const {
+  const RankState& st = ranks_.at(static_cast<size_t>(rank));
+  const auto it = st.references.find(st.geometry);
+  return it == st.references.end() ? 0 : it->second.value;
 }
 
-const std::vector<double>& Monitor::observe(const std::vector<double>& measurements) {
-  check(measurements.size() == static_cast<size_t>(4 * world_size_),
-        "monitor: expected 4 measurements per rank");
-  history_.push_back(rates_of(measurements));
-  if (history_.size() > window_) history_.pop_front();
-  for (size_t r = 0; r < smoothed_.size(); ++r) {
-    std::vector<double> samples;
-    for (const auto& step : history_) samples.push_back(step[r]);
-    smoothed_[r] = median(samples);
+const std::vector<double>& Monitor::observe(const std::vector<double>& measurements,
+                                            const std::vector<std::string>& geometries) {
+  const size_t n = ranks_.size();
+  check(measurements.size() == 2 * n && geometries.size() == n,
+        "monitor: expected (seconds, FLOPs) and a geometry for each of the " + std::to_string(n) +
+            " ranks");
+  const size_t window = static_cast<size_t>(options_.window);
+  std::vector<size_t> calibrated;  // ranks whose first reference was set this step
+  for (size_t r = 0; r < n; ++r) {
+    RankState& st = ranks_[r];
+    const double seconds = measurements[2 * r], flops = measurements[2 * r + 1];
+    if (!(seconds > 0 && flops > 0)) continue;  // nothing measured (timing off): rate unchanged
+    const double t = seconds / flops;
+    if (geometries[r] != st.geometry) {
+      st.entry_rate = st.geometry.empty() ? 0 : st.rate;
+      st.geometry = geometries[r];
+      st.window.clear();
+    }
+    Reference& ref = st.references[st.geometry];
+    ref.block.push_back(t);
+    if (ref.block.size() > static_cast<size_t>(options_.block)) ref.block.pop_front();
+    st.window.push_back(t);
+    if (st.window.size() > window) st.window.pop_front();
+    const double now = median({st.window.begin(), st.window.end()});
+    if (ref.value == 0 && st.window.size() == window) {
+      if (st.entry_rate > 0) {
+        ref.value = now / st.entry_rate;  // seeded: the slowdown carried across the switch
+      } else {
+        ref.value = now;  // the run's first geometry: calibrated
+        calibrated.push_back(r);
+      }
+    }
+    if (ref.value > 0) {
+      if (ref.block.size() >= window) {
+        ref.value = std::min(ref.value, median({ref.block.begin(), ref.block.end()}));
+      }
+      st.rate = now / ref.value;
+    } else {
+      st.rate = st.entry_rate > 0 ? st.entry_rate : 1.0;  // settling: keep what was known
+    }
   }
-  return smoothed_;
+  // A first calibration far slower than an identical peer's is a device slow from the start.
+  for (size_t r : calibrated) {
+    RankState& st = ranks_[r];
+    Reference& ref = st.references[st.geometry];
+    double fastest = ref.value;
+    for (size_t p = 0; p < n; ++p) {
+      if (ranks_[p].geometry != st.geometry) continue;
+      const auto it = ranks_[p].references.find(st.geometry);
+      if (it != ranks_[p].references.end() && it->second.value > 0) {
+        fastest = std::min(fastest, it->second.value);
+      }
+    }
+    if (ref.value > options_.calibration_tolerance * fastest) {
+      st.rate *= ref.value / fastest;
+      ref.value = fastest;
+    }
+  }
+  for (size_t r = 0; r < n; ++r) rates_[r] = ranks_[r].rate;
+  ++samples_;
+  return rates_;
+}
+
+std::vector<std::string> work_geometries(const layout::Layout& layout) {
+  std::vector<std::string> geometries;
+  for (const auto& shard : layout.shards) {
+    if (!shard) {
+      geometries.emplace_back("probe");
+      continue;
+    }
+    std::string g = "layers " + std::to_string(shard->layer_end - shard->layer_begin) + ", heads " +
+                    std::to_string(shard->heads) + ", ffn " + std::to_string(shard->ffn);
+    if (shard->has_embedding) g += ", embedding";
+    if (shard->has_head) g += ", head (vocab " + std::to_string(shard->vocab) + ")";
+    geometries.push_back(std::move(g));
+  }
+  return geometries;
 }
 
 }  // namespace malleus::elastic

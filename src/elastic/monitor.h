@@ -1,37 +1,84 @@
-// The straggler monitor: every step, every rank's own compute time per FLOP of assigned work is
-// shared, and each rank's rate is its time per FLOP over the median of the ranks (so a rate of 3
-// means three times slower than the typical rank). Ranks idle under the current plan are rated
-// by the small probe all ranks run, so a recovered device is noticed and can rejoin. Rates are
-// smoothed by a per-rank median over a sliding window, so a single noisy step moves nothing.
+// The straggler monitor: every rank's rate is how many times longer its device now takes for the
+// work the plan gave it than the same device took when healthy (1 = healthy).
+//
+// Each step every rank reports the elapsed time of its own compute and the FLOPs of its work
+// (runtime::StepResult), and the monitor compares its time per FLOP with a reference: that rank's
+// own healthy speed, never its peers' (a median of peers is wrong as soon as half of them slow
+// down). Time per FLOP depends on the shape of the work as well as on the device — a narrow
+// tensor-parallel share runs narrower, less efficient GEMMs; first and last stages add the
+// embedding and the LM head — so references are kept per rank and per geometry (the shape of
+// the rank's shard, or the probe an idle rank runs):
+//
+// - a reference is the lowest median of `block` consecutive steps the rank has shown in that
+//   geometry: it is never raised again (a rank slow for a long time does not become the new
+//   normal), and neither one lucky step nor a slow first one (cold caches, new buffers) moves it;
+// - a rank entering a geometry it has no reference for keeps its previous rate for `window`
+//   steps, then seeds the reference from them: median time per FLOP there / the rank's rate just
+//   before the switch (its slowdown is assumed unchanged across the switch; the reference comes
+//   down to the truth when the rank later runs faster than the seed says);
+// - the first geometry of the run is calibrated from its first `window` measured steps; a rank
+//   whose calibration is more than `calibration_tolerance` slower than the fastest rank
+//   calibrating the identical geometry takes that rank's reference, so a device slow from the
+//   first step is seen (devices of one job are assumed to be of one kind, as the cluster spec
+//   says). A rank slow from the start with no identical peer reads 1 until it speeds up;
+// - when every rank slows at once, every rate says so; nothing is gained by re-planning.
+//
+// Rates are a per-rank median over a sliding window of `window` steps, so one noisy step moves
+// nothing. Every rank sees the same measurements and geometries, so all compute the same rates.
 #pragma once
 
-#include <cstddef>
 #include <deque>
+#include <map>
+#include <string>
 #include <vector>
+
+#include "layout/layout.h"
 
 namespace malleus::elastic {
 
+struct MonitorOptions {
+  int window = 3;                      // steps in the sliding median; steps to settle a geometry
+  int block = 8;                       // steps whose median may lower a reference
+  double calibration_tolerance = 1.2;  // a first calibration this much slower than a peer's
+};
+
 class Monitor {
  public:
-  explicit Monitor(int world_size, int window = 3);
+  Monitor(int world_size, MonitorOptions options = {});
 
-  // Adds one step's measurements of all ranks (runtime::StepResult::measurements, the same on
-  // every rank); returns the smoothed rates.
-  const std::vector<double>& observe(const std::vector<double>& measurements);
-  const std::vector<double>& rates() const { return smoothed_; }
-  // Steps seen since the last reset (measurements from before a re-plan are dropped).
-  int samples() const { return static_cast<int>(history_.size()); }
-  void reset() { history_.clear(); }
-
-  // One step's rates from every rank's (compute s, work FLOPs, probe s, probe FLOPs); exposed
-  // for tests.
-  static std::vector<double> rates_of(const std::vector<double>& measurements);
+  // Adds one step: every rank's (seconds, FLOPs) of its work (StepResult::measurements) and the
+  // geometry of that work (work_geometries). Returns the rates.
+  const std::vector<double>& observe(const std::vector<double>& measurements,
+                                     const std::vector<std::string>& geometries);
+  const std::vector<double>& rates() const { return rates_; }
+  // Steps observed since the last re-plan (or the start).
+  int samples() const { return samples_; }
+  void note_replan() { samples_ = 0; }
+  // The healthy time per FLOP rank `rank` is rated against in its current geometry; 0 while it
+  // has none yet.
+  double reference(int rank) const;
 
  private:
-  int world_size_;
-  std::size_t window_;
-  std::deque<std::vector<double>> history_;
-  std::vector<double> smoothed_;
+  struct Reference {
+    std::deque<double> block;  // the last `block` measured times per FLOP, newest last
+    double value = 0;          // the healthy time per FLOP; 0: not known yet
+  };
+  struct RankState {
+    std::string geometry;       // of the current visit; empty before the first step
+    std::deque<double> window;  // this visit's last `window` measured times per FLOP
+    double entry_rate = 0;      // rate when this visit began; 0: the run's first geometry
+    double rate = 1;
+    std::map<std::string, Reference> references;
+  };
+
+  MonitorOptions options_;
+  std::vector<RankState> ranks_;
+  std::vector<double> rates_;
+  int samples_ = 0;
 };
+
+// The geometry of every rank's work under `layout`: its shard's shape (layers, head / FFN /
+// vocabulary shares, embedding, LM head; not its position in the model), or "probe" when idle.
+std::vector<std::string> work_geometries(const layout::Layout& layout);
 
 }  // namespace malleus::elastic

@@ -12,7 +12,16 @@ namespace malleus::runtime {
 
 namespace {
 
-constexpr int kProbeSize = 256;  // the probe multiplies two 256² matrices: ~34 MFLOP, ~1 ms
+// An idle rank's probe multiplies two 256² matrices 16 times: ~0.5 GFLOP, ~10 ms on one core,
+// long enough against the scheduler's time slices (a few ms) to see a shared core.
+constexpr int kProbeSize = 256;
+constexpr int kProbeRepeats = 16;
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 // Training FLOPs (forward and backward) of one micro-batch through a model shard: 6 per
 // matmul weight per token, plus causal attention over this shard's heads.
@@ -29,14 +38,14 @@ double shard_flops(const model::ModelConfig& config, const model::ParameterLayou
   return tokens * (6.0 * weights + (shard.layer_end - shard.layer_begin) * attention);
 }
 
-// An emulated slow device keeps its compute busy: it burns this thread's CPU time rather than
-// sleeping, which on an oversubscribed machine would hand the core to the other ranks and make
-// the rest of the job faster than it would be next to a real straggler.
-void burn_cpu_seconds(double seconds) {
-  const double until = thread_cpu_seconds() + seconds;
+// An emulated slow device keeps computing for the extra time: busy work until the wall clock
+// says so, not a sleep, which on an oversubscribed machine would hand the core to the other
+// ranks and make the rest of the job faster than it would be next to a real straggler.
+void keep_busy_for(double seconds) {
+  const auto until = Clock::now() + std::chrono::duration<double>(seconds);
   volatile double sink = 0;
-  while (thread_cpu_seconds() < until) {
-    for (int i = 0; i < 4096; ++i) sink = sink + 1.0;
+  while (Clock::now() < until) {
+    for (int i = 0; i < 1024; ++i) sink = sink + 1.0;
   }
 }
 
@@ -53,13 +62,16 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
                const EngineOptions& options)
     : model_config_(model),
       options_(options),
-      state_(std::make_unique<ParallelState>(plan, model, std::move(world))),
+      state_(
+          std::make_unique<ParallelState>(plan, model, std::move(world), options.core_lease.get())),
       backend_(backend::make_cpu_backend<float>(options.threads)) {
-  const size_t probe = size_t{kProbeSize} * kProbeSize;
-  probe_a_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
-  probe_b_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
-  probe_c_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
-  if (state_->role().idle()) return;
+  if (state_->role().idle()) {
+    const size_t probe = size_t{kProbeSize} * kProbeSize;
+    probe_a_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
+    probe_b_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
+    probe_c_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
+    return;
+  }
   const int slots = activation_slots(state_->role().stage, state_->num_stages(),
                                      state_->pipeline().micro_batches);
   model_ = std::make_unique<model::Transformer<float>>(model, *state_->shard(), *backend_,
@@ -82,27 +94,36 @@ void Engine::zero_grads() {
 }
 
 template <typename Section>
-void Engine::timed(Section&& section, double slowdown, double* seconds) {
-  auto* tp = state_->tensor_parallel();
-  const double waited_before = tp ? tp->collective_cpu_seconds() : 0;
-  const double start = thread_cpu_seconds();
+double Engine::timed(Section&& section, double slowdown) {
+  CoreLease::Hold turn(lease());  // waiting for a turn on the core is not computing
+  if (!options_.measure && slowdown == 1) {
+    section();
+    return 0;
+  }
+  const auto* tp = state_->tensor_parallel();
+  const double waited_before = tp ? tp->wait_seconds() : 0;
+  const auto start = Clock::now();
   section();
-  const double waited = (tp ? tp->collective_cpu_seconds() : 0) - waited_before;
-  const double compute = std::max(0.0, thread_cpu_seconds() - start - waited);
-  burn_cpu_seconds((slowdown - 1) * compute);
-  *seconds += slowdown * compute;
+  auto compute = [&] {
+    const double waited = (tp ? tp->wait_seconds() : 0) - waited_before;
+    return std::max(0.0, seconds_since(start) - waited);
+  };
+  if (slowdown > 1) keep_busy_for((slowdown - 1) * compute());
+  return compute();
 }
 
-// A fixed piece of work on every rank, idle ranks included, so that a rank without work under
-// the current plan still shows whether its device has recovered.
-void Engine::run_probe(double slowdown, StepResult* result) {
-  timed(
+// A fixed piece of work for a rank without work under the current plan, so that it keeps
+// measuring its device and is seen when it recovers.
+double Engine::run_probe(double slowdown, double* seconds) {
+  *seconds += timed(
       [&] {
-        backend_->matmul_forward(probe_c_.data(), probe_a_.data(), probe_b_.data(), kProbeSize,
-                                 kProbeSize, kProbeSize);
+        for (int i = 0; i < kProbeRepeats; ++i) {
+          backend_->matmul_forward(probe_c_.data(), probe_a_.data(), probe_b_.data(), kProbeSize,
+                                   kProbeSize, kProbeSize);
+        }
       },
-      slowdown, &result->probe_seconds);
-  result->probe_flops = 2.0 * kProbeSize * kProbeSize * kProbeSize;
+      slowdown);
+  return 2.0 * kProbeRepeats * kProbeSize * kProbeSize * kProbeSize;
 }
 
 StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, double slowdown) {
@@ -136,23 +157,22 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     for (const PipelineOp& op : one_f_one_b(stage, stages, micro_batches)) {
       const int j = op.micro_batch, slot = j % slots;
       if (op.kind == PipelineOp::kForward) {
-        comm::Request::wait_all(forward_sends[static_cast<size_t>(slot)]);
+        wait_all(forward_sends[static_cast<size_t>(slot)], lease());
         if (st.first_stage() || st.last_stage()) fill(j);
         receive_input(slot, j);
         double loss = 0;
-        timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown,
-              &result.compute_seconds);
+        result.compute_seconds +=
+            timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown);
         if (st.last_stage() && sender) loss_sum += loss;
         send_output(slot, j, &forward_sends[static_cast<size_t>(slot)]);
       } else {
-        comm::Request::wait_all(backward_sends);
+        wait_all(backward_sends, lease());
         if (!st.last_stage()) {
-          world
-              .irecv(model_->output_grad(), activation_bytes(), st.next_stage_ranks().front(),
-                     backward_tag(j))
-              .wait();
+          comm::Request gradient = world.irecv(model_->output_grad(), activation_bytes(),
+                                               st.next_stage_ranks().front(), backward_tag(j));
+          wait(gradient, lease());
         }
-        timed([&] { model_->backward(slot, loss_scale); }, slowdown, &result.compute_seconds);
+        result.compute_seconds += timed([&] { model_->backward(slot, loss_scale); }, slowdown);
         if (!st.first_stage() && sender) {
           for (int r : st.previous_stage_ranks()) {
             backward_sends.push_back(
@@ -161,33 +181,41 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
         }
       }
     }
-    for (auto& sends : forward_sends) comm::Request::wait_all(sends);
-    comm::Request::wait_all(backward_sends);
-    sync_gradients();
-    result.work_flops = work_flops_;
+    for (auto& sends : forward_sends) wait_all(sends, lease());
+    wait_all(backward_sends, lease());
+    result.flops = work_flops_;
+  } else {
+    result.flops = run_probe(slowdown, &result.compute_seconds);
   }
-  run_probe(slowdown, &result);
 
   comm::Communicator& world = st.world();
   // One all-reduce carries the loss, the squared gradient norm and every rank's measurements
   // (each rank fills its own slots), so monitoring costs no extra round of communication.
   const size_t ranks = static_cast<size_t>(world.size());
-  std::vector<double> shared(2 + 4 * ranks, 0.0);
+  std::vector<double> shared(2 + 2 * ranks, 0.0);
   shared[0] = loss_sum;
-  shared[1] = local_norm_squares();
-  double* mine = shared.data() + 2 + 4 * static_cast<size_t>(world.rank());
+  {
+    // Packing gradients and summing squares is computing too: on a shared core, in turn.
+    CoreLease::Hold turn(lease());
+    if (model_) sync_gradients();
+    shared[1] = local_norm_squares();
+  }
+  double* mine = shared.data() + 2 + 2 * static_cast<size_t>(world.rank());
   mine[0] = result.compute_seconds;
-  mine[1] = result.work_flops;
-  mine[2] = result.probe_seconds;
-  mine[3] = result.probe_flops;
-  world.all_reduce_sum(shared.data(), shared.size());
+  mine[1] = result.flops;
+  all_reduce_sum(world, shared.data(), shared.size(), lease());
   result.loss = shared[0] / static_cast<double>(global_tokens);
   result.grad_norm = std::sqrt(shared[1]);
   result.measurements.assign(shared.begin() + 2, shared.end());
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (optimizer_) {
+    // Not a section the monitor times (its cost does not scale with the plan's work), but an
+    // emulated slow device is slow here too.
+    CoreLease::Hold turn(lease());
+    const auto start = Clock::now();
     optimizer_->step(model_->params(), model_->grads(), lr, static_cast<float>(clip));
+    if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
   }
   ++steps_done_;
   return result;
@@ -200,10 +228,10 @@ size_t Engine::activation_bytes() const {
 
 void Engine::receive_input(int slot, int micro_batch) {
   if (state_->first_stage()) return;
-  state_->world()
-      .irecv(model_->input_activation(slot), activation_bytes(),
-             state_->previous_stage_ranks().front(), forward_tag(micro_batch))
-      .wait();
+  comm::Request input =
+      state_->world().irecv(model_->input_activation(slot), activation_bytes(),
+                            state_->previous_stage_ranks().front(), forward_tag(micro_batch));
+  wait(input, lease());
 }
 
 void Engine::send_output(int slot, int micro_batch, std::vector<comm::Request>* sends) {
@@ -268,7 +296,7 @@ void Engine::sync_gradients() {
       }
       cursor += n;
     }
-    st.grad_sync_comm(g).all_reduce_sum(pack_buffer_.data(), pack_buffer_.size());
+    all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
     cursor = pack_buffer_.data();
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];

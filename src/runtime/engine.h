@@ -25,6 +25,12 @@ struct EngineOptions {
   int seq_len = 0;
   int threads = 1;
   AdamWConfig adamw;
+  // This rank's turn on cores it shares with other ranks (CoreSharing::detect); null when its
+  // cores are its own. Held while computing, given back while waiting for communication.
+  std::shared_ptr<CoreLease> core_lease;
+  // Time the compute sections for the straggler monitor (off only to measure what timing costs;
+  // an injected slowdown still times the sections it lengthens).
+  bool measure = true;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.
@@ -33,12 +39,12 @@ using SampleFn = std::function<void(int index, int32_t* inputs, int32_t* targets
 struct StepResult {
   double loss = 0;       // mean token loss of the global batch (on every rank)
   double grad_norm = 0;  // before clipping
-  // This rank's own measurements, for the straggler monitor: CPU time of its forward and
-  // backward passes (without time inside collectives, with any injected delay) and the FLOPs the
-  // plan gave it; and a fixed probe every rank runs, idle or not.
-  double compute_seconds = 0, work_flops = 0;
-  double probe_seconds = 0, probe_flops = 0;
-  // The four figures above of every rank, in rank order (gathered with the loss).
+  // This rank's own measurement, for the straggler monitor: the elapsed (wall) time of its
+  // compute sections — forward and backward passes, less the time inside tensor-parallel
+  // collectives, with any injected slowdown — and the training FLOPs the plan gave it. A rank
+  // idle under the plan times a fixed probe instead, so a recovered device is noticed.
+  double compute_seconds = 0, flops = 0;
+  // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> measurements;
 };
 
@@ -66,8 +72,10 @@ class Engine {
   int64_t steps_done() const { return steps_done_; }
 
   void init_parameters(uint64_t seed);
-  // `slowdown` ≥ 1 makes this rank an injected straggler: after each of its compute sections it
-  // burns (slowdown − 1) × the section's CPU time (DESIGN.md, "Performance model").
+  // `slowdown` ≥ 1 makes this rank an injected straggler: at the end of each of its compute
+  // sections (and of its optimizer step) it keeps computing — busy work, not sleep — for
+  // (slowdown − 1) × the section's elapsed time, inside the timed section; it reports nothing
+  // else, so the monitor measures it like any other slowdown.
   StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0);
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches
   // dealt round-robin to the pipelines. Collective; the result is on every rank.
@@ -88,11 +96,13 @@ class Engine {
   void zero_grads();
   void sync_gradients();
   double local_norm_squares();
-  // Runs `section`, adds its CPU time (less time inside TP collectives) to *seconds, and burns
-  // CPU to emulate a slower device when slowdown > 1.
+  // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
+  // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).
   template <typename Section>
-  void timed(Section&& section, double slowdown, double* seconds);
-  void run_probe(double slowdown, StepResult* result);
+  double timed(Section&& section, double slowdown);
+  // The fixed work an idle rank times instead of training; returns its FLOPs.
+  double run_probe(double slowdown, double* seconds);
+  CoreLease* lease() const { return options_.core_lease.get(); }
   // Bytes of one micro-batch's activations (or their gradient) between pipeline stages.
   size_t activation_bytes() const;
   // The stage input of a micro-batch from the previous stage (nothing on the first stage).

@@ -1,33 +1,36 @@
 #include "runtime/parallel_state.h"
 
-#include <time.h>
-
 #include <algorithm>
+#include <chrono>
 
 #include "common/error.h"
 
 namespace malleus::runtime {
 
-double thread_cpu_seconds() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+}  // namespace
+
 void MpiTensorParallelGroup::all_reduce_sum(float* data, size_t count) {
-  const double start = thread_cpu_seconds();
-  comm_.all_reduce_sum(data, count);
-  collective_cpu_seconds_ += thread_cpu_seconds() - start;
+  const auto start = Clock::now();
+  runtime::all_reduce_sum(comm_, data, count, lease_);
+  wait_seconds_ += seconds_since(start);
 }
 
 void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {
-  const double start = thread_cpu_seconds();
-  comm_.all_reduce_max(data, count);
-  collective_cpu_seconds_ += thread_cpu_seconds() - start;
+  const auto start = Clock::now();
+  runtime::all_reduce_max(comm_, data, count, lease_);
+  wait_seconds_ += seconds_since(start);
 }
 
 ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& model,
-                             comm::Communicator world)
+                             comm::Communicator world, CoreLease* lease)
     : plan_(plan), world_(std::move(world)), layout_(layout::plan_layout(plan, model)) {
   check(plan.world_size == world_.size(), "the plan is for " + std::to_string(plan.world_size) +
                                               " ranks but " + std::to_string(world_.size()) +
@@ -55,7 +58,7 @@ ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& m
     for (const auto& stage : pipeline.stages) {
       if (stage.tp() > 1 &&
           std::find(stage.ranks.begin(), stage.ranks.end(), me) != stage.ranks.end()) {
-        tp_ = std::make_unique<MpiTensorParallelGroup>(world_.subgroup(stage.ranks));
+        tp_ = std::make_unique<MpiTensorParallelGroup>(world_.subgroup(stage.ranks), lease);
       }
     }
   }

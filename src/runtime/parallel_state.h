@@ -13,6 +13,7 @@
 #include "layout/layout.h"
 #include "model/tensor_parallel.h"
 #include "plan/plan.h"
+#include "runtime/core_lease.h"
 
 namespace malleus::runtime {
 
@@ -21,30 +22,33 @@ struct Role {
   bool idle() const { return pipeline < 0; }
 };
 
-// The model's tensor-parallel collectives over an MPI communicator. It keeps the CPU time spent
-// inside them, so the monitor can count a rank's own compute without the time it waited for its
-// peers.
+// The model's tensor-parallel collectives over an MPI communicator. They run inside the compute
+// sections the monitor times, so the group keeps the elapsed (wall) time spent inside them: a
+// rank's compute is its section's elapsed time less the time it waited for its peers. While
+// inside a collective the rank gives back its core lease (if it shares a core), or a peer on the
+// same core could never reach the collective.
 class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
  public:
-  explicit MpiTensorParallelGroup(comm::Communicator comm) : comm_(std::move(comm)) {}
+  MpiTensorParallelGroup(comm::Communicator comm, CoreLease* lease)
+      : comm_(std::move(comm)), lease_(lease) {}
   int size() const override { return comm_.size(); }
   void all_reduce_sum(float* data, size_t count) override;
   void all_reduce_max(float* data, size_t count) override;
-  double collective_cpu_seconds() const { return collective_cpu_seconds_; }
+  // Wall seconds spent inside collectives (and taking the core lease back after them) so far.
+  double wait_seconds() const { return wait_seconds_; }
 
  private:
   comm::Communicator comm_;
-  double collective_cpu_seconds_ = 0;
+  CoreLease* lease_;
+  double wait_seconds_ = 0;
 };
-
-// CPU time of the calling thread: what a rank spent computing, not waiting to be scheduled on an
-// oversubscribed machine.
-double thread_cpu_seconds();
 
 class ParallelState {
  public:
-  // Collective over `world`: every rank calls it with the same (validated) plan.
-  ParallelState(const plan::Plan& plan, const model::ModelConfig& model, comm::Communicator world);
+  // Collective over `world`: every rank calls it with the same (validated) plan. `lease`, when
+  // set, is this rank's core lease (runtime/core_lease.h), given back inside TP collectives.
+  ParallelState(const plan::Plan& plan, const model::ModelConfig& model, comm::Communicator world,
+                CoreLease* lease = nullptr);
 
   const plan::Plan& plan() const { return plan_; }
   const layout::Layout& layout() const { return layout_; }

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "train/metrics.h"
 
 namespace malleus::train {
@@ -85,7 +86,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
       model_config_(fit_model_to_tokenizer(requested_model, tokenizer_.get())),
       world_(std::move(world)),
       schedule_{config.lr, config.min_lr_ratio, config.warmup_steps, config.steps},
-      monitor_(world_.size(), config.monitor_window),
+      monitor_(world_.size(), elastic::MonitorOptions{.window = config.monitor_window}),
       train_data_(config.train_data, model_config_.vocab_size),
       sampler_(train_data_, config.seq_len, config.seed) {
   const model::ModelConfig& model_config = model_config_;
@@ -124,8 +125,12 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
                         profile),
         options);
   }
-  engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_,
-                                              engine_options(config_, world_.size()));
+  // Ranks that share cores take turns on them, so each rank's measured compute time is its
+  // time on a whole core (runtime/core_lease.h).
+  engine_options_ = engine_options(config_, world_.size());
+  cores_ = runtime::CoreSharing::detect(world_, engine_options_.threads);
+  engine_options_.core_lease = cores_.lease;
+  engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_, engine_options_);
   engine_->init_parameters(config.seed);
 }
 
@@ -190,7 +195,10 @@ StepStats Trainer::train_step() {
 
   // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
   const auto loop_start = Clock::now();
-  stats.rates = monitor_.observe(r.measurements);
+  stats.rates =
+      monitor_.observe(r.measurements, elastic::work_geometries(engine_->state().layout()));
+  for (size_t i = 0; i < r.measurements.size(); i += 2)
+    stats.compute_s.push_back(r.measurements[i]);
   if (controller_) {
     elastic::Decision decision = controller_->decide(
         world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_);
@@ -200,7 +208,7 @@ StepStats Trainer::train_step() {
       runtime::MigrationStats migration;
       engine_ = engine_->migrate(*decision.plan, &migration);
       controller_->note_migration_seconds(migration.seconds);
-      monitor_.reset();  // measurements under the old plan do not describe the new one
+      monitor_.note_replan();
       decision.record["bytes_moved"] = migration.bytes_moved;
       decision.record["migration_s"] = migration.seconds;
     }
@@ -270,6 +278,7 @@ void Trainer::log_step(const StepStats& s, double eta, const std::string& plan_t
                  {"plan", plan_text},
                  {"rates", s.rates},
                  {"injected", s.injected},
+                 {"compute_s", s.compute_s},
                  {"monitor_overhead_s", s.overhead_s}});
   if (!s.replan.is_null()) {
     const Json& d = s.replan;
@@ -304,14 +313,21 @@ void Trainer::run() {
     std::printf(
         "model %s: %s parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d)\n"
         "data %s: %s tokens; global batch %d × %d tokens (micro-batches of %d)\n"
-        "plan on %d ranks × %d threads: %s\n",
+        "plan on %d ranks × %d threads: %s\n"
+        "cores: %s\n",
         mc.name.c_str(), format_count(static_cast<double>(mc.num_parameters())).c_str(),
         mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.ffn_hidden_size,
         mc.vocab_size, config_.train_data.c_str(),
         format_count(static_cast<double>(train_data_.num_tokens())).c_str(),
         config_.global_batch_size, config_.seq_len, config_.micro_batch_size, world_.size(),
-        engine_options(config_, world_.size()).threads, plan_text.c_str());
+        engine_options_.threads, plan_text.c_str(), cores_.summary.c_str());
     std::fflush(stdout);
+    // Where each rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
+    Json ranks = Json::array();
+    for (size_t r = 0; r < cores_.pids.size(); ++r) {
+      ranks.push_back({{"rank", r}, {"pid", cores_.pids[r]}, {"cpus", cores_.cpus[r]}});
+    }
+    write_file_atomic(out / "ranks.json", Json{{"ranks", ranks}}.dump(2) + "\n");
   }
 
   double recent_step_time = 0;  // exponential moving average, for the ETA

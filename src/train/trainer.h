@@ -16,6 +16,7 @@
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
 #include "plan/plan.h"
+#include "runtime/core_lease.h"
 #include "runtime/engine.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -31,10 +32,11 @@ struct StepStats {
   double grad_norm = 0;  // before clipping
   double step_time_s = 0;
   double tokens_per_s = 0;
-  std::vector<double> rates;     // monitored straggle rate of every rank (1 = healthy)
-  std::vector<double> injected;  // injected rate of every rank (experiments)
-  Json replan;                   // the controller's record when it was asked, else null
-  double overhead_s = 0;         // monitoring and deciding (a re-plan's migration included)
+  std::vector<double> rates;      // monitored straggle rate of every rank (1 = healthy)
+  std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
+  std::vector<double> injected;   // injected rate of every rank (experiments)
+  Json replan;                    // the controller's record when it was asked, else null
+  double overhead_s = 0;          // monitoring and deciding (a re-plan's migration included)
 };
 
 // The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
@@ -81,6 +83,8 @@ class Trainer {
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;  // before model_config_: it fits it
   model::ModelConfig model_config_;
   comm::Communicator world_;
+  runtime::CoreSharing cores_;  // where the ranks run; the core lease when they share cores
+  runtime::EngineOptions engine_options_;
   std::unique_ptr<runtime::Engine> engine_;
   LrSchedule schedule_;
   elastic::StragglerSchedule stragglers_;
