@@ -1,5 +1,6 @@
 // Checkpoints: a directory holding manifest.json (format version, model config, training config,
-// progress, one entry per tensor, and each data file's size and XXH3 checksum), params.bin and
+// progress, one entry per tensor, each data file's size and XXH3 checksum, and the manifest's
+// own checksum, so that no edit of it goes unnoticed), params.bin and
 // optimizer.bin (Adam first and second moments). Tensors are stored by name, unpadded, in
 // ParameterLayout order, so a reader can slice any tensor out of a checkpoint without knowing
 // how it was trained (what resharding to another parallel plan needs).
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/json.h"
@@ -34,6 +36,16 @@ void save_checkpoint(const std::filesystem::path& dir, const Checkpoint& checkpo
 // Verifies manifest, sizes and checksums before returning; throws Error naming the checkpoint and
 // the file at fault if anything is missing, truncated or corrupt.
 Checkpoint load_checkpoint(const std::filesystem::path& dir, bool with_optimizer = true);
+
+// XXH3 of the manifest's canonical text (nlohmann's compact dump), the manifest's own checksum
+// field left out: what "manifest_xxh3" holds.
+std::string manifest_checksum(const Json& manifest);
+
+// Cleans up after saves that died midway in the checkpoint root `root`: "*.tmp.<pid>" entries
+// of processes that no longer run are removed, and a "*.old.<pid>" checkpoint (moved aside to be
+// replaced) goes back into place when its replacement never arrived, else is removed. Returns
+// what it did, one line per entry.
+std::vector<std::string> clean_stale_temporaries(const std::filesystem::path& root);
 
 // <root>/step_00000100
 std::filesystem::path checkpoint_dir(const std::filesystem::path& root, int64_t step);
