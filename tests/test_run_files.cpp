@@ -3,7 +3,6 @@
 // directory wanted by two runs. The full-disk tests mount a small tmpfs (root only) and skip,
 // saying why, where mounting is not allowed.
 #include <gtest/gtest.h>
-#include <sys/mount.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,44 +25,13 @@
 using namespace malleus;
 using malleus::testing::error_of;
 using malleus::testing::ScratchDir;
+using malleus::testing::SmallFilesystem;
 
 namespace {
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
-
-// A tmpfs of `bytes` mounted on a fresh directory, unmounted at the end.
-class SmallFilesystem {
- public:
-  explicit SmallFilesystem(const fs::path& dir, size_t bytes) : dir_(dir) {
-    fs::create_directories(dir_);
-    const std::string options = "size=" + std::to_string(bytes);
-    if (::mount("tmpfs", dir_.c_str(), "tmpfs", 0, options.c_str()) == 0) {
-      mounted_ = true;
-    } else {
-      why_not_ = std::strerror(errno);
-    }
-  }
-  ~SmallFilesystem() {
-    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
-  }
-  SmallFilesystem(const SmallFilesystem&) = delete;
-  SmallFilesystem& operator=(const SmallFilesystem&) = delete;
-  bool mounted() const { return mounted_; }
-  const std::string& why_not() const { return why_not_; }
-  fs::path operator/(const std::string& name) const { return dir_ / name; }
-
- private:
-  fs::path dir_;
-  bool mounted_ = false;
-  std::string why_not_;
-};
-
-#define REQUIRE_SMALL_FILESYSTEM(fs_)                                    \
-  if (!(fs_).mounted())                                                  \
-  GTEST_SKIP() << "cannot mount a small tmpfs here (" << (fs_).why_not() \
-               << "): the full-disk cases need root and permission to mount"
 
 std::vector<std::string> entries(const fs::path& dir) {
   std::vector<std::string> names;
@@ -103,7 +71,7 @@ void expect_whole_lines(const fs::path& path, size_t expected_lines) {
 TEST(FullDisk, AtomicFileReportsNoSpaceAndLeavesNothing) {
   ScratchDir dir;
   SmallFilesystem small(dir / "mnt", 64 * 1024);
-  REQUIRE_SMALL_FILESYSTEM(small);
+  MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   write_file_atomic(small / "kept.txt", "previous contents");
   const std::string message =
       error_of([&] { write_file_atomic(small / "kept.txt", std::string(1 << 20, 'x')); });
@@ -118,7 +86,7 @@ TEST(FullDisk, CheckpointSaveReportsNoSpaceAndKeepsTheOldOne) {
   ScratchDir dir;
   // Room for parameters only (the tiny model's 35k floats, 140 KB), not for the Adam moments too.
   SmallFilesystem small(dir / "mnt", 256 * 1024);
-  REQUIRE_SMALL_FILESYSTEM(small);
+  MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   train::save_checkpoint(small / "step_00000002", tiny_checkpoint(false));
   const std::string message =
       error_of([&] { train::save_checkpoint(small / "step_00000003", tiny_checkpoint(true)); });
@@ -130,7 +98,7 @@ TEST(FullDisk, CheckpointSaveReportsNoSpaceAndKeepsTheOldOne) {
 TEST(FullDisk, MetricsLinesAreWholeOrAbsent) {
   ScratchDir dir;
   SmallFilesystem small(dir / "mnt", 16 * 1024);
-  REQUIRE_SMALL_FILESYSTEM(small);
+  MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   const fs::path path = small / "metrics.jsonl";
   const Json record = {{"step", 1}, {"note", std::string(300, 'x')}};
   size_t written = 0;

@@ -181,12 +181,14 @@ void run_train(const TrainArgs& args) {
       if (world.rank() == 0) std::printf("%s\n", config.to_json().dump(2).c_str());
       return 0;
     }
-    std::optional<train::RunDirectory> run_dir;  // rank 0 writes it, so rank 0 owns it
-    if (world.rank() == 0) run_dir.emplace(config.out_dir, resumed_run);
     const model::ModelConfig model =
         checkpoint ? checkpoint->model : model::load_model_config(config.model);
     train::Trainer trainer(config, model, world);
     if (checkpoint) trainer.restore(*checkpoint);
+    // Taken once every input has been checked (so bad input leaves nothing on disk) and before
+    // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
+    std::optional<train::RunDirectory> run_dir;
+    if (world.rank() == 0) run_dir.emplace(config.out_dir, resumed_run);
     return trainer.run();
   });
   // After MPI_Finalize, which every rank reaches together.

@@ -1,6 +1,8 @@
 #include "train/stop_signal.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <csignal>
 #include <cstring>
@@ -28,8 +30,10 @@ StopSignals::StopSignals() {
   action.sa_handler = record;
   sigemptyset(&action.sa_mask);
   // SA_RESETHAND: the handler runs once; the same signal again ends the process.
-  // SA_RESTART: system calls interrupted by the signal (reads, MPI's polling) carry on.
-  action.sa_flags = SA_RESETHAND | SA_RESTART;
+  // No SA_RESTART: a write blocked on a pipe no one reads (a terminated mpirun stops forwarding
+  // output, and the ranks' stdout fills up) returns, so the rank gets to its stop. Regular-file
+  // I/O is not interrupted by signals, and MPI retries its own interrupted calls.
+  action.sa_flags = SA_RESETHAND;
   for (size_t i = 0; i < sizeof kSignals / sizeof kSignals[0]; ++i) {
     ::sigaction(kSignals[i], &action, &g_previous[i]);
   }
@@ -38,6 +42,15 @@ StopSignals::StopSignals() {
 StopSignals::~StopSignals() {
   for (size_t i = 0; i < sizeof kSignals / sizeof kSignals[0]; ++i) {
     ::sigaction(kSignals[i], &g_previous[i], nullptr);
+  }
+}
+
+void StopSignals::unblock_output() {
+  for (int fd : {1, 2}) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))) continue;
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   }
 }
 

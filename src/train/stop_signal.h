@@ -22,6 +22,10 @@ class StopSignals {
   static int received();
   // "SIGTERM", "SIGINT", ...
   static std::string name(int signal);
+  // Makes stdout and stderr non-blocking when they are pipes or sockets, for the way out: a
+  // terminated mpirun no longer reads its ranks' output, and a rank must not hang writing it.
+  // What no one reads is lost; a terminal or a file is left alone.
+  static void unblock_output();
 };
 
 }  // namespace malleus::train

@@ -368,6 +368,7 @@ int Trainer::run() {
     // all-reduce per step; the checkpoint is of the step every rank has finished.
     const int signal = agreed_stop_signal();
     if (signal != 0 && !last) {
+      StopSignals::unblock_output();
       if (!saved) save(checkpoints);
       if (is_root()) {
         std::printf(
