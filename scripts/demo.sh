@@ -12,5 +12,7 @@ if ! compgen -G "data/fortunes/train_*.bin" > /dev/null; then
 fi
 # Running as root and more ranks than cores need OpenMPI's consent; idle ranks yield the CPU.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+# Each demo starts afresh: `train` refuses a run directory that already holds a run.
+rm -rf runs/demo
 mpirun --oversubscribe -np 4 build/malleus train --straggler 1:3:100-200 "$@"
 build/malleus report runs/demo

@@ -357,64 +357,84 @@ TEST(Cli, LimitsAreCheckedBeforeAnythingIsAllocated) {
   EXPECT_FALSE(fs::exists(dir / "run"));
 }
 
-TEST(Cli, RunDirectoryIsOwnedByOneRun) {
+namespace {
+
+// Every path under `dir`, sorted: what a refused command must leave unchanged.
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) names.push_back(e.path().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+TEST(Cli, TwoRunsCannotShareADirectoryAndCtrlCStopsWithACheckpoint) {
   ScratchDir dir;
   malleus::testing::write_synthetic_corpus(dir / "data");
-  const std::string first_flags =
-      tiny_flags(dir) + " --steps 100000 --checkpoint-every 2 --eval-every 0";
-  int stopped = 0;  // the step the first run stopped at
-  {
-    malleus::testing::BackgroundCommand first(std::string(MALLEUS_BINARY) + " train " + first_flags,
-                                              dir / "first.out");
-    ASSERT_TRUE(first.wait_for_output("saved checkpoint", 60)) << first.output();
-    // A second run on the same directory, fresh or resuming it, is refused while it runs.
-    for (const std::string& second :
-         {"train " + tiny_flags(dir), "train --resume " + (dir / "run").string()}) {
-      expect_error(run_malleus(second), {"run directory " + (dir / "run").string() +
-                                         " is in use by pid " + std::to_string(first.pid())});
-    }
-    // 17.1 on one rank: Ctrl-C stops it at the next step with a checkpoint of that step.
-    ::kill(first.pid(), SIGINT);
-    EXPECT_EQ(first.wait(60), 128 + SIGINT) << first.output();
-    const std::string out = first.output();
-    const size_t at = out.find("stopped by SIGINT after step ");
-    ASSERT_NE(at, std::string::npos) << out;
-    stopped = std::atoi(out.c_str() + at + std::strlen("stopped by SIGINT after step "));
-    char name[32];
-    std::snprintf(name, sizeof name, "step_%08d", stopped);
-    EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / name / "manifest.json")) << out;
-    EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), std::string(name) + "\n");
-    EXPECT_EQ(out.find("is in use"), std::string::npos);
+  malleus::testing::BackgroundCommand first(
+      std::string(MALLEUS_BINARY) + " train " + tiny_flags(dir) +
+          " --steps 100000 --checkpoint-every 2 --eval-every 0",
+      dir / "first.out");
+  ASSERT_TRUE(first.wait_for_output("saved checkpoint", 60)) << first.output();
+  // A second run on the same directory, fresh or resuming it, is refused while the first runs.
+  for (const std::string& second :
+       {"train " + tiny_flags(dir), "train --resume " + (dir / "run").string()}) {
+    expect_error(run_malleus(second), {"run directory " + (dir / "run").string() +
+                                       " is in use by pid " + std::to_string(first.pid())});
   }
-  const std::string metrics_before = read_file(dir / "run" / "metrics.jsonl");
-  const auto listing = [](const fs::path& p) {
-    std::vector<std::string> names;
-    for (const auto& e : fs::recursive_directory_iterator(p)) names.push_back(e.path().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  };
-  const auto files_before = listing(dir / "run");
+  // 17.1 on one rank: Ctrl-C stops it after the step it is in, with a checkpoint of that step.
+  ::kill(first.pid(), SIGINT);
+  EXPECT_EQ(first.wait(60), 128 + SIGINT) << first.output();
+  const std::string out = first.output();
+  const std::string marker = "stopped by SIGINT after step ";
+  const size_t at = out.find(marker);
+  ASSERT_NE(at, std::string::npos) << out;
+  const int stopped = std::atoi(out.c_str() + at + marker.size());
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08d", stopped);
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / name / "manifest.json")) << out;
+  EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), std::string(name) + "\n");
+  EXPECT_EQ(out.find("is in use"), std::string::npos) << "the first run was disturbed\n" << out;
+  // Its metrics hold one whole record per step it made, the second runs' none.
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    if (parse_json(line, "metrics").contains("loss")) ++steps;
+  }
+  EXPECT_EQ(steps, stopped);
+}
 
-  // A fresh run (no --resume) into the old run's directory is refused and changes nothing.
-  auto r = run_malleus("train " + tiny_flags(dir));
-  expect_error(r, {"already holds a run", "--resume " + (dir / "run").string()});
+TEST(Cli, FreshRunRefusesAnOldRunDirectory) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const std::string metrics_before = read_file(dir / "run" / "metrics.jsonl");
+  const auto files_before = listing(dir / "run");
+  // It used to overwrite the old run's checkpoints and append to its metrics.
+  const auto r = run_malleus("train " + tiny_flags(dir) + " --steps 3");
+  expect_error(r, {"run directory " + (dir / "run").string() + " already holds a run",
+                   "--resume " + (dir / "run").string()});
   EXPECT_EQ(read_file(dir / "run" / "metrics.jsonl"), metrics_before);
   EXPECT_EQ(listing(dir / "run"), files_before);
+}
 
-  // Resuming a copy writes into the copy, never into the original the manifest names.
+TEST(Cli, ResumingACopyWritesIntoTheCopy) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const std::string metrics_before = read_file(dir / "run" / "metrics.jsonl");
+  const auto files_before = listing(dir / "run");
+  // The manifest records dir/run as the output directory; the copy must not write there.
   fs::copy(dir / "run", dir / "copy", fs::copy_options::recursive);
-  r = run_malleus("train --resume " + (dir / "copy").string() + " --steps " +
-                  std::to_string(stopped + 2));
+  auto r = run_malleus("train --resume " + (dir / "copy").string() + " --steps 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(read_file(dir / "run" / "metrics.jsonl"), metrics_before);
   EXPECT_EQ(listing(dir / "run"), files_before);
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08d", stopped + 2);
-  EXPECT_TRUE(fs::exists(dir / "copy" / "checkpoints" / name)) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "copy" / "checkpoints" / "step_00000003")) << r.output;
+  EXPECT_EQ(read_file(dir / "copy" / "checkpoints" / "latest"), "step_00000003\n");
   EXPECT_GT(read_file(dir / "copy" / "metrics.jsonl").size(), metrics_before.size());
-  // Resuming into another, non-empty run's directory is refused too.
-  r = run_malleus("train --resume " + (dir / "copy").string() + " --steps " +
-                  std::to_string(stopped + 3) + " --out " + (dir / "run").string());
+  // Resuming into another run's directory is refused too.
+  r = run_malleus("train --resume " + (dir / "copy").string() + " --steps 4 --out " +
+                  (dir / "run").string());
   expect_error(r, {"already holds a run"});
   EXPECT_EQ(listing(dir / "run"), files_before);
 }
