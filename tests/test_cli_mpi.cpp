@@ -190,6 +190,8 @@ TEST(CliMpi, WorldSizeMismatchNamesBothNumbers) {
 }
 
 // ---- stopping on a signal (issue 17.1) ----
+// "Slow": several multi-rank jobs each, and mpirun's kill timeout waited out; the sanitizer build
+// leaves them out (it runs the one-rank Ctrl-C test of test_cli.cpp).
 
 namespace {
 
@@ -243,7 +245,7 @@ const char* kConstantLr = " --min-lr-ratio 1";
 
 }  // namespace
 
-TEST(CliMpi, SigtermToOneRankStopsEveryRankWithACheckpoint) {
+TEST(CliMpi, SigtermToOneRankStopsEveryRankWithACheckpointSlow) {
   ScratchDir dir;
   malleus::testing::write_synthetic_corpus(dir / "data");
   int stopped = -1;
@@ -296,7 +298,7 @@ int last_metrics_step(const fs::path& run) {
   return last;
 }
 
-TEST(CliMpi, SignalsToMpirunStopTheJobWithACheckpoint) {
+TEST(CliMpi, SignalsToMpirunStopTheJobWithACheckpointSlow) {
   // mpirun sends SIGCONT to every rank, SIGTERM after odls_base_sigkill_timeout seconds and
   // SIGKILL after as many again, and stops forwarding the ranks' output (docs/running.md);
   // SIGUSR1 it forwards at once and keeps forwarding output.
