@@ -28,6 +28,8 @@ out=runs/demo
 for ((i = 1; i <= $#; ++i)); do
   [[ ${!i} == --out ]] && { j=$((i + 1)); out=${!j}; }
 done
+# Each demo starts afresh: `train` refuses a run directory that already holds a run.
+rm -rf "$out"
 if $injected; then
   mpirun --oversubscribe -np 4 build/malleus train --straggler 1:3:100-200 "$@"
 else

@@ -3,6 +3,7 @@
 // NumPy reference (tests/hf_llama_reference.py).
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 #include "test_util.h"
 
@@ -144,7 +145,11 @@ TEST(Checkpoint, ManifestDescribesTensorsAndFiles) {
 
   const Json manifest = read_json_file((dir / "manifest.json").string());
   EXPECT_EQ(manifest["format"], "malleus-checkpoint");
-  EXPECT_EQ(manifest["version"], 1);
+  EXPECT_EQ(manifest["version"], 2);
+  // The manifest's own checksum covers everything else in it.
+  Json content = manifest;
+  content.erase("manifest_xxh3");
+  EXPECT_EQ(manifest["manifest_xxh3"], manifest_checksum(content));
   EXPECT_EQ(manifest["step"], saved.step);
   EXPECT_EQ(manifest["consumed_samples"], saved.consumed_samples);
   const model::ParameterLayout layout(saved.model);
@@ -285,7 +290,11 @@ class CorruptCheckpoint : public ::testing::Test {
     save_checkpoint(dir_, make_checkpoint(42));
   }
   Json manifest() const { return read_json_file((dir_ / "manifest.json").string()); }
-  void write_manifest(const Json& json) const {
+  // Writes an edited manifest with a matching checksum of its own, as a deliberate forger would,
+  // so that the checks behind the manifest checksum are reached.
+  void write_manifest(Json json) const {
+    json.erase("manifest_xxh3");
+    json["manifest_xxh3"] = manifest_checksum(json);
     write_file_atomic(dir_ / "manifest.json", json.dump(2));
   }
   // The message of loading, which must name the checkpoint.
@@ -323,9 +332,9 @@ TEST_F(CorruptCheckpoint, WrongFormatOrVersion) {
   EXPECT_CONTAINS(load_error(), "format is \"something-else\"");
   json = manifest();
   json["format"] = "malleus-checkpoint";
-  json["version"] = 2;
+  json["version"] = 3;
   write_manifest(json);
-  EXPECT_CONTAINS(load_error(), "version 2 is not supported");
+  EXPECT_CONTAINS(load_error(), "version 3 is not supported");
 }
 
 TEST_F(CorruptCheckpoint, ManifestMissingKey) {
@@ -412,6 +421,66 @@ TEST_F(CorruptCheckpoint, ModelConfigChanged) {
   json["model"]["hidden_size"] = "wide";
   write_manifest(json);
   EXPECT_CONTAINS(load_error(), "hidden_size");
+}
+
+TEST_F(CorruptCheckpoint, OneBitEditOfTheManifestIsRefused) {
+  // A one-bit change of a digit keeps valid JSON and a plausible value: without the manifest's
+  // own checksum it would resume another schedule, data position or model.
+  const std::string original = read_file(dir_ / "manifest.json");
+  for (const char* key : {"\"step\": ", "\"consumed_samples\": ", "\"norm_eps\": ",
+                          "\"rope_theta\": ", "\"manifest_xxh3\": \""}) {
+    std::string text = original;
+    const size_t at = text.find(key);
+    ASSERT_NE(at, std::string::npos) << key;
+    // The value's last digit (a first digit could become a leading zero, which is not JSON).
+    const size_t start = at + std::string(key).size();
+    const size_t digit = text.find_first_not_of("0123456789abcdef.e-+", start) - 1;
+    text[digit] = static_cast<char>(text[digit] ^ 1);  // 0<->1, ..., 8<->9; b<->c in hex
+    ASSERT_NE(text, original);
+    write_file_atomic(dir_ / "manifest.json", text);
+    const std::string message = load_error();
+    EXPECT_CONTAINS(message, "manifest.json is corrupt or was edited") << key;
+  }
+  write_file_atomic(dir_ / "manifest.json", original);
+  EXPECT_EQ(load_checkpoint(dir_).step, make_checkpoint(42).step);
+}
+
+// The pid of a process that has exited (and been reaped), so it runs no longer.
+pid_t dead_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return child;
+}
+
+TEST(Checkpoint, StaleTemporariesOfDeadProcessesAreCleaned) {
+  TempDir tmp;
+  const fs::path root = tmp.path();
+  const std::string dead = std::to_string(dead_pid());
+  const std::string alive = std::to_string(::getppid());  // our parent runs while we do
+  // A save that died while writing; one that died after moving step 4 aside (so step 4 is
+  // missing); one that died after step 6's new copy was in place; a "latest" being written; and a
+  // save of a live process, which must be left alone.
+  fs::create_directories(root / ("step_00000005.tmp." + dead));
+  save_checkpoint(root / ("step_00000004.old." + dead), make_checkpoint(4));
+  save_checkpoint(root / "step_00000006", make_checkpoint(6));
+  fs::create_directories(root / ("step_00000006.old." + dead));
+  write_file_atomic(root / ("latest.tmp." + dead), "step_00000004\n");
+  fs::create_directories(root / ("step_00000007.tmp." + alive));
+
+  const auto done = clean_stale_temporaries(root);
+  EXPECT_EQ(done.size(), 4u);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000004", "step_00000006",
+                                             "step_00000007.tmp." + alive}));
+  EXPECT_EQ(load_checkpoint(root / "step_00000004").step, make_checkpoint(4).step);
+  EXPECT_EQ(load_checkpoint(root / "step_00000006").step, make_checkpoint(6).step);
+  EXPECT_TRUE(clean_stale_temporaries(tmp.path() / "no-such-dir").empty());
 }
 
 TEST(Latest, DirectoryNamesAndLatestPointer) {

@@ -1,11 +1,21 @@
 // The `malleus` command end to end: help, and one test per kind of bad input — each must give a
-// clear error and a non-zero exit, and leave what is already on disk untouched.
+// clear error and a non-zero exit, and leave what is already on disk untouched; the training
+// config's flags and resume rules; run directories, signals and full disks on one rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <vector>
 
 #include "common/files.h"
+#include "common/json.h"
+#include "model/config.h"
 #include "test_util.h"
+#include "train/config.h"
+#include "train_config_samples.h"
 
 using namespace malleus;
 using malleus::testing::run_malleus;
@@ -135,4 +145,350 @@ TEST(Cli, CorruptCheckpointIsRefusedAndLeftAlone) {
   fs::resize_file(params, 100);
   expect_error(run_malleus("eval --checkpoint " + ckpt.string()), {"params.bin", "truncated"});
   expect_error(run_malleus("eval --checkpoint " + (dir / "nowhere").string()), {"nowhere"});
+}
+
+// ---- inputs that used to be accepted and ignored (issue 16) ----
+
+TEST(Cli, MisspeltSubcommandFailsNamingIt) {
+  for (const char* command : {"generat --help", "generat", "trian --steps 2"}) {
+    const auto r = run_malleus(command);
+    const std::string name = std::string(command).substr(0, std::string(command).find(' '));
+    expect_error(r, {"unknown subcommand \"" + name + "\""});
+    EXPECT_NE(r.output.find("train, prepare-data"), std::string::npos) << r.output;
+  }
+  EXPECT_EQ(run_malleus("train --help").exit_code, 0);
+}
+
+TEST(Cli, StragglerOnARankOutsideTheJobIsRefused) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  auto r = run_malleus("train " + tiny_flags(dir) + " --straggler 5:2:1-2");
+  expect_error(r, {"straggler \"5:2:1-2\" names rank 5, but the job has 1 rank"});
+  EXPECT_FALSE(fs::exists(dir / "run"));
+  write_file_atomic(dir / "trace.json", R"({"events": [{"step": 1, "rates": {"3": 2}}]})");
+  r = run_malleus("train " + tiny_flags(dir) + " --straggler-trace " +
+                  (dir / "trace.json").string());
+  expect_error(r, {"straggler trace " + (dir / "trace.json").string() + " names rank 3"});
+  // 17.7: a rate that would stall the job instead of slowing it.
+  for (const char* spec : {"0:inf:1-2", "0:1e308:1-2"}) {
+    r = run_malleus("train " + tiny_flags(dir) + " --straggler " + spec);
+    expect_error(r, {"--straggler: straggler \"" + std::string(spec) + "\"", "[1, 100]"});
+  }
+  EXPECT_FALSE(fs::exists(dir / "run"));
+}
+
+TEST(Cli, SyntaxOfFlagsIsCheckedBeforeTheData) {
+  ScratchDir dir;
+  // Both the data and the straggler spec are wrong: the cheap syntactic error comes first.
+  const auto r =
+      run_malleus("train " + tiny_flags(dir) + " --train-data /no/such/*.bin" + " --straggler 1:2");
+  expect_error(r, {"straggler \"1:2\" is malformed"});
+  EXPECT_EQ(r.output.find("/no/such"), std::string::npos) << r.output;
+}
+
+TEST(Cli, ConfigRoundTripsThroughTheCommandLineWithEveryField) {
+  ScratchDir dir;
+  const Json sample = malleus::testing::every_field_changed();
+  const train::TrainConfig expected = train::TrainConfig::from_json(sample, "sample");
+  // Every field as a flag, generated from the field table.
+  std::string flags;
+  for (const auto& f : train::TrainConfig::fields()) {
+    flags += ' ';  // appended piece by piece: GCC 12 warns falsely on "lit" + string
+    flags += malleus::testing::flags_for(f, sample[f.key]);
+  }
+  auto r = run_malleus("train --print-config" + flags);
+  ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+  EXPECT_TRUE(train::TrainConfig::from_json(parse_json(r.output, "printed"), "printed") == expected)
+      << flags << "\n"
+      << r.output;
+  // And as a config file.
+  write_file_atomic(dir / "c.json", sample.dump(2));
+  r = run_malleus("train --print-config --config " + (dir / "c.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(train::TrainConfig::from_json(parse_json(r.output, "printed"), "printed") == expected)
+      << r.output;
+  // Flags win over the file; a switch can be turned back on.
+  r = run_malleus("train --print-config --config " + (dir / "c.json").string() +
+                  " --replan --steps 5");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Json printed = parse_json(r.output, "printed");
+  EXPECT_EQ(printed["replan"], true);
+  EXPECT_EQ(printed["steps"], 5);
+}
+
+namespace {
+
+// A finished two-step run of the tiny model in dir/run (checkpoint at step 2).
+void train_two_steps(const ScratchDir& dir) {
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto r = run_malleus("train " + tiny_flags(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+}
+
+}  // namespace
+
+TEST(Cli, ResumeSweepOverEveryFlag) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const std::string resume = "train --resume " + (dir / "run").string() + " --print-config ";
+  Json sample = malleus::testing::every_field_changed();
+  sample["micro_batch_size"] = 1;  // the checkpoint's global batch is 2
+  const Json saved = read_json_file(
+      (dir / "run" / "checkpoints" / "step_00000002" / "manifest.json").string())["train_config"];
+  // Every flag that defines the model or the data order is refused, naming both values.
+  std::string honoured;
+  for (const auto& f : train::TrainConfig::fields()) {
+    if (f.on_resume != train::OnResume::kFixed) {
+      honoured += ' ';
+      honoured += malleus::testing::flags_for(f, sample[f.key]);
+      continue;
+    }
+    const auto r = run_malleus(resume + malleus::testing::flags_for(f, sample[f.key]));
+    expect_error(r, {f.flag + " is " + sample[f.key].dump(),
+                     "the checkpoint's " + f.key + " is " + saved[f.key].dump()});
+  }
+  // All the others at once are honoured: each one is in the config the run would use.
+  const auto r = run_malleus(resume + honoured);
+  ASSERT_EQ(r.exit_code, 0) << honoured << "\n" << r.output;
+  const Json resumed = parse_json(r.output, "resumed");
+  const Json expected = train::TrainConfig::from_json(sample, "sample").to_json();
+  for (const auto& f : train::TrainConfig::fields()) {
+    const Json& wanted = f.on_resume == train::OnResume::kFixed ? saved[f.key] : expected[f.key];
+    EXPECT_EQ(resumed[f.key], wanted) << f.key;
+  }
+}
+
+TEST(Cli, ResumedRunTrainsWithItsOverrides) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  // The honoured overrides that show in what the run does.
+  const auto r = run_malleus(
+      "train --resume " + (dir / "run").string() + " --out " + (dir / "more").string() +
+      " --steps 6 --lr 0.01 --min-lr-ratio 1 --warmup-steps 0 --checkpoint-every 1 "
+      "--eval-every 2 --eval-samples 3 --micro-batch 1 --straggler 0:2:5-5 --no-replan");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line :
+       {"step     6/6", "lr 1.00e-02", "1 pipeline: [pp1 tp1 m2]", "eval      4", "eval      6"}) {
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  }
+  EXPECT_EQ(r.output.find("re-plan"), std::string::npos) << r.output;
+  for (int step : {3, 4, 5, 6}) {
+    EXPECT_TRUE(fs::exists(dir / "more" / "checkpoints" / ("step_0000000" + std::to_string(step))))
+        << step;
+  }
+  // Nothing went into the resumed run's own directory.
+  EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / "step_00000003"));
+  // The injected straggler shows in the metrics of step 5 only.
+  std::ifstream metrics(dir / "more" / "metrics.jsonl");
+  int injected_steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const Json j = parse_json(line, "metrics");
+    if (j.contains("injected") && j["injected"][0].get<double>() > 1) {
+      ++injected_steps;
+      EXPECT_EQ(j["step"], 5);
+    }
+  }
+  EXPECT_EQ(injected_steps, 1);
+  const Json manifest =
+      read_json_file((dir / "more" / "checkpoints" / "step_00000006" / "manifest.json").string());
+  EXPECT_EQ(manifest["train_config"]["steps"], 6);
+  EXPECT_EQ(manifest["train_config"]["micro_batch_size"], 1);
+}
+
+TEST(Cli, ModelOverrideOnResumeIsRefused) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const auto r = run_malleus("train --resume " + (dir / "run").string() + " --model demo");
+  expect_error(r, {"--model is \"demo\", but the checkpoint's model is \"tiny\""});
+  EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / "step_00000003"));
+}
+
+// ---- strict numbers, limits, run directories, manifests, full disks (issue 17) ----
+
+TEST(Cli, NumbersAreNeverConvertedSilently) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  struct Case {
+    std::string file, text, flag, expected;
+  };
+  const std::string tiny = model::load_model_config("tiny").to_json().dump();
+  for (const Case& c : {
+           Case{"c.json", R"({"steps": 2.5})", "--config", "key \"steps\" must be a whole number"},
+           Case{"c.json", R"({"global_batch_size": 4294967304})", "--config",
+                "key \"global_batch_size\" is out of range (value 4294967304"},
+           Case{"c.json", R"({"seed": -1})", "--config", "key \"seed\" is out of range (value -1"},
+           Case{"c.json", R"({"lr": 0.1, "lr": 0.2})", "--config",
+                "key \"lr\" appears twice in one object"},
+           Case{"c.json", R"({"lr": 1e999})", "--config", "number out of range"},
+           Case{"m.json", tiny.substr(0, tiny.size() - 1) + R"(, "hidden_size": 32.9})", "--model",
+                "key \"hidden_size\" appears twice"},
+           Case{"m.json", R"({"vocab_size": 257, "hidden_size": 32.9, "num_layers": 2,
+                "num_heads": 4, "ffn_hidden_size": 64, "max_seq_len": 16})",
+                "--model", "key \"hidden_size\" must be a whole number (value 32.9)"},
+           Case{"p.json", R"({"world_size": 1, "micro_batch_size": 2, "pipelines": [
+                {"micro_batches": 1, "stages": [{"layers": [0, 2], "ranks": [4294967296]}]}]})",
+                "--plan", "key \"ranks\"[0] is out of range (value 4294967296"},
+       }) {
+    write_file_atomic(dir / c.file, c.text);
+    const auto r =
+        run_malleus("train " + tiny_flags(dir) + " " + c.flag + " " + (dir / c.file).string());
+    expect_error(r, {(dir / c.file).string(), c.expected});
+    EXPECT_FALSE(fs::exists(dir / "run")) << c.text;
+  }
+  for (const std::string flags :
+       {"--steps 2.5", "--global-batch 4294967304", "--seed -1", "--lr 1e999", "--lr abc"}) {
+    const auto r = run_malleus("train " + tiny_flags(dir) + " " + flags);
+    expect_error(r, {flags.substr(0, flags.find(' '))});
+    EXPECT_FALSE(fs::exists(dir / "run")) << flags;
+  }
+}
+
+TEST(Cli, LimitsAreCheckedBeforeAnythingIsAllocated) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  // --threads 100000 used to crash (exit 139).
+  auto r = run_malleus("train " + tiny_flags(dir) + " --threads 100000");
+  expect_error(r, {"\"threads\" is 100000, but this machine has", "CPUs"});
+  EXPECT_EQ(r.exit_code, 1);
+  // A 70B model on one rank used to end in a bare std::bad_alloc.
+  r = run_malleus("train " + tiny_flags(dir) + " --model llama-70b");
+  expect_error(r, {"model \"llama-70b\"", "does not fit", "GiB available"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_FALSE(fs::exists(dir / "run"));
+}
+
+namespace {
+
+// Every path under `dir`, sorted: what a refused command must leave unchanged.
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) names.push_back(e.path().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+TEST(Cli, TwoRunsCannotShareADirectoryAndCtrlCStopsWithACheckpoint) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  malleus::testing::BackgroundCommand first(
+      std::string(MALLEUS_BINARY) + " train " + tiny_flags(dir) +
+          " --steps 100000 --checkpoint-every 2 --eval-every 0",
+      dir / "first.out");
+  ASSERT_TRUE(first.wait_for_output("saved checkpoint", 60)) << first.output();
+  // A second run on the same directory, fresh or resuming it, is refused while the first runs.
+  for (const std::string& second :
+       {"train " + tiny_flags(dir), "train --resume " + (dir / "run").string()}) {
+    expect_error(run_malleus(second), {"run directory " + (dir / "run").string() +
+                                       " is in use by pid " + std::to_string(first.pid())});
+  }
+  // 17.1 on one rank: Ctrl-C stops it after the step it is in, with a checkpoint of that step.
+  ::kill(first.pid(), SIGINT);
+  EXPECT_EQ(first.wait(60), 128 + SIGINT) << first.output();
+  const std::string out = first.output();
+  const std::string marker = "stopped by SIGINT after step ";
+  const size_t at = out.find(marker);
+  ASSERT_NE(at, std::string::npos) << out;
+  const int stopped = std::atoi(out.c_str() + at + marker.size());
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08d", stopped);
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / name / "manifest.json")) << out;
+  EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), std::string(name) + "\n");
+  EXPECT_EQ(out.find("is in use"), std::string::npos) << "the first run was disturbed\n" << out;
+  // Its metrics hold one whole record per step it made, the second runs' none.
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    if (parse_json(line, "metrics").contains("loss")) ++steps;
+  }
+  EXPECT_EQ(steps, stopped);
+}
+
+TEST(Cli, FreshRunRefusesAnOldRunDirectory) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const std::string metrics_before = read_file(dir / "run" / "metrics.jsonl");
+  const auto files_before = listing(dir / "run");
+  // It used to overwrite the old run's checkpoints and append to its metrics.
+  const auto r = run_malleus("train " + tiny_flags(dir) + " --steps 3");
+  expect_error(r, {"run directory " + (dir / "run").string() + " already holds a run",
+                   "--resume " + (dir / "run").string()});
+  EXPECT_EQ(read_file(dir / "run" / "metrics.jsonl"), metrics_before);
+  EXPECT_EQ(listing(dir / "run"), files_before);
+}
+
+TEST(Cli, ResumingACopyWritesIntoTheCopy) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const std::string metrics_before = read_file(dir / "run" / "metrics.jsonl");
+  const auto files_before = listing(dir / "run");
+  // The manifest records dir/run as the output directory; the copy must not write there.
+  fs::copy(dir / "run", dir / "copy", fs::copy_options::recursive);
+  auto r = run_malleus("train --resume " + (dir / "copy").string() + " --steps 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_file(dir / "run" / "metrics.jsonl"), metrics_before);
+  EXPECT_EQ(listing(dir / "run"), files_before);
+  EXPECT_TRUE(fs::exists(dir / "copy" / "checkpoints" / "step_00000003")) << r.output;
+  EXPECT_EQ(read_file(dir / "copy" / "checkpoints" / "latest"), "step_00000003\n");
+  EXPECT_GT(read_file(dir / "copy" / "metrics.jsonl").size(), metrics_before.size());
+  // Resuming into another run's directory is refused too.
+  r = run_malleus("train --resume " + (dir / "copy").string() + " --steps 4 --out " +
+                  (dir / "run").string());
+  expect_error(r, {"already holds a run"});
+  EXPECT_EQ(listing(dir / "run"), files_before);
+}
+
+TEST(Cli, ManifestAndResumeInputsAreChecked) {
+  ScratchDir dir;
+  train_two_steps(dir);
+  const fs::path manifest = dir / "run" / "checkpoints" / "step_00000002" / "manifest.json";
+  const std::string original = read_file(manifest);
+  // One bit of "step": 2 -> 3.
+  std::string edited = original;
+  const size_t at = edited.find("\"step\": 2");
+  ASSERT_NE(at, std::string::npos) << original;
+  edited[at + 8] = '3';
+  write_file_atomic(manifest, edited);
+  auto r = run_malleus("train --resume " + (dir / "run").string() + " --steps 5");
+  expect_error(r, {"manifest.json is corrupt or was edited"});
+  write_file_atomic(manifest, original);
+  // --steps at or below the checkpoint's step does nothing, so it is refused.
+  r = run_malleus("train --resume " + (dir / "run").string() + " --steps 2");
+  expect_error(r, {"--steps is 2, but the checkpoint is already at step 2"});
+  // --config with --resume: its keys count as given again, by the same rules as flags.
+  write_file_atomic(dir / "more.json", R"({"steps": 4, "lr": 0.005})");
+  r = run_malleus("train --print-config --resume " + (dir / "run").string() + " --config " +
+                  (dir / "more.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Json printed = parse_json(r.output, "printed");
+  EXPECT_EQ(printed["steps"], 4);
+  EXPECT_FLOAT_EQ(printed["lr"].get<float>(), 0.005f);
+  write_file_atomic(dir / "more.json", R"({"seq_len": 32})");
+  r = run_malleus("train --resume " + (dir / "run").string() + " --config " +
+                  (dir / "more.json").string());
+  expect_error(r, {(dir / "more.json").string() + ": key \"seq_len\" is 32",
+                   "the checkpoint's seq_len is 16"});
+}
+
+TEST(Cli, FullDiskDuringARunIsReportedAndLeavesWholeFiles) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  // Room for the metrics, not for a checkpoint (the tiny model's state is about 420 KB).
+  malleus::testing::SmallFilesystem small(dir / "mnt", 128 * 1024);
+  MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
+  const auto r = run_malleus("train " + tiny_flags(dir) + " --out " + (small / "run").string());
+  expect_error(r, {"No space left on device"});
+  EXPECT_EQ(r.exit_code, 1);
+  const std::string metrics = read_file(small / "run" / "metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_EQ(metrics.back(), '\n');
+  std::vector<std::string> left;
+  for (const auto& e : fs::recursive_directory_iterator(small / "run")) {
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) {
+      left.push_back(e.path().string());
+    }
+  }
+  EXPECT_TRUE(left.empty()) << left.front();
+  EXPECT_FALSE(fs::exists(small / "run" / "checkpoints" / "latest"));
 }

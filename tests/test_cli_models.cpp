@@ -98,7 +98,10 @@ TEST(CliModels, SentencePieceTrainGenerateExportImportResume) {
                   .output),
       text_of(first.output));
   // Training continues from the imported weights with a fresh optimizer.
-  r = run_malleus(train + " --steps 5 --resume " + d + "/imported --out " + d + "/tuned");
+  // The model is the checkpoint's; at step 0 the batch and sequence length are the run's choice.
+  std::string resume = train;
+  resume.replace(resume.find("--model tiny "), std::string("--model tiny ").size(), "");
+  r = run_malleus(resume + " --steps 5 --resume " + d + "/imported --out " + d + "/tuned");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto tuned = losses(r.output);
   ASSERT_EQ(tuned.size(), 5u) << r.output;

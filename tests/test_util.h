@@ -1,17 +1,26 @@
 // Shared test helpers: scratch directories, a small synthetic corpus, running the CLI.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <system_error>
+#include <thread>
 
 #include "common/error.h"
 #include "data/shard.h"
@@ -162,5 +171,111 @@ inline CommandResult run_malleus(const std::string& arguments) {
   return run_command(std::string(MALLEUS_BINARY) + " " + arguments);
 }
 #endif
+
+// A shell command running in the background, its stdout and stderr going to a file, for tests
+// that act on a job while it runs (signals, a second run on the same directory).
+class BackgroundCommand {
+ public:
+  BackgroundCommand(const std::string& command, const fs::path& output) : output_(output) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int fd = ::open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      // exec: the command itself gets this pid, so signals to pid() reach it.
+      ::execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  ~BackgroundCommand() {
+    if (running()) {
+      ::kill(pid_, SIGTERM);  // mpirun passes it on to its ranks
+      if (wait(10) == -1) {
+        ::kill(pid_, SIGKILL);
+        wait(10);
+      }
+    }
+  }
+  BackgroundCommand(const BackgroundCommand&) = delete;
+  BackgroundCommand& operator=(const BackgroundCommand&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running() const { return exit_code_ == kRunning; }
+  std::string output() const {
+    std::ifstream in(output_);
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+  // Waits until the output contains `text` (true) or `timeout_s` passed or the command ended.
+  bool wait_for_output(const std::string& text, double timeout_s) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (std::chrono::steady_clock::now() < end) {
+      if (output().find(text) != std::string::npos) return true;
+      if (!running() || poll()) return output().find(text) != std::string::npos;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+  // The exit status (128 + n when killed by signal n), or -1 if still running after timeout_s.
+  int wait(double timeout_s) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (running() && !poll() && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return running() ? -1 : exit_code_;
+  }
+
+ private:
+  static constexpr int kRunning = -1000;
+  // Reaps the command if it ended; returns whether it has.
+  bool poll() {
+    if (!running()) return true;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return true;
+  }
+
+  fs::path output_;
+  pid_t pid_ = -1;
+  int exit_code_ = kRunning;
+};
+
+// A tmpfs of `bytes` mounted on `dir` for a full-disk test, unmounted at the end. Mounting needs
+// root and a system that allows it; mounted() says whether it worked and why_not() why not.
+class SmallFilesystem {
+ public:
+  SmallFilesystem(const fs::path& dir, size_t bytes) : dir_(dir) {
+    fs::create_directories(dir_);
+    const std::string options = "size=" + std::to_string(bytes);
+    if (::mount("tmpfs", dir_.c_str(), "tmpfs", 0, options.c_str()) == 0) {
+      mounted_ = true;
+    } else {
+      why_not_ = std::strerror(errno);
+    }
+  }
+  ~SmallFilesystem() {
+    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
+  }
+  SmallFilesystem(const SmallFilesystem&) = delete;
+  SmallFilesystem& operator=(const SmallFilesystem&) = delete;
+  bool mounted() const { return mounted_; }
+  const std::string& why_not() const { return why_not_; }
+  const fs::path& path() const { return dir_; }
+  fs::path operator/(const std::string& name) const { return dir_ / name; }
+
+ private:
+  fs::path dir_;
+  bool mounted_ = false;
+  std::string why_not_;
+};
+
+#define MALLEUS_REQUIRE_SMALL_FILESYSTEM(small)                            \
+  if (!(small).mounted())                                                  \
+  GTEST_SKIP() << "cannot mount a small tmpfs here (" << (small).why_not() \
+               << "): the full-disk cases need root and permission to mount"
 
 }  // namespace malleus::testing

@@ -1,10 +1,17 @@
 // Each family of subcommands registers itself on the `malleus` app; a subcommand's callback does
-// its work and throws malleus::Error on bad input (main prints it and exits non-zero).
+// its work and throws malleus::Error on bad input (main prints it and exits non-zero), or
+// ExitStatus.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
 namespace malleus::cli {
+
+// Ends the program with this exit status, its message already printed: e.g. a training run
+// stopped by a signal exits with 128 + the signal, after saving a checkpoint.
+struct ExitStatus {
+  int code = 1;
+};
 
 // train, prepare-data, eval, export, models
 void add_training_commands(CLI::App& app);

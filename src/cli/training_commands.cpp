@@ -18,6 +18,8 @@
 #include "train/checkpoint.h"
 #include "train/export.h"
 #include "train/metrics.h"
+#include "train/run_directory.h"
+#include "train/stop_signal.h"
 #include "train/trainer.h"
 
 namespace malleus::cli {
@@ -26,83 +28,70 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Flags that override single fields of a training config; unset flags leave the config alone.
-struct TrainOverrides {
-  std::optional<std::string> model, train_data, val_data, out_dir;
-  std::optional<std::string> plan, cluster, profile, straggler_trace;
-  std::vector<std::string> stragglers;
-  bool no_replan = false;
-  std::optional<int> seq_len, micro_batch, global_batch, threads, dp, tp, pp;
-  std::optional<int64_t> steps, warmup_steps, eval_every, checkpoint_every;
-  std::optional<float> lr;
-  std::optional<uint64_t> seed;
-
+// The flags of every training-config field, registered from the field table
+// (train::TrainConfig::fields()), so a field added there is a flag here too.
+class TrainOverrides {
+ public:
   void add_to(CLI::App& app) {
-    // A flag given twice takes its last value, so scripts can append overrides.
-    app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-    app.add_option("--model", model, "Model preset or JSON file");
-    app.add_option("--train-data", train_data, "Training shards (file or wildcard pattern)");
-    app.add_option("--val-data", val_data, "Validation shards; \"\" disables evaluation");
-    app.add_option("--out", out_dir, "Run directory: metrics.jsonl and checkpoints/");
-    app.add_option("--seq-len", seq_len, "Tokens per sequence");
-    app.add_option("--micro-batch", micro_batch, "Sequences per micro-batch");
-    app.add_option("--global-batch", global_batch, "Sequences per optimizer step");
-    app.add_option("--threads", threads, "Compute threads (0: all cores)");
-    app.add_option("--steps", steps, "Total optimizer steps of the run");
-    app.add_option("--warmup-steps", warmup_steps, "Linear LR warmup steps");
-    app.add_option("--eval-every", eval_every, "Evaluate every N steps (0: only at the end)");
-    app.add_option("--checkpoint-every", checkpoint_every,
-                   "Checkpoint every N steps (0: at the end)");
-    app.add_option("--lr", lr, "Peak learning rate");
-    app.add_option("--plan", plan, "Parallel plan file (docs/plan-format.md)");
-    app.add_option("--dp", dp, "Pipelines of the uniform plan (default: as many as fit)");
-    app.add_option("--tp", tp, "Tensor-parallel degree of the uniform plan");
-    app.add_option("--pp", pp, "Pipeline stages of the uniform plan");
-    app.add_option("--straggler", stragglers,
-                   "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable")
-        ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-    app.add_option("--straggler-trace", straggler_trace, "Injected straggler trace (JSON)");
-    app.add_flag("--no-replan", no_replan, "Keep the starting plan whatever the rates");
-    app.add_option("--cluster", cluster, "Cluster preset or file the controller plans for");
-    app.add_option("--profile", profile,
-                   "Measured layer times (malleus profile) for the controller");
-    app.add_option("--seed", seed, "Seed of initialisation and data order");
+    const train::TrainConfig defaults;
+    for (const train::ConfigField& f : train::TrainConfig::fields()) {
+      CLI::Option* option = nullptr;
+      switch (f.kind) {
+        case train::ConfigField::Kind::kSwitch:
+          option = app.add_flag(f.flag + ",!--no-" + f.flag.substr(2));
+          break;
+        case train::ConfigField::Kind::kList:
+          option = app.add_option(f.flag)->expected(1)->multi_option_policy(
+              CLI::MultiOptionPolicy::TakeAll);
+          break;
+        case train::ConfigField::Kind::kValue:
+          // A flag given twice takes its last value, so scripts can append overrides.
+          option = app.add_option(f.flag)
+                       ->type_name(f.type_name)
+                       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+          break;
+      }
+      option->description(f.help);
+      const Json fallback = f.write(defaults);
+      if (fallback.is_string()) {
+        option->default_str(fallback.get<std::string>());
+      } else if (fallback.is_number_float()) {
+        char text[32];  // 0.002, not the float's exact 0.0020000000949949026
+        std::snprintf(text, sizeof text, "%g", fallback.get<double>());
+        option->default_str(text);
+      } else if (!fallback.is_array()) {
+        option->default_str(fallback.dump());
+      }
+      options_.emplace_back(&f, option);
+    }
   }
-  void apply(train::TrainConfig& c) const {
-    if (model) c.model = *model;
-    if (train_data) c.train_data = *train_data;
-    if (val_data) c.val_data = *val_data;
-    if (out_dir) c.out_dir = *out_dir;
-    if (seq_len) c.seq_len = *seq_len;
-    if (micro_batch) c.micro_batch_size = *micro_batch;
-    if (global_batch) c.global_batch_size = *global_batch;
-    if (threads) c.threads = *threads;
-    if (steps) c.steps = *steps;
-    if (warmup_steps) c.warmup_steps = *warmup_steps;
-    if (eval_every) c.eval_every = *eval_every;
-    if (checkpoint_every) c.checkpoint_every = *checkpoint_every;
-    if (lr) c.lr = *lr;
-    if (plan) c.plan = *plan;
-    if (dp) c.dp = *dp;
-    if (tp) c.tp = *tp;
-    if (pp) c.pp = *pp;
-    if (!stragglers.empty()) c.stragglers = stragglers;
-    if (straggler_trace) c.straggler_trace = *straggler_trace;
-    if (no_replan) c.replan = false;
-    if (cluster) c.cluster = *cluster;
-    if (profile) c.profile = *profile;
-    if (seed) c.seed = *seed;
+
+  // The flags given, each converted and checked on its own: a malformed value (a straggler spec,
+  // a number) is reported before any file is read.
+  train::ConfigValues values() const {
+    train::ConfigValues values;
+    for (const auto& [field, option] : options_) {
+      if (option->count() == 0) continue;
+      values.push_back({field, field->from_texts(option->results(), field->flag), field->flag});
+      train::TrainConfig scratch;
+      field->read(scratch, values.back().value, field->flag);
+    }
+    return values;
   }
+
+ private:
+  std::vector<std::pair<const train::ConfigField*, CLI::Option*>> options_;
 };
 
-// Runs `body` with MPI up. On error with several ranks, every rank stops (MPI_Abort) so none is
-// left waiting in a collective; a single rank just reports the error.
+// Runs `body` with MPI up and returns what it returns. On error with several ranks, every rank
+// stops (MPI_Abort) so none is left waiting in a collective; a single rank just reports the
+// error.
 template <typename Body>
-void with_mpi(Body&& body) {
+auto with_mpi(Body&& body) {
   comm::MpiSession session;
   comm::Communicator world = comm::Communicator::world();
   try {
-    body(world);
+    return body(world);
   } catch (const std::exception& e) {
     if (world.size() == 1) throw;
     std::fprintf(stderr, "error: [rank %d] %s\n", world.rank(), e.what());
@@ -111,31 +100,75 @@ void with_mpi(Body&& body) {
   }
 }
 
-void run_train(const std::string& config_file, const std::string& resume,
-               const TrainOverrides& overrides) {
-  with_mpi([&](comm::Communicator& world) {
+struct TrainArgs {
+  std::string config_file, resume;
+  bool print_config = false;
+  TrainOverrides overrides;
+};
+
+bool gives(const train::ConfigValues& values, const std::string& key) {
+  return std::any_of(values.begin(), values.end(),
+                     [&](const train::ConfigValue& v) { return v.field->key == key; });
+}
+
+void run_train(const TrainArgs& args) {
+  // The cheap, purely syntactic checks first: every flag's value, straggler specs included,
+  // before any file is read.
+  const train::ConfigValues flags = args.overrides.values();
+  const int stop_signal = with_mpi([&](comm::Communicator& world) -> int {
+    // Installed before the long setup: a stop asked for meanwhile acts after the first step.
+    train::StopSignals stop_signals;
     std::optional<train::Checkpoint> checkpoint;
+    std::optional<fs::path> resumed_run;
     train::TrainConfig config;
-    if (!resume.empty()) {
-      const fs::path dir = train::resolve_checkpoint(resume);
-      checkpoint = train::load_checkpoint_on_root(dir, world);
-      config =
-          train::TrainConfig::from_json(checkpoint->train_config, (dir / "manifest.json").string());
-      if (world.rank() == 0) {
-        std::printf("resuming from %s at step %lld\n", dir.c_str(),
+    if (!args.resume.empty()) {
+      const train::CheckpointSource source = train::locate_checkpoint(args.resume);
+      checkpoint = train::load_checkpoint_on_root(source.checkpoint, world);
+      const train::TrainConfig saved = train::TrainConfig::from_json(
+          checkpoint->train_config, (source.checkpoint / "manifest.json").string());
+      // A config file given with --resume counts as its keys given as flags (flags win).
+      train::ConfigValues values;
+      if (!args.config_file.empty()) {
+        values = train::TrainConfig::values_of(read_json_file(args.config_file), args.config_file);
+      }
+      values.insert(values.end(), flags.begin(), flags.end());
+      config = saved.resumed(values, checkpoint->step);
+      // The run goes on where it was told, never into the directory the manifest recorded
+      // (which is the original's when resuming a copy).
+      if (!gives(values, "out_dir")) {
+        check(source.run_dir.has_value(),
+              source.checkpoint.string() +
+                  " is not inside a run directory (<run>/checkpoints/step_N): give --out");
+        config.out_dir = source.run_dir->string();
+      }
+      resumed_run = source.run_dir;
+      if (world.rank() == 0 && !args.print_config) {
+        std::printf("resuming from %s at step %lld\n", source.checkpoint.c_str(),
                     static_cast<long long>(checkpoint->step));
       }
-    } else if (!config_file.empty()) {
-      config = train::TrainConfig::from_json(read_json_file(config_file), config_file);
+    } else {
+      if (!args.config_file.empty()) {
+        config = train::TrainConfig::from_json(read_json_file(args.config_file), args.config_file);
+      }
+      config.apply(flags);
     }
-    overrides.apply(config);
     config.validate("training config");
+    if (args.print_config) {
+      if (world.rank() == 0) std::printf("%s\n", config.to_json().dump(2).c_str());
+      return 0;
+    }
     const model::ModelConfig model =
         checkpoint ? checkpoint->model : model::load_model_config(config.model);
     train::Trainer trainer(config, model, world);
     if (checkpoint) trainer.restore(*checkpoint);
-    trainer.run();
+    // Taken once every input has been checked (so bad input leaves nothing on disk) and before
+    // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
+    std::optional<train::RunDirectory> run_dir;
+    if (world.rank() == 0) run_dir.emplace(config.out_dir, resumed_run);
+    return trainer.run();
   });
+  // After MPI_Finalize, which every rank reaches together.
+  if (stop_signal != 0) throw ExitStatus{128 + stop_signal};
 }
 
 void run_eval(const std::string& checkpoint_path, const std::string& data, int samples,
@@ -174,10 +207,6 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
 
 void add_training_commands(CLI::App& app) {
   // train
-  struct TrainArgs {
-    std::string config_file, resume;
-    TrainOverrides overrides;
-  };
   auto train_args = std::make_shared<TrainArgs>();
   auto* train_cmd = app.add_subcommand("train",
                                        "Train a model (default: the demo model on the "
@@ -187,11 +216,12 @@ void add_training_commands(CLI::App& app) {
                    "Training config JSON (default: built-in demo)")
       ->check(CLI::ExistingFile);
   train_cmd->add_option("--resume", train_args->resume,
-                        "Continue from a checkpoint, or the latest one of a run directory");
+                        "Continue from a checkpoint, or the latest one of a run directory (which "
+                        "it then goes on writing, unless --out says otherwise)");
+  train_cmd->add_flag("--print-config", train_args->print_config,
+                      "Print the training config this command would run with, and exit");
   train_args->overrides.add_to(*train_cmd);
-  train_cmd->callback([train_args] {
-    run_train(train_args->config_file, train_args->resume, train_args->overrides);
-  });
+  train_cmd->callback([train_args] { run_train(*train_args); });
 
   // prepare-data
   auto prepare = std::make_shared<data::PrepareOptions>();

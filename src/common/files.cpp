@@ -15,8 +15,9 @@
 namespace malleus {
 
 namespace {
-std::string errno_text() {
-  return std::strerror(errno);
+// The reason of the call that just failed: read errno at once, before another call changes it.
+std::string errno_text(int error = errno) {
+  return std::strerror(error);
 }
 }  // namespace
 
@@ -24,7 +25,10 @@ AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
   temp_path_ = path_;
   temp_path_ += ".tmp." + std::to_string(::getpid());
   file_ = std::fopen(temp_path_.c_str(), "wb");
-  check(file_ != nullptr, "cannot create " + temp_path_.string() + ": " + errno_text());
+  if (file_ == nullptr) {
+    const int error = errno;
+    throw Error("cannot create " + temp_path_.string() + ": " + errno_text(error));
+  }
 }
 
 AtomicFile::~AtomicFile() {
@@ -38,20 +42,25 @@ AtomicFile::~AtomicFile() {
 void AtomicFile::write(const void* data, size_t bytes) {
   check(file_ != nullptr, "write to " + path_.string() + " after commit");
   if (bytes == 0) return;
-  check(std::fwrite(data, 1, bytes, file_) == bytes,
-        "cannot write " + temp_path_.string() + ": " + errno_text());
+  if (std::fwrite(data, 1, bytes, file_) != bytes) {
+    const int error = errno;
+    throw Error("cannot write " + temp_path_.string() + ": " + errno_text(error));
+  }
 }
 
 void AtomicFile::commit() {
   check(file_ != nullptr, "double commit of " + path_.string());
-  bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
-  ok = (std::fclose(file_) == 0) && ok;
+  // The first failure's errno is the reason (a full disk shows up at fflush or fsync); later
+  // calls, fclose and remove included, may overwrite errno.
+  int error = 0;
+  if (std::fflush(file_) != 0 || ::fsync(::fileno(file_)) != 0) error = errno;
+  if (std::fclose(file_) != 0 && error == 0) error = errno;
   file_ = nullptr;
-  if (!ok || std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    std::string reason = errno_text();
+  if (error == 0 && std::rename(temp_path_.c_str(), path_.c_str()) != 0) error = errno;
+  if (error != 0) {
     std::error_code ignored;
     fs::remove(temp_path_, ignored);
-    throw Error("cannot write " + path_.string() + ": " + reason);
+    throw Error("cannot write " + path_.string() + ": " + errno_text(error));
   }
   sync_directory(path_.has_parent_path() ? path_.parent_path() : fs::path("."));
 }
@@ -64,8 +73,12 @@ void write_file_atomic(const fs::path& path, const std::string& contents) {
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
-  check(in.good(), "cannot open " + path.string() + ": " +
-                       (fs::exists(path) ? errno_text() : std::string("no such file")));
+  if (!in.good()) {
+    const int error = errno;
+    std::error_code ec;
+    throw Error("cannot open " + path.string() + ": " +
+                (fs::exists(path, ec) ? errno_text(error) : std::string("no such file")));
+  }
   std::ostringstream buffer;
   buffer << in.rdbuf();
   check(!in.bad(), "cannot read " + path.string());

@@ -32,7 +32,10 @@ void StragglerSchedule::add(const std::string& spec) {
   check(a != std::string::npos && b != std::string::npos,
         "straggler \"" + spec + "\" is malformed" + usage);
   Window w{};
-  w.rank = static_cast<int>(parse_int(spec.substr(0, a), spec));
+  const int64_t rank = parse_int(spec.substr(0, a), spec);
+  check(rank >= 0 && rank <= std::numeric_limits<int>::max(),
+        "straggler \"" + spec + "\": rank " + std::to_string(rank) + " is not a rank");
+  w.rank = static_cast<int>(rank);
   try {
     w.rate = std::stod(spec.substr(a + 1, b - a - 1));
   } catch (const std::exception&) {
@@ -44,8 +47,9 @@ void StragglerSchedule::add(const std::string& spec) {
   w.to = dash == std::string::npos || dash + 1 == steps.size()
              ? std::numeric_limits<int64_t>::max()
              : parse_int(steps.substr(dash + 1), spec);
-  check(w.rank >= 0, "straggler \"" + spec + "\": the rank must not be negative");
-  check(w.rate >= 1, "straggler \"" + spec + "\": the rate must be at least 1 (1 = healthy)");
+  check(w.rate >= 1 && w.rate <= kMaxRate, "straggler \"" + spec + "\": the rate must be in [1, " +
+                                               std::to_string(static_cast<int>(kMaxRate)) +
+                                               "] (1 = healthy)");
   check(w.from >= 1 && w.to >= w.from,
         "straggler \"" + spec + "\": the steps must be a range FROM-TO with 1 <= FROM <= TO");
   windows_.push_back(w);
@@ -67,10 +71,14 @@ void StragglerSchedule::add_trace(const std::string& path) {
     check(step >= 1, e.source() + ": \"step\" must be at least 1");
     check(rates.is_object(), e.source() + ": \"rates\" must map ranks to rates");
     for (const auto& [rank_text, rate] : rates.items()) {
-      check(rate.is_number() && rate.get<double>() >= 1,
+      check(rate.is_number() && rate.get<double>() >= 1 && rate.get<double>() <= kMaxRate,
             e.source() + ": rank " + rank_text + " has rate " + rate.dump() +
-                ", which must be a number of at least 1");
-      changes[static_cast<int>(parse_int(rank_text, path))].emplace_back(step, rate.get<double>());
+                ", which must be a number in [1, " + std::to_string(static_cast<int>(kMaxRate)) +
+                "]");
+      const int64_t rank = parse_int(rank_text, path);
+      check(rank >= 0 && rank <= std::numeric_limits<int>::max(),
+            e.source() + ": \"" + rank_text + "\" is not a rank");
+      changes[static_cast<int>(rank)].emplace_back(step, rate.get<double>());
     }
   }
   for (auto& [rank, list] : changes) {
@@ -89,6 +97,12 @@ double StragglerSchedule::rate(int rank, int64_t step) const {
     if (w.rank == rank && step >= w.from && step <= w.to) rate = w.rate;
   }
   return rate;
+}
+
+int StragglerSchedule::highest_rank() const {
+  int highest = -1;
+  for (const Window& w : windows_) highest = std::max(highest, w.rank);
+  return highest;
 }
 
 std::vector<double> StragglerSchedule::rates(int world_size, int64_t step) const {

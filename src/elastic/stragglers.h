@@ -22,6 +22,12 @@ class StragglerSchedule {
   double rate(int rank, int64_t step) const;
   std::vector<double> rates(int world_size, int64_t step) const;
   bool empty() const { return windows_.empty(); }
+  // The highest rank any window names (-1 when empty): the trainer refuses one outside the job.
+  int highest_rank() const;
+
+  // Injected rates are at most this: a rank 100 times slower is as good as gone, and a rate of
+  // 1e308 or inf would stall the job instead of slowing it.
+  static constexpr double kMaxRate = 100;
 
  private:
   struct Window {

@@ -1,9 +1,11 @@
 #include "train/checkpoint.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <bit>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <initializer_list>
@@ -24,7 +26,9 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoint files are little-endian float32; a big-endian host needs byte swapping");
 
 constexpr const char* kFormat = "malleus-checkpoint";
-constexpr int64_t kVersion = 1;
+// Version 2 added the manifest's own checksum.
+constexpr int64_t kVersion = 2;
+constexpr const char* kManifestChecksum = "manifest_xxh3";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kParams = "params.bin";
 constexpr const char* kOptimizer = "optimizer.bin";
@@ -219,7 +223,9 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
                          {"files", files}};
   std::string text;
   try {
-    text = manifest.dump(2) + "\n";
+    Json sealed = manifest;
+    sealed[kManifestChecksum] = manifest_checksum(manifest);
+    text = sealed.dump(2) + "\n";
   } catch (const nlohmann::json::exception& e) {
     // e.g. a train_config string that is not valid UTF-8
     throw Error(where + ": cannot write manifest.json: " + e.what());
@@ -265,6 +271,14 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
   check(version == kVersion, source + ": version " + std::to_string(version) +
                                  " is not supported (this build reads version " +
                                  std::to_string(kVersion) + ")");
+  // Before any value is used: an edited step, data position or model would otherwise resume
+  // silently into another schedule, data order or model.
+  const auto recorded = reader.required<std::string>(kManifestChecksum);
+  Json content = manifest;
+  content.erase(kManifestChecksum);
+  const std::string actual = manifest_checksum(content);
+  check(recorded == actual, source + " is corrupt or was edited: its content hashes to " + actual +
+                                ", but \"" + kManifestChecksum + "\" says " + recorded);
 
   Checkpoint checkpoint;
   checkpoint.model =
@@ -318,6 +332,46 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
   return checkpoint;
 }
 
+std::string manifest_checksum(const Json& manifest) {
+  // dump() is canonical: keys sorted, no spaces, numbers in their shortest round-trip form, so
+  // the text parsed back from manifest.json dumps to the same bytes.
+  const std::string canonical = manifest.dump();
+  return checksum_hex(canonical.data(), canonical.size());
+}
+
+std::vector<std::string> clean_stale_temporaries(const fs::path& root) {
+  std::vector<std::string> done;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return done;
+  std::vector<fs::path> entries;
+  for (const auto& entry : fs::directory_iterator(root, ec)) entries.push_back(entry.path());
+  for (const fs::path& path : entries) {
+    // "<name>.tmp.<pid>" (a checkpoint or file being written) or "<name>.old.<pid>" (the
+    // checkpoint it replaces, moved aside), of a process that no longer runs.
+    const std::string name = path.filename().string();
+    const size_t dot = name.rfind('.');
+    if (dot == std::string::npos || dot < 4) continue;
+    const std::string kind = name.substr(dot - 4, 5), pid_text = name.substr(dot + 1);
+    if ((kind != ".tmp." && kind != ".old.") || pid_text.empty() ||
+        pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 9) {
+      continue;
+    }
+    const auto pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno == EPERM) continue;  // still running
+    const fs::path base = root / name.substr(0, dot - 4);
+    if (kind == ".old." && !fs::exists(base, ec)) {
+      // The process died between moving the old checkpoint aside and renaming the new one into
+      // place: the old one is complete, and "latest" may name it.
+      fs::rename(path, base, ec);
+      if (!ec) done.push_back("restored " + base.string() + " from " + name);
+      continue;
+    }
+    fs::remove_all(path, ec);
+    if (!ec) done.push_back("removed " + path.string() + " (left by process " + pid_text + ")");
+  }
+  return done;
+}
+
 fs::path checkpoint_dir(const fs::path& root, int64_t step) {
   check(step >= 0, "checkpoint step must not be negative (got " + std::to_string(step) + ")");
   char name[32];
@@ -325,12 +379,21 @@ fs::path checkpoint_dir(const fs::path& root, int64_t step) {
   return root / name;
 }
 
-fs::path resolve_checkpoint(const fs::path& path) {
-  if (fs::exists(path / kManifest)) return path;
-  for (const fs::path& root : {path / "checkpoints", path}) {
-    if (auto latest = latest_checkpoint(root)) return *latest;
+CheckpointSource locate_checkpoint(const fs::path& given) {
+  const fs::path path = given.lexically_normal();
+  // <run>/checkpoints is a checkpoint root inside a run directory.
+  auto run_of_root = [](const fs::path& root) -> std::optional<fs::path> {
+    const fs::path r = root.has_filename() ? root : root.parent_path();
+    if (r.filename() == "checkpoints") return r.has_parent_path() ? r.parent_path() : fs::path(".");
+    return std::nullopt;
+  };
+  if (fs::exists(path / kManifest)) {
+    const fs::path dir = path.has_filename() ? path : path.parent_path();
+    return {dir, run_of_root(dir.has_parent_path() ? dir.parent_path() : fs::path("."))};
   }
-  throw Error(path.string() + " is not a checkpoint and holds no checkpoints/latest");
+  if (auto latest = latest_checkpoint(path / "checkpoints")) return {*latest, path};
+  if (auto latest = latest_checkpoint(path)) return {*latest, run_of_root(path)};
+  throw Error(given.string() + " is not a checkpoint and holds no checkpoints/latest");
 }
 
 void mark_latest(const fs::path& root, const fs::path& dir) {

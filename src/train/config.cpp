@@ -1,108 +1,283 @@
 #include "train/config.h"
 
+#include <cstdio>
+#include <map>
+#include <type_traits>
+
+#include "common/error.h"
+#include "elastic/stragglers.h"
+
 namespace malleus::train {
 
+namespace {
+
+template <typename T>
+using Limits = std::function<void(const T& value, const std::string& what)>;
+
+template <typename T>
+std::string shown(const T& value) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", static_cast<double>(value));
+    return text;
+  } else {
+    return std::to_string(value);
+  }
+}
+
+template <typename T>
+Limits<T> positive() {
+  return [](const T& v, const std::string& what) {
+    check(v > 0, what + " must be positive (got " + shown(v) + ")");
+  };
+}
+template <typename T>
+Limits<T> not_negative() {
+  return [](const T& v, const std::string& what) {
+    check(v >= 0, what + " must not be negative (got " + shown(v) + ")");
+  };
+}
+template <typename T>
+Limits<T> at_least(T low) {
+  return [low](const T& v, const std::string& what) {
+    check(v >= low, what + " must be at least " + shown(low) + " (got " + shown(v) + ")");
+  };
+}
+// [low, high], or [low, high) when `high_open`.
+Limits<float> within(float low, float high, bool high_open) {
+  return [=](const float& v, const std::string& what) {
+    check(v >= low && (high_open ? v < high : v <= high),
+          what + " must be in [" + shown(low) + ", " + shown(high) + (high_open ? ")" : "]") +
+              " (got " + shown(v) + ")");
+  };
+}
+Limits<std::string> non_empty() {
+  return [](const std::string& v, const std::string& what) {
+    check(!v.empty(), what + " must not be empty");
+  };
+}
+// Each entry parses as RANK:RATE:FROM-TO: a syntax error is found before any file is read. Ranks
+// beyond the world are checked by the trainer, which knows the world size.
+Limits<std::vector<std::string>> straggler_specs() {
+  return [](const std::vector<std::string>& specs, const std::string& what) {
+    for (const auto& spec : specs) {
+      try {
+        elastic::StragglerSchedule().add(spec);
+      } catch (const Error& e) {
+        throw Error(what + ": " + e.what());
+      }
+    }
+  };
+}
+
+template <typename T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>) {
+    return "TEXT";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return "FLOAT";
+  } else {
+    return "INT";
+  }
+}
+
+template <typename T>
+ConfigField field(T TrainConfig::*member, const char* key, const char* flag, OnResume on_resume,
+                  const char* help, Limits<T> limits = {}) {
+  ConfigField f;
+  f.key = key;
+  f.flag = flag;
+  f.help = help;
+  f.type_name = type_name<T>();
+  f.on_resume = on_resume;
+  if constexpr (std::is_same_v<T, bool>) {
+    f.kind = ConfigField::Kind::kSwitch;
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    f.kind = ConfigField::Kind::kList;
+  }
+  f.read = [member, limits](TrainConfig& c, const Json& value, const std::string& what) {
+    T v = json_to<T>(value, what);
+    if (limits) limits(v, what);
+    c.*member = std::move(v);
+  };
+  f.write = [member](const TrainConfig& c) { return Json(c.*member); };
+  f.check = [member, limits](const TrainConfig& c, const std::string& what) {
+    if (limits) limits(c.*member, what);
+  };
+  f.from_texts = [](const std::vector<std::string>& texts, const std::string& what) -> Json {
+    if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      return Json(texts);
+    } else {
+      check(!texts.empty(), what + " needs a value");
+      const std::string& text = texts.back();
+      if constexpr (std::is_same_v<T, std::string>) {
+        return Json(text);
+      } else if constexpr (std::is_same_v<T, bool>) {
+        check(text == "true" || text == "false", what + ": \"" + text + "\" is not true or false");
+        return Json(text == "true");
+      } else {
+        // The JSON number grammar, so that a flag and a config file accept the same numbers;
+        // json_to then applies the same strictness to both.
+        const Json number = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+        check(number.is_number(), what + ": \"" + text + "\" is not a number");
+        return number;
+      }
+    }
+  };
+  return f;
+}
+
+using P = OnResume;
+using C = TrainConfig;
+
+std::vector<ConfigField> make_fields() {
+  return {
+      field(&C::model, "model", "--model", P::kFixed, "Model preset or JSON file", non_empty()),
+      field(&C::train_data, "train_data", "--train-data", P::kHonoured,
+            "Training shards (file or wildcard pattern)", non_empty()),
+      field(&C::val_data, "val_data", "--val-data", P::kHonoured,
+            "Validation shards; \"\" disables evaluation"),
+      field(&C::seq_len, "seq_len", "--seq-len", P::kFixed, "Tokens per sequence", positive<int>()),
+      field(&C::micro_batch_size, "micro_batch_size", "--micro-batch", P::kResharded,
+            "Sequences per micro-batch", positive<int>()),
+      field(&C::global_batch_size, "global_batch_size", "--global-batch", P::kFixed,
+            "Sequences per optimizer step (a multiple of the micro-batch)", positive<int>()),
+      field(&C::steps, "steps", "--steps", P::kHonoured, "Total optimizer steps of the run",
+            positive<int64_t>()),
+      field(&C::seed, "seed", "--seed", P::kFixed, "Seed of initialisation and data order"),
+      field(&C::lr, "lr", "--lr", P::kHonoured, "Peak learning rate", positive<float>()),
+      field(&C::min_lr_ratio, "min_lr_ratio", "--min-lr-ratio", P::kHonoured,
+            "Final learning rate of the cosine decay, as a fraction of the peak",
+            within(0, 1, false)),
+      field(&C::warmup_steps, "warmup_steps", "--warmup-steps", P::kHonoured,
+            "Linear learning-rate warmup steps", not_negative<int64_t>()),
+      field(&C::weight_decay, "weight_decay", "--weight-decay", P::kHonoured, "AdamW weight decay",
+            not_negative<float>()),
+      field(&C::beta1, "beta1", "--beta1", P::kHonoured, "AdamW beta1", within(0, 1, true)),
+      field(&C::beta2, "beta2", "--beta2", P::kHonoured, "AdamW beta2", within(0, 1, true)),
+      field(&C::adam_eps, "adam_eps", "--adam-eps", P::kHonoured, "AdamW epsilon",
+            positive<float>()),
+      field(&C::grad_clip, "grad_clip", "--grad-clip", P::kHonoured,
+            "Clip the global gradient norm to this (0: no clipping)", not_negative<float>()),
+      field(&C::eval_every, "eval_every", "--eval-every", P::kHonoured,
+            "Evaluate every N steps (0: only at the end)", not_negative<int64_t>()),
+      field(&C::eval_samples, "eval_samples", "--eval-samples", P::kHonoured,
+            "Validation sequences per evaluation", positive<int>()),
+      field(&C::checkpoint_every, "checkpoint_every", "--checkpoint-every", P::kHonoured,
+            "Checkpoint every N steps (0: only at the end)", not_negative<int64_t>()),
+      field(&C::out_dir, "out_dir", "--out", P::kHonoured,
+            "Run directory: metrics.jsonl and checkpoints/ (resuming: the resumed run's)",
+            non_empty()),
+      field(&C::threads, "threads", "--threads", P::kHonoured,
+            "Compute threads per rank (0: the node's cores shared among its ranks)",
+            not_negative<int>()),
+      field(&C::plan, "plan", "--plan", P::kResharded,
+            "Parallel plan file (docs/plan-format.md); \"\": the uniform plan of --dp/--tp/--pp"),
+      field(&C::dp, "dp", "--dp", P::kResharded,
+            "Pipelines of the uniform plan (0: as many as the ranks allow)", not_negative<int>()),
+      field(&C::tp, "tp", "--tp", P::kResharded, "Tensor-parallel degree of the uniform plan",
+            positive<int>()),
+      field(&C::pp, "pp", "--pp", P::kResharded, "Pipeline stages of the uniform plan",
+            positive<int>()),
+      field(&C::replan, "replan", "--replan", P::kHonoured,
+            "Re-plan around slow ranks (--no-replan keeps the starting plan)"),
+      field(&C::cluster, "cluster", "--cluster", P::kHonoured,
+            "Cluster preset or file the controller plans for", non_empty()),
+      field(&C::profile, "profile", "--profile", P::kHonoured,
+            "Measured layer times (malleus profile) for the controller"),
+      field(&C::monitor_window, "monitor_window", "--monitor-window", P::kHonoured,
+            "Steps in the straggler monitor's sliding median", at_least(1)),
+      field(&C::replan_horizon, "replan_horizon", "--replan-horizon", P::kHonoured,
+            "Steps over which a re-plan's gain must pay for its migration", at_least(1)),
+      field(&C::stragglers, "stragglers", "--straggler", P::kHonoured,
+            "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable",
+            straggler_specs()),
+      field(&C::straggler_trace, "straggler_trace", "--straggler-trace", P::kHonoured,
+            "Injected straggler trace (JSON)"),
+  };
+}
+
+std::string key_in(const std::string& source, const std::string& key) {
+  return source + ": key \"" + key + "\"";
+}
+
+}  // namespace
+
+const std::vector<ConfigField>& TrainConfig::fields() {
+  static const std::vector<ConfigField> table = make_fields();
+  return table;
+}
+
+ConfigValues TrainConfig::values_of(const Json& json, const std::string& source) {
+  JsonReader reader(json, source);  // refuses anything but an object
+  ConfigValues values;
+  for (const ConfigField& f : fields()) {
+    if (reader.has(f.key))
+      values.push_back({&f, reader.optional<Json>(f.key, {}), key_in(source, f.key)});
+  }
+  reader.finish();  // unknown keys
+  return values;
+}
+
+void TrainConfig::apply(const ConfigValues& values) {
+  for (const ConfigValue& v : values) v.field->read(*this, v.value, v.what);
+}
+
 void TrainConfig::validate(const std::string& source) const {
-  auto require = [&](bool ok, const std::string& what) { check(ok, source + ": " + what); };
-  require(!model.empty(), "\"model\" must name a preset or a file");
-  require(!train_data.empty(), "\"train_data\" must name shard files");
-  require(seq_len > 0, "\"seq_len\" must be positive (got " + std::to_string(seq_len) + ")");
-  require(micro_batch_size > 0, "\"micro_batch_size\" must be positive");
-  require(global_batch_size > 0 && global_batch_size % micro_batch_size == 0,
-          "\"global_batch_size\" (" + std::to_string(global_batch_size) +
-              ") must be a positive multiple of \"micro_batch_size\" (" +
-              std::to_string(micro_batch_size) + ")");
-  require(steps > 0, "\"steps\" must be positive");
-  require(lr > 0, "\"lr\" must be positive");
-  require(min_lr_ratio >= 0 && min_lr_ratio <= 1, "\"min_lr_ratio\" must be in [0, 1]");
-  require(warmup_steps >= 0, "\"warmup_steps\" must not be negative");
-  require(weight_decay >= 0, "\"weight_decay\" must not be negative");
-  require(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "betas must be in [0, 1)");
-  require(adam_eps > 0, "\"adam_eps\" must be positive");
-  require(grad_clip >= 0, "\"grad_clip\" must not be negative");
-  require(eval_every >= 0 && checkpoint_every >= 0, "intervals must not be negative");
-  require(eval_samples > 0, "\"eval_samples\" must be positive");
-  require(!out_dir.empty(), "\"out_dir\" must not be empty");
-  require(threads >= 0, "\"threads\" must not be negative");
-  require(monitor_window >= 1, "\"monitor_window\" must be at least 1");
-  require(replan_horizon >= 1, "\"replan_horizon\" must be at least 1");
-  require(dp >= 0 && tp >= 1 && pp >= 1,
-          "\"dp\" must be >= 0 (0: automatic), \"tp\" and \"pp\" >= 1");
+  for (const ConfigField& f : fields()) f.check(*this, key_in(source, f.key));
+  check(global_batch_size % micro_batch_size == 0,
+        source + ": \"global_batch_size\" (" + std::to_string(global_batch_size) +
+            ") must be a multiple of \"micro_batch_size\" (" + std::to_string(micro_batch_size) +
+            ")");
 }
 
 TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) {
-  JsonReader r(json, source);
   TrainConfig c;
-  c.model = r.optional("model", c.model);
-  c.train_data = r.optional("train_data", c.train_data);
-  c.val_data = r.optional("val_data", c.val_data);
-  c.seq_len = r.optional("seq_len", c.seq_len);
-  c.micro_batch_size = r.optional("micro_batch_size", c.micro_batch_size);
-  c.global_batch_size = r.optional("global_batch_size", c.global_batch_size);
-  c.steps = r.optional("steps", c.steps);
-  c.seed = r.optional("seed", c.seed);
-  c.lr = r.optional("lr", c.lr);
-  c.min_lr_ratio = r.optional("min_lr_ratio", c.min_lr_ratio);
-  c.warmup_steps = r.optional("warmup_steps", c.warmup_steps);
-  c.weight_decay = r.optional("weight_decay", c.weight_decay);
-  c.beta1 = r.optional("beta1", c.beta1);
-  c.beta2 = r.optional("beta2", c.beta2);
-  c.adam_eps = r.optional("adam_eps", c.adam_eps);
-  c.grad_clip = r.optional("grad_clip", c.grad_clip);
-  c.eval_every = r.optional("eval_every", c.eval_every);
-  c.eval_samples = r.optional("eval_samples", c.eval_samples);
-  c.checkpoint_every = r.optional("checkpoint_every", c.checkpoint_every);
-  c.out_dir = r.optional("out_dir", c.out_dir);
-  c.threads = r.optional("threads", c.threads);
-  c.plan = r.optional("plan", c.plan);
-  c.dp = r.optional("dp", c.dp);
-  c.tp = r.optional("tp", c.tp);
-  c.pp = r.optional("pp", c.pp);
-  c.replan = r.optional("replan", c.replan);
-  c.cluster = r.optional("cluster", c.cluster);
-  c.profile = r.optional("profile", c.profile);
-  c.monitor_window = r.optional("monitor_window", c.monitor_window);
-  c.replan_horizon = r.optional("replan_horizon", c.replan_horizon);
-  c.stragglers = r.optional("stragglers", c.stragglers);
-  c.straggler_trace = r.optional("straggler_trace", c.straggler_trace);
-  r.finish();
+  c.apply(values_of(json, source));
   c.validate(source);
   return c;
 }
 
 Json TrainConfig::to_json() const {
-  return Json{{"model", model},
-              {"train_data", train_data},
-              {"val_data", val_data},
-              {"seq_len", seq_len},
-              {"micro_batch_size", micro_batch_size},
-              {"global_batch_size", global_batch_size},
-              {"steps", steps},
-              {"seed", seed},
-              {"lr", lr},
-              {"min_lr_ratio", min_lr_ratio},
-              {"warmup_steps", warmup_steps},
-              {"weight_decay", weight_decay},
-              {"beta1", beta1},
-              {"beta2", beta2},
-              {"adam_eps", adam_eps},
-              {"grad_clip", grad_clip},
-              {"eval_every", eval_every},
-              {"eval_samples", eval_samples},
-              {"checkpoint_every", checkpoint_every},
-              {"out_dir", out_dir},
-              {"threads", threads},
-              {"plan", plan},
-              {"dp", dp},
-              {"tp", tp},
-              {"pp", pp},
-              {"replan", replan},
-              {"cluster", cluster},
-              {"profile", profile},
-              {"monitor_window", monitor_window},
-              {"replan_horizon", replan_horizon},
-              {"stragglers", stragglers},
-              {"straggler_trace", straggler_trace}};
+  Json json = Json::object();
+  for (const ConfigField& f : fields()) json[f.key] = f.write(*this);
+  return json;
+}
+
+TrainConfig TrainConfig::resumed(const ConfigValues& values, int64_t checkpoint_step) const {
+  TrainConfig c = *this;
+  const ConfigValue* steps_value = nullptr;
+  // A checkpoint at step 0 (an import, say) has made no progress that a new sequence length,
+  // batch or data order would break: only its model is fixed.
+  const auto fixed = [&](const ConfigField& f) {
+    return f.on_resume == OnResume::kFixed && (checkpoint_step > 0 || f.key == "model");
+  };
+  for (const ConfigValue& v : values) {
+    if (fixed(*v.field)) {
+      // Compared in the field's own type, so 16 and 16.0 or "tiny" given twice are equal.
+      TrainConfig asked = c;
+      v.field->read(asked, v.value, v.what);
+      const Json wanted = v.field->write(asked), kept = v.field->write(*this);
+      check(wanted == kept, v.what + " is " + wanted.dump() + ", but the checkpoint's " +
+                                v.field->key + " is " + kept.dump() +
+                                ": a resumed run keeps its model, sequence length, global batch "
+                                "and seed (start a new run to change them)");
+    }
+    v.field->read(c, v.value, v.what);
+    if (v.field->key == "steps") steps_value = &v;
+  }
+  if (steps_value != nullptr) {
+    check(c.steps > checkpoint_step, steps_value->what + " is " + std::to_string(c.steps) +
+                                         ", but the checkpoint is already at step " +
+                                         std::to_string(checkpoint_step) +
+                                         ": give more steps than that to train further");
+  } else {
+    check(c.steps > checkpoint_step,
+          "the checkpoint is at step " + std::to_string(checkpoint_step) + ", the run's last (" +
+              "\"steps\" is " + std::to_string(c.steps) + "): give --steps above " +
+              std::to_string(checkpoint_step) + " to train further");
+  }
+  return c;
 }
 
 }  // namespace malleus::train

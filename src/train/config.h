@@ -1,15 +1,65 @@
 // Everything that defines a training run besides the model shape: data, batch, optimizer, LR
 // schedule, logging and checkpointing. Read from a JSON file (configs/train/*.json) with strict
 // keys; the command line may override single fields.
+//
+// Each field is declared twice only: as a member below and as one row of the field table
+// (TrainConfig::fields(), config.cpp), which gives its JSON key, command-line flag, help, limits
+// and resume policy. Reading and writing JSON, the `train` command's flags and what a resumed run
+// does with a field given again all come from that table.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "common/json.h"
 
 namespace malleus::train {
+
+struct TrainConfig;
+
+// What a resumed run does with a field given again (as a flag or in --config).
+enum class OnResume {
+  kHonoured,   // takes effect from the checkpoint's step on (length, output, logging, optimizer
+               // hyperparameters, threads, straggler tolerance and injection)
+  kResharded,  // the parallel plan: the checkpoint is resharded to the new one
+  kFixed,      // the model, the data order or the batch: must equal the checkpoint's value
+               // (at step 0, as after an import, only the model is fixed)
+};
+
+// One row of the field table.
+struct ConfigField {
+  enum class Kind {
+    kValue,   // one value; a flag given twice takes the last
+    kSwitch,  // a bool: `--flag` / `--no-flag`
+    kList,    // a list of strings: the flag is repeated, once per element
+  };
+  std::string key;   // in JSON
+  std::string flag;  // on the command line, e.g. "--seq-len"
+  std::string help;
+  std::string type_name;  // for help: TEXT, INT, FLOAT
+  Kind kind = Kind::kValue;
+  OnResume on_resume = OnResume::kHonoured;
+
+  // Sets the field from a JSON value, converted strictly (common/json.h) and checked against the
+  // field's limits; errors start with `what` (a file's key, or the flag).
+  std::function<void(TrainConfig&, const Json& value, const std::string& what)> read;
+  std::function<Json(const TrainConfig&)> write;
+  // Checks the field's limits (as read() does), for configs built in code.
+  std::function<void(const TrainConfig&, const std::string& what)> check;
+  // The JSON value of the flag's command-line texts: the last text of a value (a number must
+  // parse as one), all texts of a list, "true"/"false" of a switch.
+  std::function<Json(const std::vector<std::string>& texts, const std::string& what)> from_texts;
+};
+
+// A value for one field, and where it came from (for messages): `f.json: key "steps"`, `--steps`.
+struct ConfigValue {
+  const ConfigField* field = nullptr;
+  Json value;
+  std::string what;
+};
+using ConfigValues = std::vector<ConfigValue>;
 
 struct TrainConfig {
   std::string model = "demo";  // preset name or model JSON file
@@ -56,12 +106,28 @@ struct TrainConfig {
   std::vector<std::string> stragglers;
   std::string straggler_trace;
 
-  int grad_accum_steps() const { return global_batch_size / micro_batch_size; }
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }
 
+  bool operator==(const TrainConfig&) const = default;
+
+  // The field table, in the order of the members above.
+  static const std::vector<ConfigField>& fields();
+  // The values a JSON object gives, in table order; an unknown key is refused, naming `source`.
+  static ConfigValues values_of(const Json& json, const std::string& source);
+  // Sets each value's field (strictly converted and range-checked, naming the value's origin).
+  void apply(const ConfigValues& values);
+
+  // Every field's limits, then the rules between fields; errors name `source`.
   void validate(const std::string& source) const;
+  // The defaults with the object's keys applied, then validated.
   static TrainConfig from_json(const Json& json, const std::string& source);
   Json to_json() const;
+
+  // The config of a run resumed from a checkpoint whose config is *this and whose step is
+  // `checkpoint_step`, with `values` given again: kHonoured and kResharded fields take the new
+  // value; a kFixed field given a different value is refused, naming both values; and the run
+  // must have steps left (steps > checkpoint_step). Throws Error.
+  TrainConfig resumed(const ConfigValues& values, int64_t checkpoint_step) const;
 };
 
 }  // namespace malleus::train

@@ -1,7 +1,6 @@
 // Progress output: the human-readable step line and the JSONL metrics file carry the same fields.
 #pragma once
 
-#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -9,7 +8,10 @@
 
 namespace malleus::train {
 
-// Appends one JSON object per line and flushes, so a crash loses at most the current line.
+// Appends one JSON object per line. A line is in the file whole or not at all: a write that fails
+// (a full disk) is cut back off before the error is thrown, and a torn last line left by a crash
+// in the middle of a write is removed, with a warning, when the file is opened again; so readers
+// (`malleus report`) never meet half a record, and later runs append after whole lines.
 class MetricsLog {
  public:
   explicit MetricsLog(const std::filesystem::path& path);
@@ -21,7 +23,7 @@ class MetricsLog {
 
  private:
   std::filesystem::path path_;
-  std::FILE* file_;
+  int fd_ = -1;
 };
 
 // "1h02m", "3m05s", "12.3s"

@@ -9,7 +9,10 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/system.h"
+#include "layout/layout.h"
 #include "train/metrics.h"
+#include "train/stop_signal.h"
 
 namespace malleus::train {
 
@@ -36,12 +39,77 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   return options;
 }
 
+// The injected stragglers of a config. Built before the data is read (member order), so a bad
+// trace or a rank outside the job is reported first.
+elastic::StragglerSchedule injected_stragglers(const TrainConfig& c, int world_size) {
+  elastic::StragglerSchedule schedule;
+  auto check_ranks = [&](const std::string& what) {
+    const int rank = schedule.highest_rank();
+    check(rank < world_size, what + " names rank " + std::to_string(rank) + ", but the job has " +
+                                 std::to_string(world_size) +
+                                 (world_size == 1 ? " rank" : " ranks (0 to ") +
+                                 (world_size == 1 ? "" : std::to_string(world_size - 1) + ")"));
+  };
+  for (const auto& spec : c.stragglers) {
+    schedule.add(spec);
+    check_ranks("straggler \"" + spec + "\"");
+  }
+  if (!c.straggler_trace.empty()) {
+    schedule.add_trace(c.straggler_trace);
+    check_ranks("straggler trace " + c.straggler_trace);
+  }
+  return schedule;
+}
+
+std::string gib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return text;
+}
+
+// Refuses, before anything is allocated, a plan whose model state cannot fit this rank's share
+// of the machine's memory: parameters, gradients and both Adam moments of the shard it holds
+// (fp32, 16 bytes per element), and on rank 0 also the whole state gathered for a checkpoint
+// (12 bytes per parameter). Activations come on top, so passing is necessary, not sufficient.
+void check_memory(const model::ModelConfig& model, const plan::Plan& plan, int rank,
+                  int ranks_here) {
+  const int64_t available = available_memory_bytes();
+  if (available <= 0) return;  // unknown: nothing to check against
+  const auto local = layout::local_layouts(model, layout::plan_layout(plan, model));
+  const auto& mine = local[static_cast<size_t>(rank)];
+  const double held = mine ? static_cast<double>(mine->total_size()) : 0.0;
+  double need = 16.0 * held;
+  if (rank == 0) need += 12.0 * static_cast<double>(model::ParameterLayout(model).total_size());
+  const double share = static_cast<double>(available) / std::max(1, ranks_here);
+  check(need <= share,
+        "model \"" + model.name + "\" (" +
+            format_count(static_cast<double>(model.num_parameters())) +
+            " parameters) does not fit: under this plan rank " + std::to_string(rank) + " holds " +
+            format_count(held) +
+            " parameter elements, whose parameters, gradients "
+            "and Adam moments take " +
+            gib(16.0 * held) +
+            (rank == 0 ? " (plus " + gib(need - 16.0 * held) + " to gather a checkpoint)" : "") +
+            ", but this machine has " + gib(static_cast<double>(available)) + " available" +
+            (ranks_here > 1
+                 ? ", " + gib(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
+                 : "") +
+            ": use more ranks, a plan that shards the model further, or a smaller model");
+}
+
 }  // namespace
 
 int resolve_threads(int configured, int ranks) {
-  if (configured > 0) return configured;
-  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ranks));
+  const int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (configured > 0) {
+    // More threads than the machine has CPUs never helps, and far more crash OpenBLAS.
+    check(configured <= cpus, "\"threads\" is " + std::to_string(configured) +
+                                  ", but this machine has " + std::to_string(cpus) +
+                                  " CPUs: give at most " + std::to_string(cpus) +
+                                  " (0: the node's cores shared among its ranks)");
+    return configured;
+  }
+  return std::max(1, cpus / std::max(1, ranks));
 }
 
 plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model,
@@ -86,6 +154,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
       model_config_(fit_model_to_tokenizer(requested_model, tokenizer_.get())),
       world_(std::move(world)),
       schedule_{config.lr, config.min_lr_ratio, config.warmup_steps, config.steps},
+      stragglers_(injected_stragglers(config, world_.size())),
       monitor_(world_.size(), elastic::MonitorOptions{.window = config.monitor_window}),
       train_data_(config.train_data, model_config_.vocab_size),
       sampler_(train_data_, config.seq_len, config.seed) {
@@ -99,10 +168,10 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   check(config.seq_len <= model_config.max_seq_len,
         "\"seq_len\" " + std::to_string(config.seq_len) + " exceeds the model's max_seq_len " +
             std::to_string(model_config.max_seq_len));
-  // The plan is checked completely before any rank allocates or communicates.
+  // The plan and the limits are checked completely before any rank allocates or communicates.
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
-  for (const auto& spec : config_.stragglers) stragglers_.add(spec);
-  if (!config_.straggler_trace.empty()) stragglers_.add_trace(config_.straggler_trace);
+  engine_options_ = engine_options(config_, world_.size());
+  check_memory(model_config, plan, world_.rank(), ranks_on_this_node(world_.size()));
   if (config_.replan) {
     plan::BatchConfig batch;
     batch.global_batch = config_.global_batch_size;
@@ -114,7 +183,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
     std::optional<plan::Profile> profile;
     if (!config_.profile.empty()) {
       const int ranks = ranks_on_this_node(world_.size());
-      const int threads = engine_options(config_, world_.size()).threads;
+      const int threads = engine_options_.threads;
       const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
       profile = elastic::shared_profile(
           plan::Profile::from_json(read_json_file(config_.profile), config_.profile),
@@ -127,7 +196,6 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   }
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
   // time on a whole core (runtime/core_lease.h).
-  engine_options_ = engine_options(config_, world_.size());
   cores_ = runtime::CoreSharing::detect(world_, engine_options_.threads);
   engine_options_.core_lease = cores_.lease;
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_, engine_options_);
@@ -299,7 +367,7 @@ void Trainer::log_step(const StepStats& s, double eta, const std::string& plan_t
   std::fflush(stdout);
 }
 
-void Trainer::run() {
+int Trainer::run() {
   const std::filesystem::path out(config_.out_dir);
   const auto checkpoints = out / "checkpoints";
   std::optional<MetricsLog> metrics;
@@ -348,10 +416,35 @@ void Trainer::run() {
         metrics->write({{"step", step_}, {"val_loss", val_loss}});
       }
     }
-    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || last) {
-      save(checkpoints);
+    const bool saved =
+        (config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || last;
+    if (saved) save(checkpoints);
+
+    // A stop request on any rank stops every rank here, after the same step. One small
+    // all-reduce per step; the checkpoint is of the step every rank has finished.
+    const int signal = agreed_stop_signal();
+    if (signal != 0 && !last) {
+      StopSignals::unblock_output();
+      if (!saved) save(checkpoints);
+      if (is_root()) {
+        std::printf(
+            "stopped by %s after step %lld of %lld; continue with: malleus train "
+            "--resume %s\n",
+            StopSignals::name(signal).c_str(), static_cast<long long>(step_),
+            static_cast<long long>(config_.steps), out.c_str());
+        std::fflush(stdout);
+      }
+      // Every rank exits only once rank 0 has written the checkpoint: mpirun ends the whole job
+      // as soon as one rank exits with a non-zero status.
+      world_.barrier();
+      return signal;
     }
   }
+  return 0;
+}
+
+int Trainer::agreed_stop_signal() {
+  return static_cast<int>(world_.all_reduce_max(static_cast<double>(StopSignals::received())));
 }
 
 Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,

@@ -66,7 +66,9 @@ class Trainer {
 
   // The whole run from the current step to config.steps: step lines on stdout and metrics in
   // <out_dir>/metrics.jsonl (rank 0), evaluations, checkpoints in <out_dir>/checkpoints.
-  void run();
+  // Returns 0, or the signal that stopped it early (train/stop_signal.h: a signal received on any
+  // rank stops every rank after the same step, with a checkpoint of that step). Collective.
+  int run();
 
   int64_t step() const { return step_; }
   int64_t consumed_samples() const { return consumed_samples_; }
@@ -76,6 +78,8 @@ class Trainer {
 
  private:
   void save(const std::filesystem::path& root);
+  // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
+  int agreed_stop_signal();
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
   void log_step(const StepStats& s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
@@ -102,6 +106,7 @@ Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Commu
                                    bool with_optimizer = true);
 
 // Threads per rank for a configured value (0: the machine's cores shared among the ranks on it).
+// Throws Error if more threads are asked for than the CPUs this process may run on.
 int resolve_threads(int configured, int ranks);
 
 // The tokenizer saved beside the shards of `pattern` (by prepare-data), or null when there is none
