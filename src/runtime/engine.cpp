@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "layout/redistribution.h"
+#include "plan/cost_model.h"
 #include "runtime/schedule.h"
 
 namespace malleus::runtime {
@@ -13,21 +14,6 @@ namespace malleus::runtime {
 namespace {
 
 constexpr int kProbeSize = 256;  // the probe multiplies two 256² matrices: ~34 MFLOP, ~1 ms
-
-// Training FLOPs (forward and backward) of one micro-batch through a model shard: 6 per
-// matmul weight per token, plus causal attention over this shard's heads.
-double shard_flops(const model::ModelConfig& config, const model::ParameterLayout& layout,
-                   int tokens, int seq) {
-  double weights = 0;
-  for (const auto& t : layout.tensors()) {
-    if (t.shape.size() == 2 && t.name != "model.embed_tokens.weight") {
-      weights += static_cast<double>(t.size);
-    }
-  }
-  const auto& shard = layout.shard();
-  const double attention = 3.0 * 4.0 * shard.heads * config.head_dim() * (seq / 2.0);
-  return tokens * (6.0 * weights + (shard.layer_end - shard.layer_begin) * attention);
-}
 
 // An emulated slow device keeps its compute busy: it burns this thread's CPU time rather than
 // sleeping, which on an oversubscribed machine would hand the core to the other ranks and make
@@ -69,8 +55,13 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
-  work_flops_ = state_->pipeline().micro_batches *
-                shard_flops(model, model_->layout(), static_cast<int>(tokens), options.seq_len);
+  // The cost model's FLOP count of this rank's shard: what its measured time is divided by.
+  const plan::Stage& stage = state_->stage();
+  work_flops_ =
+      state_->pipeline().micro_batches *
+      plan::shard_training_flops(
+          model, plan.micro_batch_size, options.seq_len, stage.num_layers(), state_->last_stage(),
+          plan::Shares::of(stage, static_cast<size_t>(state_->role().tp_rank), model));
 }
 
 void Engine::init_parameters(uint64_t seed) {
