@@ -226,19 +226,3 @@ TEST(CostModel, ProfileReplacesPeakThroughput) {
     EXPECT_NE(std::string(e.what()).find("head_flops_per_s"), std::string::npos);
   }
 }
-
-TEST(CostModel, MigrationCountsWhatMoves) {
-  const CostModel cost = a800_70b(1);
-  const auto a = plan::uniform_plan(cost.model(), 1, 8, 1, 64, 1, 8);
-  EXPECT_EQ(plan::migration_cost(a, a, cost).total_bytes, 0.0);
-  // Same ranks, layers split over two groups of 4: every rank keeps part of its shards.
-  const auto b = plan::uniform_plan(cost.model(), 1, 4, 2, 64, 1, 8);
-  const auto moved = plan::migration_cost(a, b, cost);
-  EXPECT_GT(moved.total_bytes, 0);
-  EXPECT_GT(moved.seconds, 0);
-  // From nothing (a fresh rank) every byte moves.
-  plan::Plan empty;
-  empty.world_size = 8;
-  const auto all = plan::migration_cost(empty, b, cost);
-  EXPECT_GT(all.total_bytes, moved.total_bytes);
-}

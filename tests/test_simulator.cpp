@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "common/error.h"
@@ -10,6 +12,7 @@
 #include "plan/planner.h"
 #include "sim/scenario.h"
 #include "sim/simulator.h"
+#include "test_util.h"
 
 using namespace malleus;
 
@@ -132,6 +135,50 @@ TEST(Scenario, TraceRunsEveryStrategyAndOursLeads) {
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   EXPECT_EQ(sim::result_to_json(r)["runs"].size(), r.runs.size());
+}
+
+TEST(Scenario, SwitchDecisionsAreTheControllersRule) {
+  // On every scenario file: each switch ours weighed is decided as replan::weigh_switch — the
+  // controller's rule — decides the same question, and the switches it took are the re-plans.
+  size_t weighed = 0, taken = 0, declined = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(MALLEUS_SOURCE_DIR "/configs/scenarios")) {
+    const auto r = sim::run_scenario(sim::load_scenario(entry.path().string()));
+    for (const auto& run : r.runs) {
+      if (run.strategy != "malleus") {
+        EXPECT_TRUE(run.switches.empty()) << run.strategy;
+        continue;
+      }
+      EXPECT_EQ(run.switches.size(), r.scenario.events.size()) << entry.path();
+      int took = 0;
+      for (const auto& w : run.switches) {
+        EXPECT_EQ(replan::weigh_switch(w.question), w.verdict)
+            << entry.path() << " at " << w.at_s << " s";
+        EXPECT_EQ(w.question.horizon_steps,
+                  r.scenario.decision_horizon_s / w.question.current_step_s);
+        took += w.verdict.take ? 1 : 0;
+        declined += w.verdict.take ? 0 : 1;
+      }
+      EXPECT_EQ(took, run.replans) << entry.path();
+      weighed += run.switches.size();
+      taken += static_cast<size_t>(took);
+    }
+  }
+  EXPECT_GE(weighed, 22u);
+  EXPECT_GT(taken, 0u);
+  std::printf("  %zu switches weighed, %zu taken, %zu declined\n", weighed, taken, declined);
+}
+
+TEST(Scenario, ChartWithMarkupInTheNameIsValidXml) {
+  Json j = small_scenario();
+  j["name"] = "a<&\"b>";
+  const auto r = sim::run_scenario(sim::Scenario::from_json(j, "s.json"));
+  malleus::testing::ScratchDir dir;
+  std::ofstream(dir / "chart.svg") << sim::render_svg(r);
+  const auto parsed = malleus::testing::parse_xml(dir / "chart.svg");
+  ASSERT_EQ(parsed.exit_code, 0) << parsed.output;
+  EXPECT_NE(parsed.output.find("a<&\"b>: throughput over time"), std::string::npos)
+      << parsed.output;
 }
 
 TEST(Scenario, BadFilesNameTheKey) {

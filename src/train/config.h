@@ -56,7 +56,6 @@ struct TrainConfig {
   std::vector<std::string> stragglers;
   std::string straggler_trace;
 
-  int grad_accum_steps() const { return global_batch_size / micro_batch_size; }
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }
 
   void validate(const std::string& source) const;

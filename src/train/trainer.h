@@ -24,17 +24,10 @@
 
 namespace malleus::train {
 
-struct StepStats {
-  int64_t step = 0;  // 1-based number of the update just made
-  double loss = 0;   // mean token loss of the global batch
-  double lr = 0;
-  double grad_norm = 0;  // before clipping
-  double step_time_s = 0;
-  double tokens_per_s = 0;
-  std::vector<double> rates;     // monitored straggle rate of every rank (1 = healthy)
-  std::vector<double> injected;  // injected rate of every rank (experiments)
-  Json replan;                   // the controller's record when it was asked, else null
-  double overhead_s = 0;         // monitoring and deciding (a re-plan's migration included)
+// One step as train_step returns it: its metrics record (the plan and ETA are filled when it is
+// logged) and the controller's decision when it was asked.
+struct StepStats : StepRecord {
+  std::optional<ReplanRecord> replan;
 };
 
 // The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
@@ -72,7 +65,7 @@ class Trainer {
  private:
   void save(const std::filesystem::path& root);
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
-  void log_step(const StepStats& s, double eta, const std::string& plan_text, MetricsLog& metrics);
+  void log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
   TrainConfig config_;
   model::ModelConfig model_config_;
