@@ -124,6 +124,11 @@ TEST(Report, SvgHasPanelsReplanLinesAndLegend) {
   EXPECT_NE(svg.find("class=\"rate-injected\""), std::string::npos);
   EXPECT_NE(svg.find("moved 1.00 MiB in 250 ms"), std::string::npos);  // the re-plan tooltip
   EXPECT_EQ(count(svg, "class=\"loss-val\""), 2u + 1u);                // two points, one legend
+  // Lines are strokes only: a filled polyline would paint the area under it.
+  for (const char* line : {"tps-raw", "tps-median", "rate-measured", "loss-train"}) {
+    EXPECT_NE(svg.find(std::string("class=\"") + line + "\" fill=\"none\""), std::string::npos)
+        << line;
+  }
   EXPECT_EQ(count(svg, "<text"), count(svg, "</text>"));
   EXPECT_EQ(count(svg, "<g"), count(svg, "</g>"));
 }

@@ -304,6 +304,8 @@ class Timeline {
   void draw_replan_table();
   double legend_x() const { return left_ + plot_width_ + 18; }
   void legend_line(double y, const std::string& label, const Attributes& stroke);
+  // A line through pixel points (breaks at non-finite ones), not filled.
+  void polyline(const Points& points, Attributes attributes);
 
   const Report& report_;
   const RenderOptions& options_;
@@ -427,6 +429,11 @@ void Timeline::legend_line(double y, const std::string& label, const Attributes&
   svg_->text(x + 26, y, label, {{"class", "legend"}});
 }
 
+void Timeline::polyline(const Points& points, Attributes attributes) {
+  attributes.emplace_back("fill", "none");
+  svg_->path(path_data(points), attributes);
+}
+
 void Timeline::draw_throughput() {
   const auto& steps = report_.steps;
   double hi = 0;
@@ -481,9 +488,9 @@ void Timeline::draw_throughput() {
     means.push_back({xs_(static_cast<double>(steps[end - 1].step)), ys(mean)});
     means.push_back({kNaN, kNaN});
   }
-  svg_->path(path_data(raw), {{"class", "tps-raw"}});
-  svg_->path(path_data(means), {{"class", "tps-mean"}});
-  svg_->path(path_data(medians), {{"class", "tps-median"}});
+  polyline(raw, {{"class", "tps-raw"}});
+  polyline(means, {{"class", "tps-mean"}});
+  polyline(medians, {{"class", "tps-median"}});
   svg_->end_group();
 
   double row_y = throughput_.top + 14;
@@ -535,8 +542,8 @@ void Timeline::draw_rates() {
     }
     const std::string colour = rank_colour(rank);
     // Injected on top: its dashes stay visible over a noisy measured line.
-    svg_->path(path_data(measured), stroke(colour, "rate-measured"));
-    svg_->path(path_data(injected), stroke(colour, "rate-injected"));
+    polyline(measured, stroke(colour, "rate-measured"));
+    polyline(injected, stroke(colour, "rate-injected"));
   }
   svg_->end_group();
 
@@ -586,7 +593,7 @@ void Timeline::draw_loss() {
     if (i > 0 && steps[i].step <= steps[i - 1].step) train.push_back({kNaN, kNaN});
     train.push_back({xs_(static_cast<double>(steps[i].step)), ys(steps[i].loss)});
   }
-  svg_->path(path_data(train), {{"class", "loss-train"}});
+  polyline(train, {{"class", "loss-train"}});
   for (const auto& e : report_.evals) {
     if (!std::isfinite(e.val_loss)) continue;
     svg_->circle(
