@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/stats.h"
 #include "model/config.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
@@ -70,11 +71,10 @@ int main(int argc, char** argv) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         summary = r.plan.summary();
       }
-      std::sort(times.begin(), times.end());
       if (summary.size() > 60) summary = summary.substr(0, 57) + "...";
       std::printf("%-8d %-22s %10.3f %10.3f %10.3f %7.0fs  %s\n", cluster.num_devices(),
-                  c.name.c_str(), times[times.size() / 2], times.front(), times.back(), target,
-                  summary.c_str());
+                  c.name.c_str(), median(times), *std::min_element(times.begin(), times.end()),
+                  *std::max_element(times.begin(), times.end()), target, summary.c_str());
       std::fflush(stdout);
     }
   }

@@ -17,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "common/stats.h"
 #include "model/transformer.h"
+#include "plan/cost_model.h"
 #include "runtime/optimizer.h"
 
 using namespace malleus;
@@ -29,9 +31,9 @@ struct Stats {
   double median, min, max;
 };
 
-Stats summarize(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return {values[values.size() / 2], values.front(), values.back()};
+Stats summarize(const std::vector<double>& values) {
+  return {median(values), *std::min_element(values.begin(), values.end()),
+          *std::max_element(values.begin(), values.end())};
 }
 
 template <typename F>
@@ -141,7 +143,8 @@ int main(int argc, char** argv) {
                    static_cast<float>(norm > 1 ? 1 / norm : 1));
   };
   step();  // warm-up: page in activations, build caches
-  const double step_flops = config.train_flops_per_token(seq) * tokens * accum;
+  const double step_flops =
+      plan::shard_training_flops(config, micro, seq, config.num_layers, true) * accum;
   std::vector<double> step_gflops, step_seconds;
   for (int r = 0; r < repeats; ++r) {
     const double s = time_seconds(step);

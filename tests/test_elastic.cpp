@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 
 #include "common/error.h"
 #include "elastic/controller.h"
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
+#include "replan/replan.h"
 #include "test_util.h"
 
 using namespace malleus;
@@ -245,4 +247,47 @@ TEST(Controller, LocalClusterHasOneDevicePerRank) {
   const auto cluster = elastic::local_cluster("cpu-local", 6);
   EXPECT_EQ(cluster.num_devices(), 6);
   EXPECT_EQ(cluster.nodes, 1);
+}
+
+TEST(Controller, DecidesWithTheSharedSwitchRule) {
+  // The decision rank 0 makes is replan::weigh_switch asked with the cost model's step times, the
+  // migration estimate and the horizon: the rule the simulator applies too.
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 4),
+                             plan::BatchConfig{16, 1, 128});
+  elastic::ControllerOptions options;
+  options.horizon_steps = 50;
+  elastic::Controller controller(cost, options);
+  const auto current = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
+  const std::vector<double> measured = {1.0, 3.0, 1.1, 1.0};
+  const elastic::Decision d = controller.propose(current, measured, 20, 80);
+  EXPECT_EQ(d.rates, (std::vector<double>{1.0, 3.0, 1.0, 1.0}));  // 1.1 counts as healthy
+  EXPECT_EQ(replan::weigh_switch(d.question), d.verdict);
+  EXPECT_DOUBLE_EQ(d.question.current_step_s, cost.predict(current, d.rates).iteration_time);
+  EXPECT_DOUBLE_EQ(d.question.horizon_steps, 50);
+  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;  // a 3× straggler is worth a switch
+  EXPECT_DOUBLE_EQ(d.question.switch_s, replan::estimate_migration(cost, current, *d.plan).seconds);
+  EXPECT_GT(d.verdict.gain_s, d.question.switch_s);
+
+  // Near the end of the run the same gain no longer pays for a slow migration.
+  controller.note_migration_seconds(1e3);
+  const elastic::Decision late = controller.propose(current, measured, 99, 1);
+  EXPECT_EQ(replan::weigh_switch(late.question), late.verdict);
+  EXPECT_DOUBLE_EQ(late.question.horizon_steps, 1);
+  EXPECT_DOUBLE_EQ(late.question.switch_s, 1e3);
+  EXPECT_FALSE(late.plan.has_value());
+  EXPECT_NE(late.verdict.reason.find("does not pay"), std::string::npos);
+}
+
+TEST(SwitchRule, GainOverTheHorizonAgainstTheSwitchCost) {
+  replan::SwitchQuestion q{2.0, 1.5, 10.0, 30, false};
+  EXPECT_TRUE(replan::weigh_switch(q).take);  // 0.5 s × 30 steps > 10 s
+  EXPECT_DOUBLE_EQ(replan::weigh_switch(q).gain_s, 15.0);
+  q.horizon_steps = 20;  // exactly 10 s: not more than the cost
+  EXPECT_FALSE(replan::weigh_switch(q).take);
+  q.current_step_s = std::numeric_limits<double>::infinity();  // the running plan cannot run
+  EXPECT_TRUE(replan::weigh_switch(q).take);
+  q.same_plan = true;
+  EXPECT_FALSE(replan::weigh_switch(q).take);
+  EXPECT_EQ(replan::weigh_switch(q).reason, "the current plan is still the best");
 }

@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "plan/cost_model.h"
 #include "plan/planner.h"
+#include "replan/replan.h"
 
 using namespace malleus;
 using plan::CostModel;
@@ -335,18 +336,39 @@ TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
   const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
   const plan::Rates healthy(8, 1.0);
   const auto current = plan::uniform_plan(model, 2, 2, 2, 16, 1, 8);
-  // With a wide tolerance the running plan counts as good as the best: nothing moves.
+  // With a wide tolerance the running plan counts as good as the best: nothing moves, whether the
+  // tie-break knows the migration's size or only that keeping the plan moves nothing.
   plan::PlannerOptions lenient;
   lenient.tie_tolerance = 1.0;
-  const auto kept = plan::make_strategy("malleus", lenient)->plan(cost, {healthy, {}, current});
-  EXPECT_EQ(kept.plan.to_json(), current.to_json());
-  EXPECT_EQ(plan::migration_cost(current, kept.plan, cost).total_bytes, 0.0);
+  for (const auto& options : {lenient, replan::with_migration_tie_break(lenient, model)}) {
+    const auto kept = plan::make_strategy("malleus", options)->plan(cost, {healthy, {}, current});
+    EXPECT_EQ(kept.plan.to_json(), current.to_json());
+    EXPECT_EQ(replan::estimate_migration(cost, current, kept.plan).total_bytes, 0);
+  }
   // With exact ties only, the faster plan wins.
   const auto best = plan::make_strategy("malleus")->plan(cost, {healthy, {}, current});
   EXPECT_LE(best.prediction.iteration_time, cost.predict(current, healthy).iteration_time);
   // Planning the same situation again from the chosen plan keeps it.
   const auto again = plan::make_strategy("malleus")->plan(cost, {healthy, {}, best.plan});
   EXPECT_EQ(again.plan.to_json(), best.plan.to_json());
+
+  // When the running plan cannot be kept (it holds a gone device), the tie-break among the other
+  // near-best plans asks the migration estimate and takes one that moves no more than the fastest.
+  plan::Rates lost = healthy;
+  lost[5] = kInf;
+  int asked = 0;
+  plan::PlannerOptions counting = replan::with_migration_tie_break(lenient, model);
+  const plan::MigrationBytes estimate = counting.migration;
+  counting.migration = [&](const plan::Plan& from, const plan::Plan& to) {
+    ++asked;
+    return estimate(from, to);
+  };
+  const auto near = plan::make_strategy("malleus", counting)->plan(cost, {lost, {}, current});
+  const auto fastest = plan::make_strategy("malleus")->plan(cost, {lost, {}, current});
+  EXPECT_GT(asked, 0);
+  EXPECT_LE(replan::estimate_migration(cost, current, near.plan).total_bytes,
+            replan::estimate_migration(cost, current, fastest.plan).total_bytes);
+  EXPECT_LE(near.prediction.iteration_time, 2 * fastest.prediction.iteration_time);
 }
 
 TEST(Planner, BaselinesBehaveAsDocumented) {

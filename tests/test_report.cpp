@@ -124,8 +124,83 @@ TEST(Report, SvgHasPanelsReplanLinesAndLegend) {
   EXPECT_NE(svg.find("class=\"rate-injected\""), std::string::npos);
   EXPECT_NE(svg.find("moved 1.00 MiB in 250 ms"), std::string::npos);  // the re-plan tooltip
   EXPECT_EQ(count(svg, "class=\"loss-val\""), 2u + 1u);                // two points, one legend
+  // Lines are strokes only: a filled polyline would paint the area under it.
+  for (const char* line : {"tps-raw", "tps-median", "rate-measured", "loss-train"}) {
+    EXPECT_NE(svg.find(std::string("class=\"") + line + "\" fill=\"none\""), std::string::npos)
+        << line;
+  }
   EXPECT_EQ(count(svg, "<text"), count(svg, "</text>"));
   EXPECT_EQ(count(svg, "<g"), count(svg, "</g>"));
+}
+
+TEST(Report, SvgWithMarkupInEveryNameIsValidXml) {
+  // Plans, reasons and the title come from files and the command line: the chart must escape them.
+  const std::string nasty = "a<&\"b>";
+  train::StepRecord step;
+  step.step = 1;
+  step.loss = 3;
+  step.tokens_per_s = 100;
+  step.plan = nasty;
+  step.rates = {1, 2};
+  train::ReplanRecord replan;
+  replan.switched = true;
+  replan.step = 1;
+  replan.old_plan = nasty;
+  replan.new_plan = nasty;
+  train::ReplanRecord declined = replan;
+  declined.switched = false;
+  declined.reason = nasty;
+  std::string text;
+  for (const train::MetricsRecord& record : {train::MetricsRecord(step), {replan}, {declined}}) {
+    text += train::to_json(record).dump() + "\n";
+  }
+  RenderOptions options;
+  options.title = nasty;
+  ScratchDir dir;
+  write_text(dir / "chart.svg", render_svg(parse_metrics(text, nasty), options));
+  const auto parsed = malleus::testing::parse_xml(dir / "chart.svg");
+  ASSERT_EQ(parsed.exit_code, 0) << parsed.output;
+  EXPECT_NE(parsed.output.find("\n" + nasty + "\n"), std::string::npos) << parsed.output;
+  EXPECT_NE(parsed.output.find("declined at step 1: " + nasty), std::string::npos);
+}
+
+TEST(Report, RecordsRoundTripThroughTheSchema) {
+  // What the trainer writes is what the report reads, field by field.
+  train::StepRecord step;
+  step.step = 7;
+  step.loss = 2.5;
+  step.lr = 1e-3;
+  step.tokens_per_s = 1234.5;
+  step.consumed_samples = 112;
+  step.plan = "1 pipeline: [pp1 tp1 m8]";
+  step.rates = {1.0, 3.0};
+  step.injected = {1.0, 3.0};
+  train::ReplanRecord replan;
+  replan.switched = true;
+  replan.step = 7;
+  replan.rates = {1.0, 3.0};
+  replan.old_plan = "a";
+  replan.new_plan = "b";
+  replan.predicted_old_s = 1.0;
+  replan.predicted_new_s = 0.5;
+  replan.predicted_gain_s = 0.5;
+  replan.horizon_steps = 50;
+  replan.bytes_moved = 4096;
+  replan.migration_s = 0.1;
+  const train::EvalRecord eval{7, 2.25};
+  std::string text;
+  for (const train::MetricsRecord& record : {train::MetricsRecord(step), {eval}, {replan}}) {
+    text += train::to_json(record).dump() + "\n";
+  }
+  const Report r = parse_metrics(text, "m.jsonl");
+  ASSERT_EQ(r.steps.size(), 1u);
+  ASSERT_EQ(r.evals.size(), 1u);
+  ASSERT_EQ(r.replans.size(), 1u);
+  EXPECT_EQ(train::to_json(train::StepRecord(r.steps[0])), train::to_json(step));
+  EXPECT_EQ(train::to_json(train::EvalRecord(r.evals[0])), train::to_json(eval));
+  EXPECT_EQ(train::to_json(train::ReplanRecord(r.replans[0])), train::to_json(replan));
+  EXPECT_TRUE(std::isnan(r.steps[0].grad_norm));  // never set: not written, read back unknown
+  EXPECT_FALSE(train::to_json(step).contains("grad_norm"));
 }
 
 TEST(Report, EmptyReportStillRenders) {

@@ -100,7 +100,9 @@ TEST(FullDisk, MetricsLinesAreWholeOrAbsent) {
   SmallFilesystem small(dir / "mnt", 16 * 1024);
   MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   const fs::path path = small / "metrics.jsonl";
-  const Json record = {{"step", 1}, {"note", std::string(300, 'x')}};
+  train::StepRecord record;
+  record.step = 1;
+  record.plan = std::string(300, 'x');
   size_t written = 0;
   std::string message;
   {
@@ -130,13 +132,13 @@ TEST(Metrics, TornLastLineIsRemovedWithAWarning) {
   ::testing::internal::CaptureStderr();
   {
     train::MetricsLog log(path);
-    log.write({{"step", 3}});
+    log.write(train::EvalRecord{3, 1.5});
   }
   const std::string warning = ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(
       contains(warning, "warning: " + path.string() + " ended in an incomplete line (15 bytes"))
       << warning;
-  EXPECT_EQ(read_file(path), "{\"step\": 1}\n{\"step\": 2}\n{\"step\":3}\n");
+  EXPECT_EQ(read_file(path), "{\"step\": 1}\n{\"step\": 2}\n{\"step\":3,\"val_loss\":1.5}\n");
   // A file that is nothing but a torn line becomes empty; a whole file is left alone.
   write_file_atomic(path, "{\"st");
   { train::MetricsLog log(path); }

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "common/error.h"
@@ -10,6 +12,7 @@
 #include "plan/planner.h"
 #include "sim/scenario.h"
 #include "sim/simulator.h"
+#include "test_util.h"
 
 using namespace malleus;
 
@@ -116,7 +119,11 @@ TEST(Scenario, TraceRunsEveryStrategyAndOursLeads) {
     EXPECT_NEAR(covered, sc.horizon_s, 1e-6) << run.strategy;
   }
   ASSERT_NE(ours, nullptr);
+  EXPECT_EQ(ours->switches.size(), sc.events.size());
   for (const auto& run : r.runs) {
+    if (&run != ours) {
+      EXPECT_TRUE(run.switches.empty()) << run.strategy;
+    }
     EXPECT_GE(ours->samples, run.samples * (1 - 1e-9)) << run.strategy;
     for (size_t e = 0; e < run.steady_samples_per_s.size(); ++e) {
       EXPECT_GE(ours->steady_samples_per_s[e], run.steady_samples_per_s[e] * (1 - 1e-9))
@@ -132,6 +139,48 @@ TEST(Scenario, TraceRunsEveryStrategyAndOursLeads) {
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   EXPECT_EQ(sim::result_to_json(r)["runs"].size(), r.runs.size());
+}
+
+TEST(Scenario, SwitchDecisionsAreTheControllersRule) {
+  // On every scenario file: each switch ours weighed is decided as replan::weigh_switch — the
+  // controller's rule — decides the same question, and the switches it took are its re-plans.
+  // Ours alone: the baselines switch whenever their plan changes, weighing nothing.
+  size_t weighed = 0, taken = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(MALLEUS_SOURCE_DIR "/configs/scenarios")) {
+    sim::Scenario scenario = sim::load_scenario(entry.path().string());
+    scenario.strategies = {"malleus"};
+    const auto r = sim::run_scenario(scenario);
+    ASSERT_EQ(r.runs.size(), 1u);
+    const sim::StrategyRun& run = r.runs[0];
+    EXPECT_EQ(run.switches.size(), r.scenario.events.size()) << entry.path();
+    int took = 0;
+    for (const auto& w : run.switches) {
+      EXPECT_EQ(replan::weigh_switch(w.question), w.verdict)
+          << entry.path() << " at " << w.at_s << " s";
+      EXPECT_EQ(w.question.horizon_steps,
+                r.scenario.decision_horizon_s / w.question.current_step_s);
+      took += w.verdict.take ? 1 : 0;
+    }
+    EXPECT_EQ(took, run.replans) << entry.path();
+    weighed += run.switches.size();
+    taken += static_cast<size_t>(took);
+  }
+  EXPECT_GE(weighed, 22u);
+  EXPECT_GT(taken, 0u);
+  std::printf("  %zu switches weighed, %zu taken\n", weighed, taken);
+}
+
+TEST(Scenario, ChartWithMarkupInTheNameIsValidXml) {
+  Json j = small_scenario();
+  j["name"] = "a<&\"b>";
+  const auto r = sim::run_scenario(sim::Scenario::from_json(j, "s.json"));
+  malleus::testing::ScratchDir dir;
+  std::ofstream(dir / "chart.svg") << sim::render_svg(r);
+  const auto parsed = malleus::testing::parse_xml(dir / "chart.svg");
+  ASSERT_EQ(parsed.exit_code, 0) << parsed.output;
+  EXPECT_NE(parsed.output.find("a<&\"b>: throughput over time"), std::string::npos)
+      << parsed.output;
 }
 
 TEST(Scenario, BadFilesNameTheKey) {

@@ -181,10 +181,13 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   const TrainingRun run = train_with_busy_core(dir, "replan", kSteps, kFrom, kTo, "");
   ASSERT_EQ(run.steps.size(), size_t{kSteps}) << run.output;
   const std::string table = rate_table(run) + run.output;
-  // Seen within 3 steps of the start, at the slowdown measured without re-planning (±25 %).
-  const int seen = first_step(run, kFrom, kTo, [&](const Step& s) {
-    return std::abs(s.rates[1] - slowdown) <= 0.25 * slowdown;
-  });
+  // Seen within 3 steps of the start: rank 1 reads at least 1.5 (above the controller's
+  // straggler threshold, 1.2). How accurately it reads is checked above, against the slowdown of
+  // the same run: two runs on a shared machine need not slow rank 1 by the same factor (measured
+  // 2.3x in one and 2.9x in the next), so comparing this run's rate with the other run's slowdown
+  // would test the machine, not the monitor.
+  const int seen =
+      first_step(run, kFrom, kTo, [&](const Step& s) { return s.rates[1] >= 1.5; });
   EXPECT_GE(seen, kFrom) << table;
   EXPECT_LE(seen, kFrom + 2) << table;
   // Re-planned around, while it lasts.

@@ -165,6 +165,20 @@ inline CommandResult run_command(const std::string& command) {
   return result;
 }
 
+#ifdef MALLEUS_PYTHON
+// Parses `path` with Python's xml.etree (an XML parser independent of ours) and prints every
+// element's text and attribute values, one per line; the exit code is non-zero unless the file is
+// well-formed XML.
+inline CommandResult parse_xml(const fs::path& path) {
+  return run_command(std::string(MALLEUS_PYTHON) +
+                     " -c 'import sys, xml.etree.ElementTree as E\n"
+                     "for e in E.parse(sys.argv[1]).iter():\n"
+                     "  print(e.text or \"\")\n"
+                     "  for v in e.attrib.values(): print(v)' " +
+                     path.string());
+}
+#endif
+
 #ifdef MALLEUS_BINARY
 // Runs `malleus <arguments>`.
 inline CommandResult run_malleus(const std::string& arguments) {

@@ -14,12 +14,14 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "common/stats.h"
 #include "model/config.h"
 #include "model/transformer.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/plan.h"
 #include "plan/planner.h"
+#include "replan/replan.h"
 #include "sim/scenario.h"
 #include "sim/simulator.h"
 
@@ -95,7 +97,7 @@ void run_plan(const SetupArgs& args, const std::string& strategy_name, const std
     req.current = plan::Plan::from_json(read_json_file(current), cost.model(), current);
     plan::validate(*req.current, cost.model(), current);
   }
-  plan::PlannerOptions options;
+  plan::PlannerOptions options = replan::with_migration_tie_break({}, cost.model());
   options.refine = sim::simulator_evaluator(cost);
   const auto strategy = plan::make_strategy(strategy_name, options);
   const plan::PlanResult r = strategy->plan(cost, req);
@@ -323,11 +325,6 @@ void run_experiments(const std::vector<std::string>& files, const std::string& o
 }
 
 // ---- profile -------------------------------------------------------------------------------
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Times forward and backward of the model with one and with two layers; the difference is one
 // layer, the rest is embedding + head + loss.

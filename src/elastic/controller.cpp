@@ -32,7 +32,8 @@ plan::Profile shared_profile(plan::Profile p, double share) {
 Controller::Controller(plan::CostModel cost, ControllerOptions options)
     : cost_(std::move(cost)),
       options_(std::move(options)),
-      strategy_(plan::make_strategy(options_.strategy)),
+      strategy_(plan::make_strategy(options_.strategy,
+                                    replan::with_migration_tie_break({}, cost_.model()))),
       planned_rates_(static_cast<size_t>(cost_.cluster().num_devices()), 1.0) {}
 
 std::vector<double> Controller::effective(const std::vector<double>& rates) const {
@@ -57,67 +58,54 @@ Decision Controller::decide(comm::Communicator& world, const plan::Plan& current
   }
   if (!moved || monitored_steps < options_.min_samples || remaining_steps <= 0) return {};
 
-  std::string verdict;  // the record, with the new plan inside when switching
+  Decision decision;
+  std::string plan_text;  // the plan to switch to, if any
   if (world.rank() == 0) {
-    Decision d = decide_on_root(current, effective(rates), step, remaining_steps);
-    if (d.plan) d.record["plan_json"] = d.plan->to_json();
-    verdict = d.record.dump();
+    decision = propose(current, rates, step, remaining_steps);
+    if (decision.plan) plan_text = decision.plan->to_json().dump();
   }
-  int64_t length = static_cast<int64_t>(verdict.size());
+  int64_t length = static_cast<int64_t>(plan_text.size());
   world.broadcast(&length, sizeof length, 0);
-  verdict.resize(static_cast<size_t>(length));
-  world.broadcast(verdict.data(), verdict.size(), 0);
+  plan_text.resize(static_cast<size_t>(length));
+  world.broadcast(plan_text.data(), plan_text.size(), 0);
   planned_rates_ = rates;
 
-  Decision decision;
-  decision.record = Json::parse(verdict);
-  if (decision.record.contains("plan_json")) {
-    decision.plan = plan::Plan::from_json(decision.record["plan_json"], cost_.model(), "re-plan");
-    decision.record.erase("plan_json");
+  decision.asked = true;
+  if (world.rank() != 0 && !plan_text.empty()) {
+    decision.plan = plan::Plan::from_json(Json::parse(plan_text), cost_.model(), "re-plan");
   }
   return decision;
 }
 
-Decision Controller::decide_on_root(const plan::Plan& current, const std::vector<double>& rates,
-                                    int64_t step, int64_t remaining_steps) {
+Decision Controller::propose(const plan::Plan& current, const std::vector<double>& measured,
+                             int64_t step, int64_t remaining_steps) const {
   Decision d;
-  d.record = {{"step", step}, {"rates", rates}, {"old_plan", current.summary()}};
+  d.asked = true;
+  d.step = step;
+  d.rates = effective(measured);
+  d.old_plan = current.summary();
   plan::PlanRequest request;
-  request.rates = rates;
+  request.rates = d.rates;
   request.current = current;
   plan::PlanResult result;
   try {
     result = strategy_->plan(cost_, request);
   } catch (const Error& e) {
-    d.record["event"] = "replan_declined";
-    d.record["reason"] = std::string("no plan: ") + e.what();
+    d.verdict.reason = std::string("no plan: ") + e.what();
     return d;
   }
-  const double old_time = cost_.predict(current, rates).iteration_time;
-  const double new_time = result.prediction.iteration_time;
-  const plan::Migration migration = plan::migration_cost(current, result.plan, cost_);
-  // The model's transfer estimate, or what the last migration really took if that is larger
-  // (building communicators and buffers costs time the bandwidth model does not see).
-  const double migration_s = std::max(migration.seconds, measured_migration_s_);
-  const int64_t horizon = std::min<int64_t>(remaining_steps, options_.horizon_steps);
-  const double gain = (std::isfinite(old_time) ? old_time - new_time : 1e30) * double(horizon);
-  d.record["new_plan"] = result.plan.summary();
-  d.record["predicted_old_s"] = std::isfinite(old_time) ? old_time : -1.0;
-  d.record["predicted_new_s"] = new_time;
-  d.record["predicted_gain_s"] = std::isfinite(old_time) ? old_time - new_time : -1.0;
-  d.record["predicted_migration_s"] = migration_s;
-  d.record["horizon_steps"] = horizon;
-  d.record["planning_s"] = result.planning_seconds;
-  if (result.plan.to_json() == current.to_json()) {
-    d.record["event"] = "replan_declined";
-    d.record["reason"] = "the current plan is still the best";
-  } else if (gain <= migration_s) {
-    d.record["event"] = "replan_declined";
-    d.record["reason"] = "predicted gain over the horizon does not pay for the migration";
-  } else {
-    d.record["event"] = "replan";
-    d.plan = result.plan;
-  }
+  d.new_plan = result.plan.summary();
+  d.planning_s = result.planning_seconds;
+  const replan::MigrationEstimate migration =
+      replan::estimate_migration(cost_, current, result.plan);
+  d.question.current_step_s = cost_.predict(current, d.rates).iteration_time;
+  d.question.proposed_step_s = result.prediction.iteration_time;
+  d.question.switch_s = std::max(migration.seconds, measured_migration_s_);
+  d.question.horizon_steps =
+      static_cast<double>(std::min<int64_t>(remaining_steps, options_.horizon_steps));
+  d.question.same_plan = result.plan.to_json() == current.to_json();
+  d.verdict = replan::weigh_switch(d.question);
+  if (d.verdict.take) d.plan = result.plan;
   return d;
 }
 

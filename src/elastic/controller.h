@@ -1,18 +1,21 @@
 // The controller: when the monitored rates have moved, ask the planner for a plan for the new
-// rates and switch only if the predicted time saved over a horizon beats the predicted cost of
-// moving the state. The decision is made on rank 0 and broadcast, so every rank acts on the same
-// one.
+// rates and switch only if replan::weigh_switch says the predicted time saved over a horizon beats
+// the predicted cost of moving the state (the rule the simulator applies too). The decision is
+// made on rank 0 and its plan broadcast, so every rank acts on the same one.
 #pragma once
 
+#include <cstdint>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
-#include "common/json.h"
 #include "plan/cost_model.h"
 #include "plan/plan.h"
 #include "plan/planner.h"
+#include "replan/replan.h"
 
 namespace malleus::elastic {
 
@@ -24,9 +27,17 @@ struct ControllerOptions {
   std::string strategy = "malleus";
 };
 
+// One decision. `asked` and `plan` are the same on every rank; the rest describes rank 0's
+// reasoning and is filled on rank 0 only.
 struct Decision {
+  bool asked = false;              // the rates moved enough to ask the planner
   std::optional<plan::Plan> plan;  // set: switch to it
-  Json record;  // for the metrics log ("replan" or "replan_declined"); null when nothing was asked
+  int64_t step = 0;
+  std::vector<double> rates;       // the effective rates planned for
+  std::string old_plan, new_plan;  // summaries; new_plan is empty when no plan was found
+  replan::SwitchQuestion question;
+  replan::SwitchVerdict verdict;  // its reason also says why no plan was found
+  double planning_s = std::numeric_limits<double>::quiet_NaN();
 };
 
 class Controller {
@@ -34,19 +45,19 @@ class Controller {
   // `cost` models this job's cluster (its devices are the ranks), model and batch.
   Controller(plan::CostModel cost, ControllerOptions options);
 
-  // Collective. `measured_migration_s`: the last migration's wall time, if any, to correct the
-  // cost model's estimate.
+  // Collective: asks the planner on rank 0 when the rates moved enough, and broadcasts its plan.
   Decision decide(comm::Communicator& world, const plan::Plan& current,
                   const std::vector<double>& rates, int monitored_steps, int64_t step,
                   int64_t remaining_steps);
-  // The measured rates the current plan was chosen for.
-  const std::vector<double>& planned_rates() const { return planned_rates_; }
+  // What rank 0 decides for `rates` (measured; thresholded here), whether or not they moved.
+  Decision propose(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
+                   int64_t remaining_steps) const;
+  // The last migration's wall time: the switch cost is at least this (building communicators and
+  // buffers costs time the bandwidth model does not see).
   void note_migration_seconds(double seconds) { measured_migration_s_ = seconds; }
 
  private:
   std::vector<double> effective(const std::vector<double>& rates) const;
-  Decision decide_on_root(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
-                          int64_t remaining_steps);
 
   plan::CostModel cost_;
   ControllerOptions options_;

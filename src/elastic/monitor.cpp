@@ -3,23 +3,9 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/stats.h"
 
 namespace malleus::elastic {
-
-namespace {
-
-// A local median (the project's shared one is on its way to common/; this is the only use here).
-double median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
-  if (values.size() % 2 == 1) return values[mid];
-  const double upper = values[mid];
-  return 0.5 * (upper + *std::max_element(values.begin(),
-                                          values.begin() + static_cast<std::ptrdiff_t>(mid)));
-}
-
-}  // namespace
 
 Monitor::Monitor(int world_size, MonitorOptions options)
     : options_(options),

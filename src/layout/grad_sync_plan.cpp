@@ -8,7 +8,6 @@ namespace malleus::layout {
 GradSyncPlan plan_grad_sync(const model::ModelConfig& model, const Layout& layout) {
   GradSyncPlan plan;
   plan.pieces = common_refinement(model, {&layout});
-  const model::ParameterLayout full(model);
   std::map<std::vector<int>, GradSyncGroup> groups;
   for (size_t p = 0; p < plan.pieces.size(); ++p) {
     const auto& holders = plan.pieces[p].holders[0];
@@ -18,7 +17,7 @@ GradSyncPlan plan_grad_sync(const model::ModelConfig& model, const Layout& layou
     GradSyncGroup& group = groups[ranks];
     group.ranks = ranks;
     group.pieces.push_back(static_cast<int>(p));
-    group.elements += piece_elements(full, plan.pieces[p].piece);
+    group.elements += plan.pieces[p].elements;
   }
   for (auto& [ranks, group] : groups) plan.groups.push_back(std::move(group));
   return plan;

@@ -90,6 +90,30 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
     full_index[full.tensors()[i].name] = static_cast<int>(i);
   }
 
+  // What a shard holds of each tensor. Ranks with the same shard (data-parallel replicas) share
+  // one entry: building a rank's ParameterLayout is most of the cost for large plans.
+  struct LocalSpan {
+    int full, tensor;  // full-model and local tensor index
+    int64_t begin, end;
+  };
+  std::map<std::vector<int>, std::vector<LocalSpan>> by_shard;
+  auto spans_of = [&](const model::ShardSpec& shard) -> const std::vector<LocalSpan>& {
+    const std::vector<int> key{shard.layer_begin, shard.layer_end,  shard.has_embedding,
+                               shard.has_head,    shard.head_begin, shard.heads,
+                               shard.ffn_begin,   shard.ffn,        shard.vocab_begin,
+                               shard.vocab};
+    auto [it, added] = by_shard.try_emplace(key);
+    if (added) {
+      const model::ParameterLayout local(model, shard);
+      for (size_t t = 0; t < local.tensors().size(); ++t) {
+        const auto& spec = local.tensors()[t];
+        it->second.push_back({full_index.at(spec.name), static_cast<int>(t), spec.shard_begin,
+                              spec.shard_begin + local_extent(spec)});
+      }
+    }
+    return it->second;
+  };
+
   // For every full tensor and layout: (rank, group, local tensor, [begin, end)) of each holder.
   struct Span {
     int64_t begin, end;
@@ -102,17 +126,12 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
     const Layout& layout = *layouts[li];
     check(layout.world_size() == layouts[0]->world_size(),
           "layouts of different world sizes cannot be refined together");
-    const auto locals = local_layouts(model, layout);
-    for (size_t r = 0; r < locals.size(); ++r) {
-      if (!locals[r]) continue;
-      const auto& tensors = locals[r]->tensors();
-      for (size_t t = 0; t < tensors.size(); ++t) {
-        const auto& local = tensors[t];
-        const int f = full_index.at(local.name);
-        const int64_t begin = local.shard_begin;
-        spans[static_cast<size_t>(f)][li].push_back(
-            {begin, begin + local_extent(local),
-             Holder{static_cast<int>(r), layout.replica_group[r], static_cast<int>(t)}});
+    for (size_t r = 0; r < layout.shards.size(); ++r) {
+      if (!layout.shards[r]) continue;
+      for (const LocalSpan& local : spans_of(*layout.shards[r])) {
+        spans[static_cast<size_t>(local.full)][li].push_back(
+            {local.begin, local.end,
+             Holder{static_cast<int>(r), layout.replica_group[r], local.tensor}});
       }
     }
   }
@@ -129,7 +148,8 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, {}};
+      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, 0, {}};
+      piece.elements = piece_elements(full, piece.piece);
       bool held = false;
       for (const auto& per_layout : spans[f]) {
         std::vector<Holder> holders;

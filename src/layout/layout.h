@@ -49,6 +49,7 @@ struct Holder {
 
 struct RefinedPiece {
   Piece piece;
+  int64_t elements = 0;                      // piece_elements of the piece
   std::vector<std::vector<Holder>> holders;  // holders[i]: who holds it in layouts[i], by rank
 };
 

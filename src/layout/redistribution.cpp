@@ -17,6 +17,7 @@ RedistributionPlan plan_redistribution(const model::ModelConfig& model, const La
                                        const Layout& to, int ranks_per_node) {
   check(from.world_size() == to.world_size(), "redistribution between different world sizes");
   RedistributionPlan plan;
+  plan.world_size = from.world_size();
   plan.pieces = common_refinement(model, {&from, &to});
   const model::ParameterLayout full(model);
   auto node = [&](int rank) { return ranks_per_node > 0 ? rank / ranks_per_node : 0; };
@@ -25,7 +26,7 @@ RedistributionPlan plan_redistribution(const model::ModelConfig& model, const La
   for (size_t p = 0; p < plan.pieces.size(); ++p) {
     const auto& old_holders = plan.pieces[p].holders[0];
     const auto& new_holders = plan.pieces[p].holders[1];
-    const int64_t elements = piece_elements(full, plan.pieces[p].piece);
+    const int64_t elements = plan.pieces[p].elements;
     for (const Holder& dst : new_holders) {
       const Holder* source = nullptr;
       for (const Holder& h : old_holders) {
@@ -65,14 +66,13 @@ namespace {
 // Moves of one transfer cut into buckets of at most `limit` elements (over all buffers); a piece
 // larger than the limit travels alone.
 std::vector<std::vector<PieceMove>> buckets_of(const Transfer& t,
-                                               const model::ParameterLayout& full,
                                                const std::vector<RefinedPiece>& pieces,
                                                int64_t limit, size_t buffers) {
   std::vector<std::vector<PieceMove>> buckets(1);
   int64_t filled = 0;
   for (const PieceMove& m : t.moves) {
-    const int64_t size = piece_elements(full, pieces[static_cast<size_t>(m.piece)].piece) *
-                         static_cast<int64_t>(buffers);
+    const int64_t size =
+        pieces[static_cast<size_t>(m.piece)].elements * static_cast<int64_t>(buffers);
     if (filled > 0 && filled + size > limit) {
       buckets.emplace_back();
       filled = 0;
@@ -86,20 +86,19 @@ std::vector<std::vector<PieceMove>> buckets_of(const Transfer& t,
 }  // namespace
 
 template <typename T>
-void redistribute(const RedistributionPlan& plan, const model::ModelConfig& model,
-                  comm::Communicator& world, const model::ParameterLayout* from_local,
-                  const std::vector<const T*>& from_buffers, const model::ParameterLayout* to_local,
-                  const std::vector<T*>& to_buffers, int64_t bucket_elements) {
+int64_t redistribute(const RedistributionPlan& plan, comm::Communicator& world,
+                     const LocalState<const T>& from, const LocalState<T>& to,
+                     int64_t bucket_elements) {
   // A rank that holds nothing on one side passes no buffers for that side.
-  const size_t buffers = std::max(from_buffers.size(), to_buffers.size());
-  check((from_buffers.empty() || from_buffers.size() == buffers) &&
-            (to_buffers.empty() || to_buffers.size() == buffers),
+  const size_t buffers = std::max(from.buffers.size(), to.buffers.size());
+  check((from.buffers.empty() || from.buffers.size() == buffers) &&
+            (to.buffers.empty() || to.buffers.size() == buffers),
         "redistribute: buffer lists differ in length");
   const int me = world.rank();
-  const model::ParameterLayout full(model);
   auto elements_of = [&](const PieceMove& m) {
-    return piece_elements(full, plan.pieces[static_cast<size_t>(m.piece)].piece);
+    return plan.pieces[static_cast<size_t>(m.piece)].elements;
   };
+  int64_t received = 0;
 
   for (const Transfer& t : plan.local_copies) {
     if (t.source != me) continue;
@@ -108,8 +107,8 @@ void redistribute(const RedistributionPlan& plan, const model::ModelConfig& mode
       const Piece& piece = plan.pieces[static_cast<size_t>(m.piece)].piece;
       scratch.resize(static_cast<size_t>(elements_of(m)));
       for (size_t b = 0; b < buffers; ++b) {
-        pack_piece(from_buffers[b], from_local->tensor(m.source_tensor), piece, scratch.data());
-        unpack_piece(scratch.data(), to_local->tensor(m.destination_tensor), piece, to_buffers[b]);
+        pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor), piece, scratch.data());
+        unpack_piece(scratch.data(), to.layout->tensor(m.destination_tensor), piece, to.buffers[b]);
       }
     }
   }
@@ -123,7 +122,7 @@ void redistribute(const RedistributionPlan& plan, const model::ModelConfig& mode
   size_t rounds = 0;
   for (const Transfer& t : plan.transfers) {
     if (t.source != me && t.destination != me) continue;
-    mine.push_back({&t, buckets_of(t, full, plan.pieces, bucket_elements, buffers)});
+    mine.push_back({&t, buckets_of(t, plan.pieces, bucket_elements, buffers)});
     rounds = std::max(rounds, mine.back().buckets.size());
   }
   // Every rank must agree on the number of rounds only pairwise: a pair's bucket count is
@@ -145,7 +144,7 @@ void redistribute(const RedistributionPlan& plan, const model::ModelConfig& mode
         T* cursor = message.data();
         for (size_t b = 0; b < buffers; ++b) {
           for (const PieceMove& m : bucket) {
-            pack_piece(from_buffers[b], from_local->tensor(m.source_tensor),
+            pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor),
                        plan.pieces[static_cast<size_t>(m.piece)].piece, cursor);
             cursor += elements_of(m);
           }
@@ -156,6 +155,7 @@ void redistribute(const RedistributionPlan& plan, const model::ModelConfig& mode
         requests.push_back(
             world.irecv(message.data(), message.size() * sizeof(T), a.transfer->source, tag));
         receives.emplace_back(&a, messages.size() - 1);
+        received += static_cast<int64_t>(message.size() * sizeof(T));
       }
     }
     comm::Request::wait_all(requests);
@@ -163,18 +163,18 @@ void redistribute(const RedistributionPlan& plan, const model::ModelConfig& mode
       const T* cursor = messages[index].data();
       for (size_t b = 0; b < buffers; ++b) {
         for (const PieceMove& m : active->buckets[round]) {
-          unpack_piece(cursor, to_local->tensor(m.destination_tensor),
-                       plan.pieces[static_cast<size_t>(m.piece)].piece, to_buffers[b]);
+          unpack_piece(cursor, to.layout->tensor(m.destination_tensor),
+                       plan.pieces[static_cast<size_t>(m.piece)].piece, to.buffers[b]);
           cursor += elements_of(m);
         }
       }
     }
   }
+  return received;
 }
 
-template void redistribute<float>(const RedistributionPlan&, const model::ModelConfig&,
-                                  comm::Communicator&, const model::ParameterLayout*,
-                                  const std::vector<const float*>&, const model::ParameterLayout*,
-                                  const std::vector<float*>&, int64_t);
+template int64_t redistribute<float>(const RedistributionPlan&, comm::Communicator&,
+                                     const LocalState<const float>&, const LocalState<float>&,
+                                     int64_t);
 
 }  // namespace malleus::layout

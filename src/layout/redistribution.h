@@ -26,6 +26,7 @@ struct Transfer {
 };
 
 struct RedistributionPlan {
+  int world_size = 0;
   std::vector<RefinedPiece> pieces;    // holders[0]: old layout, holders[1]: new layout
   std::vector<Transfer> transfers;     // source != destination, sorted by (source, destination)
   std::vector<Transfer> local_copies;  // source == destination
@@ -37,14 +38,26 @@ struct RedistributionPlan {
 RedistributionPlan plan_redistribution(const model::ModelConfig& model, const Layout& from,
                                        const Layout& to, int ranks_per_node = 0);
 
-// Runs `plan` on this rank: from_buffers[i] laid out by `from_local` (this rank's old layout, or
-// null if it held nothing) into to_buffers[i] laid out by `to_local`. Collective over `world`
-// (every rank calls it with the same plan). Messages are split into buckets of at most
-// `bucket_elements` elements so the extra memory stays bounded.
+// One side of a redistribution on this rank: its own parameter layout and the buffers laid out by
+// it (parameters, Adam moments, ...), or nothing when the rank holds nothing on that side.
 template <typename T>
-void redistribute(const RedistributionPlan& plan, const model::ModelConfig& model,
-                  comm::Communicator& world, const model::ParameterLayout* from_local,
-                  const std::vector<const T*>& from_buffers, const model::ParameterLayout* to_local,
-                  const std::vector<T*>& to_buffers, int64_t bucket_elements = int64_t{1} << 24);
+struct LocalState {
+  const model::ParameterLayout* layout = nullptr;
+  std::vector<T*> buffers;
+};
+
+template <typename T>
+LocalState<const T> read_only(const LocalState<T>& state) {
+  return {state.layout, {state.buffers.begin(), state.buffers.end()}};
+}
+
+// Runs `plan` on this rank, moving every buffer of `from` (this rank's old state) into the same
+// buffer of `to`. Collective over `world` (every rank calls it with the same plan). Messages are
+// split into buckets of at most `bucket_elements` elements so the extra memory stays bounded.
+// Returns the bytes this rank received from other ranks.
+template <typename T>
+int64_t redistribute(const RedistributionPlan& plan, comm::Communicator& world,
+                     const LocalState<const T>& from, const LocalState<T>& to,
+                     int64_t bucket_elements = int64_t{1} << 24);
 
 }  // namespace malleus::layout

@@ -16,15 +16,6 @@ int64_t ModelConfig::num_parameters() const {
   return num_layers * per_layer + c /*final norm*/ + 2 * int64_t{vocab_size} * c /*embed, head*/;
 }
 
-double ModelConfig::train_flops_per_token(int seq) const {
-  const double c = hidden_size, f = ffn_hidden_size, kv = kv_dim();
-  const double matmul_params = num_layers * (2 * c * c + 2 * c * kv + 3 * c * f) + vocab_size * c;
-  // Causal attention: QKᵀ and PV each 2·seq·c multiply-adds per token over the full square;
-  // the causal half is what the kernels compute, so count seq/2 keys on average. ×3 for backward.
-  const double attention = num_layers * 3.0 * (2.0 * 2.0 * c * (seq / 2.0));
-  return 6.0 * matmul_params + attention;
-}
-
 void ModelConfig::validate(const std::string& source) const {
   auto positive = [&](const char* key, double value) {
     check(value > 0,

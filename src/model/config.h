@@ -31,9 +31,6 @@ struct ModelConfig {
   int head_dim() const { return hidden_size / num_heads; }
   int kv_dim() const { return num_kv_heads * head_dim(); }
   int64_t num_parameters() const;
-  // Training FLOPs (forward + backward) per token at sequence length `seq`: 6 per parameter of the
-  // matmuls plus causal attention (QKᵀ and PV), the accounting used for MFU.
-  double train_flops_per_token(int seq) const;
 
   // Throws Error naming `source` and the offending key if the shape is impossible.
   void validate(const std::string& source) const;

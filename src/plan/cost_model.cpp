@@ -13,6 +13,15 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// Matmul parameters of one layer: attention (Q, K, V, O) and the SwiGLU FFN.
+struct LayerMatmuls {
+  double attention, ffn;
+};
+LayerMatmuls layer_matmuls(const model::ModelConfig& model) {
+  const double h = model.hidden_size;
+  return {2 * h * h + 2 * h * model.kv_dim(), 3 * h * model.ffn_hidden_size};
+}
+
 double rate_of(const Rates& rates, int rank) {
   return rank >= 0 && static_cast<size_t>(rank) < rates.size() ? rates[static_cast<size_t>(rank)]
                                                                : 1.0;
@@ -69,6 +78,54 @@ std::vector<int> water_fill(int total, double unit, const std::vector<double>& b
 
 }  // namespace
 
+Shares Shares::of(const Stage& stage, size_t member, const model::ModelConfig& model) {
+  return {double(stage.heads[member]) / model.num_heads,
+          double(stage.ffn[member]) / model.ffn_hidden_size,
+          double(stage.vocab[member]) / model.vocab_size};
+}
+
+double layer_forward_flops(const model::ModelConfig& model, int sequences, int seq_len,
+                           const Shares& shares) {
+  const double h = model.hidden_size, tokens = double(sequences) * seq_len;
+  const LayerMatmuls params = layer_matmuls(model);
+  // 2 per matmul weight per token; causal attention (QKᵀ and PV) over s/2 keys on average.
+  return tokens * (2 * params.attention * shares.heads + 2 * h * seq_len * shares.heads +
+                   2 * params.ffn * shares.ffn);
+}
+
+double head_forward_flops(const model::ModelConfig& model, int sequences, int seq_len,
+                          const Shares& shares) {
+  return double(sequences) * seq_len * 2.0 * model.vocab_size * model.hidden_size * shares.vocab;
+}
+
+double shard_training_flops(const model::ModelConfig& model, int sequences, int seq_len, int layers,
+                            bool last_stage, const Shares& shares) {
+  double forward = layers * layer_forward_flops(model, sequences, seq_len, shares);
+  if (last_stage) forward += head_forward_flops(model, sequences, seq_len, shares);
+  return (1 + kBackwardPerForward) * forward;
+}
+
+void MemoryFootprint::include(const MemoryFootprint& o) {
+  state_per_layer = std::max(state_per_layer, o.state_per_layer);
+  embedding_state = std::max(embedding_state, o.embedding_state);
+  head_state = std::max(head_state, o.head_state);
+  activations_per_layer = std::max(activations_per_layer, o.activations_per_layer);
+  checkpoint_per_layer = std::max(checkpoint_per_layer, o.checkpoint_per_layer);
+  logits = std::max(logits, o.logits);
+}
+
+MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
+                     int recomputed) {
+  MemoryUse use;
+  use.state =
+      layers * f.state_per_layer + (first ? f.embedding_state : 0) + (last ? f.head_state : 0);
+  use.activations = in_flight * ((layers - recomputed) * f.activations_per_layer +
+                                 recomputed * f.checkpoint_per_layer) +
+                    (recomputed > 0 ? f.activations_per_layer : 0);
+  use.logits = last ? f.logits : 0;
+  return use;
+}
+
 void BatchConfig::validate(const std::string& source) const {
   check(global_batch > 0, source + ": global batch must be positive");
   check(micro_batch > 0, source + ": micro-batch must be positive");
@@ -118,10 +175,6 @@ Profile Profile::from_json(const Json& json, const std::string& source) {
   return p;
 }
 
-double Prediction::samples_per_second(int global_batch) const {
-  return std::isfinite(iteration_time) && iteration_time > 0 ? global_batch / iteration_time : 0;
-}
-
 CostModel::CostModel(model::ModelConfig model, ClusterSpec cluster, BatchConfig batch,
                      std::optional<Profile> profile)
     : model_(std::move(model)),
@@ -129,9 +182,9 @@ CostModel::CostModel(model::ModelConfig model, ClusterSpec cluster, BatchConfig 
       batch_(batch),
       profile_(std::move(profile)) {
   batch_.validate("batch");
-  const double h = model_.hidden_size;
-  attention_params_ = 2 * h * h + 2 * h * model_.kv_dim();
-  ffn_params_ = 3 * h * model_.ffn_hidden_size;
+  const LayerMatmuls params = layer_matmuls(model_);
+  attention_params_ = params.attention;
+  ffn_params_ = params.ffn;
   if (profile_) {
     layer_flops_per_s_fwd_ = profile_->layer_forward_flops_per_s;
     layer_flops_per_s_bwd_ = profile_->layer_backward_flops_per_s;
@@ -142,13 +195,34 @@ CostModel::CostModel(model::ModelConfig model, ClusterSpec cluster, BatchConfig 
 }
 
 double CostModel::layer_forward_flops() const {
-  const double tokens = double(batch_.micro_batch) * batch_.seq_len;
-  const double h = model_.hidden_size;
-  return tokens * (2 * attention_params_ + 2 * h * batch_.seq_len + 2 * ffn_params_);
+  return plan::layer_forward_flops(model_, batch_.micro_batch, batch_.seq_len);
 }
 
 double CostModel::head_forward_flops() const {
-  return double(batch_.micro_batch) * batch_.seq_len * 2.0 * model_.vocab_size * model_.hidden_size;
+  return plan::head_forward_flops(model_, batch_.micro_batch, batch_.seq_len);
+}
+
+double CostModel::layer_parameters(const Shares& shares) const {
+  return attention_params_ * shares.heads + ffn_params_ * shares.ffn + 2.0 * model_.hidden_size;
+}
+
+MemoryFootprint CostModel::footprint(const Stage& stage, size_t member) const {
+  const Shares shares = Shares::of(stage, member, model_);
+  const double h = model_.hidden_size, V = model_.vocab_size;
+  const double tokens = double(batch_.micro_batch) * batch_.seq_len;
+  const double bytes = cluster_.state_bytes_per_param;
+  // The rank's fraction of a layer's matmul work, which its activations follow.
+  const double share = (attention_params_ * shares.heads + ffn_params_ * shares.ffn) /
+                       (attention_params_ + ffn_params_);
+  const double activation = tokens * h * (cluster_.activation_bytes / 2.0) * share;
+  MemoryFootprint f;
+  f.state_per_layer = layer_parameters(shares) * bytes;
+  f.embedding_state = V * h * shares.vocab * bytes;
+  f.head_state = (V * h * shares.vocab + h) * bytes;
+  f.activations_per_layer = 34 * activation;
+  f.checkpoint_per_layer = 2 * activation;
+  f.logits = 2 * tokens * V * shares.vocab * 4.0;
+  return f;
 }
 
 double CostModel::activation_message_bytes() const {
@@ -185,35 +259,20 @@ double CostModel::p2p_time(const Stage& from, const Stage& to) const {
 GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
   GroupCost g;
   g.tp = stage.tp();
-  const double H = model_.num_heads, F = model_.ffn_hidden_size, V = model_.vocab_size;
-  const double h = model_.hidden_size;
-  const double tokens = double(batch_.micro_batch) * batch_.seq_len;
-  const double act_scale = cluster_.activation_bytes / 2.0;
+  const int b = batch_.micro_batch, s = batch_.seq_len;
   for (size_t i = 0; i < stage.ranks.size(); ++i) {
     const double rate = rate_of(rates, stage.ranks[i]);
     if (!std::isfinite(rate)) g.gone = true;
-    const double fh = stage.heads[i] / H, ff = stage.ffn[i] / F, fv = stage.vocab[i] / V;
-    const double fwd_flops =
-        tokens * (2 * attention_params_ * fh + 2 * h * batch_.seq_len * fh + 2 * ffn_params_ * ff);
-    g.layer_forward = std::max(g.layer_forward, fwd_flops / layer_flops_per_s_fwd_ * rate);
-    g.layer_backward = std::max(g.layer_backward, 2 * fwd_flops / layer_flops_per_s_bwd_ * rate);
-    const double head_flops = tokens * 2 * V * h * fv;
-    g.head_forward = std::max(g.head_forward, head_flops / head_flops_per_s_ * rate);
-    g.head_backward = std::max(g.head_backward, 2 * head_flops / head_flops_per_s_ * rate);
-    const double share =
-        (attention_params_ * fh + ffn_params_ * ff) / (attention_params_ + ffn_params_);
-    g.layer_state_bytes =
-        std::max(g.layer_state_bytes, (attention_params_ * fh + ffn_params_ * ff + 2 * h) *
-                                          cluster_.state_bytes_per_param);
-    g.layer_activation_bytes =
-        std::max(g.layer_activation_bytes, 34 * tokens * h * act_scale * share);
-    g.layer_checkpoint_bytes =
-        std::max(g.layer_checkpoint_bytes, 2 * tokens * h * act_scale * share);
-    g.embed_state_bytes =
-        std::max(g.embed_state_bytes, V * h * fv * cluster_.state_bytes_per_param);
-    g.head_state_bytes =
-        std::max(g.head_state_bytes, (V * h * fv + h) * cluster_.state_bytes_per_param);
-    g.logits_bytes = std::max(g.logits_bytes, 2 * tokens * V * fv * 4.0);
+    const Shares shares = Shares::of(stage, i, model_);
+    const double layer = plan::layer_forward_flops(model_, b, s, shares);
+    const double head = plan::head_forward_flops(model_, b, s, shares);
+    g.layer_forward = std::max(g.layer_forward, layer / layer_flops_per_s_fwd_ * rate);
+    g.layer_backward =
+        std::max(g.layer_backward, kBackwardPerForward * layer / layer_flops_per_s_bwd_ * rate);
+    g.head_forward = std::max(g.head_forward, head / head_flops_per_s_ * rate);
+    g.head_backward =
+        std::max(g.head_backward, kBackwardPerForward * head / head_flops_per_s_ * rate);
+    g.memory.include(footprint(stage, i));
   }
   g.layer_comm = allreduce_time(stage.ranks, activation_message_bytes());
   if (g.gone) g.layer_forward = g.layer_backward = g.head_forward = g.head_backward = kInf;
@@ -224,10 +283,8 @@ std::vector<double> CostModel::member_load(const Stage& stage, const Rates& rate
   std::vector<double> load;
   double worst = 0;
   for (size_t i = 0; i < stage.ranks.size(); ++i) {
-    const double fh = double(stage.heads[i]) / model_.num_heads;
-    const double ff = double(stage.ffn[i]) / model_.ffn_hidden_size;
-    const double work = (2 * attention_params_ + 2.0 * model_.hidden_size * batch_.seq_len) * fh +
-                        2 * ffn_params_ * ff;
+    const double work = plan::layer_forward_flops(model_, batch_.micro_batch, batch_.seq_len,
+                                                  Shares::of(stage, i, model_));
     load.push_back(work * rate_of(rates, stage.ranks[i]));
     worst = std::max(worst, load.back());
   }
@@ -238,20 +295,18 @@ std::vector<double> CostModel::member_load(const Stage& stage, const Rates& rate
 StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
                                 int in_flight) const {
   StageCost c;
-  const double l = layers, n = std::max(in_flight, 1);
+  const double l = layers;
+  const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
-  const double fixed = l * g.layer_state_bytes + (first ? g.embed_state_bytes : 0) +
-                       (last ? g.head_state_bytes + g.logits_bytes : 0);
-  auto memory = [&](int k) {
-    return fixed + n * ((l - k) * g.layer_activation_bytes + k * g.layer_checkpoint_bytes) +
-           (k > 0 ? g.layer_activation_bytes : 0);
-  };
+  auto memory = [&](int k) { return memory_use(g.memory, layers, first, last, n, k).total(); };
   int k = 0;
   if (memory(0) > cap) {
-    const double saved_per_layer = n * (g.layer_activation_bytes - g.layer_checkpoint_bytes);
-    k = saved_per_layer > 0 ? static_cast<int>(std::ceil(
-                                  (memory(0) + g.layer_activation_bytes - cap) / saved_per_layer))
-                            : layers;
+    const double saved_per_layer =
+        n * (g.memory.activations_per_layer - g.memory.checkpoint_per_layer);
+    k = saved_per_layer > 0
+            ? static_cast<int>(
+                  std::ceil((memory(0) + g.memory.activations_per_layer - cap) / saved_per_layer))
+            : layers;
     k = std::clamp(k, 1, std::max(layers, 1));
     while (k > 1 && memory(k - 1) <= cap) --k;
     while (k < layers && memory(k) > cap) ++k;
@@ -286,13 +341,11 @@ PipelinePrediction CostModel::pipeline_time(std::vector<StagePrediction> stages,
 }
 
 double CostModel::owned_parameters(const Stage& stage, size_t member, bool first, bool last) const {
-  const double h = model_.hidden_size;
-  const double fh = double(stage.heads[member]) / model_.num_heads;
-  const double ff = double(stage.ffn[member]) / model_.ffn_hidden_size;
-  const double fv = double(stage.vocab[member]) / model_.vocab_size;
-  double params = stage.num_layers() * (attention_params_ * fh + ffn_params_ * ff + 2 * h);
-  if (first) params += model_.vocab_size * h * fv;
-  if (last) params += model_.vocab_size * h * fv + h;
+  const Shares shares = Shares::of(stage, member, model_);
+  const double h = model_.hidden_size, V = model_.vocab_size;
+  double params = stage.num_layers() * layer_parameters(shares);
+  if (first) params += V * h * shares.vocab;
+  if (last) params += V * h * shares.vocab + h;
   return params;
 }
 
@@ -346,22 +399,13 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates) const {
       if (!last) sp.p2p_next = p2p_time(s, p.stages[static_cast<size_t>(j + 1)]);
       stages.push_back(sp);
       // Per-rank memory with the stage's recomputation choice.
-      const double tokens = double(batch_.micro_batch) * batch_.seq_len;
-      const double act_scale = cluster_.activation_bytes / 2.0;
-      const int k = sp.cost.recompute_layers;
       for (size_t i = 0; i < s.ranks.size(); ++i) {
-        const double fh = double(s.heads[i]) / model_.num_heads;
-        const double ff = double(s.ffn[i]) / model_.ffn_hidden_size;
-        const double fv = double(s.vocab[i]) / model_.vocab_size;
-        const double share =
-            (attention_params_ * fh + ffn_params_ * ff) / (attention_params_ + ffn_params_);
-        const double act = 34 * tokens * model_.hidden_size * act_scale * share;
-        const double ckpt = 2 * tokens * model_.hidden_size * act_scale * share;
-        double mem = owned_parameters(s, i, first, last) * cluster_.state_bytes_per_param +
-                     in_flight * ((s.num_layers() - k) * act + k * ckpt) + (k > 0 ? act : 0);
-        if (last) mem += 2 * tokens * model_.vocab_size * fv * 4.0;
         const int r = s.ranks[i];
-        if (r >= 0 && r < plan.world_size) out.memory_bytes[static_cast<size_t>(r)] = mem;
+        if (r < 0 || r >= plan.world_size) continue;
+        out.memory_bytes[static_cast<size_t>(r)] =
+            memory_use(footprint(s, i), s.num_layers(), first, last, in_flight,
+                       sp.cost.recompute_layers)
+                .total();
       }
     }
     out.pipelines.push_back(pipeline_time(std::move(stages), p.micro_batches));
@@ -421,10 +465,12 @@ void CostModel::balance_shares(Stage& stage, const Rates& rates) const {
     return;
   }
   const int kv = model_.num_kv_heads, group = model_.num_heads / model_.num_kv_heads;
-  const double tokens = double(batch_.micro_batch) * batch_.seq_len;
+  // Forward FLOPs of one KV group of heads and of one FFN column: the units shares move in.
+  const int b = batch_.micro_batch, s = batch_.seq_len;
   const double attn_unit =
-      tokens * (2 * attention_params_ + 2.0 * model_.hidden_size * batch_.seq_len) / kv;
-  const double ffn_unit = tokens * 2 * ffn_params_ / model_.ffn_hidden_size;
+      plan::layer_forward_flops(model_, b, s, Shares{double(group) / model_.num_heads, 0, 0});
+  const double ffn_unit =
+      plan::layer_forward_flops(model_, b, s, Shares{0, 1.0 / model_.ffn_hidden_size, 0});
   // Two ways to place the coarse head units, then FFN columns water-filled around them; keep the
   // better. (a) heads alone balanced greedily; (b) heads toward each rank's share of all work.
   std::vector<std::vector<int>> head_options;

@@ -18,13 +18,14 @@
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
 //
-// Memory per rank: owned parameters × state bytes (weights, grads, optimizer) + activations of the
-// micro-batches in flight under 1F1B (stage s of S holds min(S − s, m)). Activations per layer
-// and micro-batch are 34·b·s·h·(activation_bytes/2) × the rank's share of the layer (Korthikanti
-// et al. 2022 with sequence parallelism and flash attention, so no s² term); a layer recomputed
-// in backward keeps only its input, 2·b·s·h·(activation_bytes/2) × share, and one full layer's
-// activations are live while it is recomputed. Each stage recomputes the fewest layers that make
-// it fit (stage-aware, as Merak), paying one more forward for each.
+// Memory per rank (MemoryFootprint, memory_use): owned parameters × state bytes (weights, grads,
+// optimizer) + activations of the micro-batches in flight under 1F1B (stage s of S holds
+// min(S − s, m)). Activations per layer and micro-batch are 34·b·s·h·(activation_bytes/2) × the
+// rank's share of the layer (Korthikanti et al. 2022 with sequence parallelism and flash
+// attention, so no s² term); a layer recomputed in backward keeps only its input,
+// 2·b·s·h·(activation_bytes/2) × share, and one full layer's activations are live while it is
+// recomputed. Each stage recomputes the fewest layers that make it fit (stage-aware, as Merak),
+// paying one more forward for each.
 #pragma once
 
 #include <optional>
@@ -36,6 +37,55 @@
 #include "plan/plan.h"
 
 namespace malleus::plan {
+
+// A rank's part of a tensor-parallel stage: the fractions of the query heads, the FFN columns and
+// the vocabulary rows it holds (1: all of them, as on a rank without tensor parallelism).
+struct Shares {
+  double heads = 1, ffn = 1, vocab = 1;
+  static Shares of(const Stage& stage, size_t member, const model::ModelConfig& model);
+};
+
+// ---- FLOPs: the one count, used by the cost model's compute times and by the runtime's work
+// accounting (what a rank's measured time is divided by) ----------------------------------------
+
+// Forward FLOPs of one micro-batch (`sequences` × `seq_len` tokens) through one transformer layer
+// or the LM head, on a rank's shares. Backward costs kBackwardPerForward × forward.
+double layer_forward_flops(const model::ModelConfig& model, int sequences, int seq_len,
+                           const Shares& shares = {});
+double head_forward_flops(const model::ModelConfig& model, int sequences, int seq_len,
+                          const Shares& shares = {});
+inline constexpr double kBackwardPerForward = 2;
+// Forward and backward FLOPs of one micro-batch through a rank's shard: `layers` layers, and the
+// LM head when the rank is on the last stage.
+double shard_training_flops(const model::ModelConfig& model, int sequences, int seq_len, int layers,
+                            bool last_stage, const Shares& shares = {});
+
+// ---- memory: the one formula, used for the planner's memory limits and for a prediction's
+// per-device memory. New kinds of state (a sharded optimizer, other recomputation modes) are new
+// components here; callers only ask for memory_use(...).total(). ------------------------------
+
+// Bytes one rank of a stage needs, by component, before the stage's layer count, position and
+// micro-batches in flight are known.
+struct MemoryFootprint {
+  double state_per_layer = 0;                  // weights + grads + optimizer of one layer's shard
+  double embedding_state = 0, head_state = 0;  // first stage / last stage (head and final norm)
+  double activations_per_layer = 0;            // one micro-batch, activations kept for backward
+  double checkpoint_per_layer = 0;             // one micro-batch, a recomputed layer's input only
+  double logits = 0;  // last stage: fp32 logits and their gradient of one micro-batch
+  // Component-wise maximum: the footprint of a group's fullest rank.
+  void include(const MemoryFootprint& other);
+};
+
+struct MemoryUse {
+  double state = 0, activations = 0, logits = 0;
+  double total() const { return state + activations + logits; }
+};
+
+// A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
+// `recomputed` of its layers recomputed in backward (one full layer's activations are live while
+// one is recomputed).
+MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
+                     int in_flight, int recomputed);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step
@@ -65,13 +115,9 @@ struct GroupCost {
   int tp = 1;
   double layer_forward = 0, layer_backward = 0;  // compute, slowest member, rates applied
   double layer_comm = 0;                         // one all-reduce of b·s·h activations
-  double layer_state_bytes = 0;                  // weights + grads + optimizer of one layer
-  double layer_activation_bytes = 0;             // one micro-batch, no recomputation
-  double layer_checkpoint_bytes = 0;             // one micro-batch, recomputed layer
   double head_forward = 0, head_backward = 0;    // last stage
-  double embed_state_bytes = 0, head_state_bytes = 0;
-  double logits_bytes = 0;  // fp32 logits and their gradient of one micro-batch, last stage
-  bool gone = false;        // a member has rate ∞
+  MemoryFootprint memory;                        // of the fullest member
+  bool gone = false;                             // a member has rate ∞
 };
 
 struct StageCost {
@@ -101,7 +147,6 @@ struct Prediction {
   std::vector<double> memory_bytes;  // per device; 0 for idle devices
   bool fits = true;
   std::string problem;  // why it does not fit / cannot run
-  double samples_per_second(int global_batch) const;
 };
 
 class CostModel {
@@ -116,6 +161,8 @@ class CostModel {
   // FLOPs of one micro-batch on a whole (unsharded) layer / LM head, forward only.
   double layer_forward_flops() const;
   double head_forward_flops() const;
+  // What member `member` of `stage` holds per layer, micro-batch and position.
+  MemoryFootprint footprint(const Stage& stage, size_t member) const;
   double activation_message_bytes() const;  // b·s·h activations (P2P, TP all-reduce)
 
   // Ring all-reduce of `bytes` over `ranks`; the slowest link sets the pace.
@@ -147,6 +194,9 @@ class CostModel {
   double owned_parameters(const Stage& stage, size_t member, bool first, bool last) const;
 
  private:
+  // Parameter elements of one layer's shard (matmuls on the shares, both norms whole).
+  double layer_parameters(const Shares& shares) const;
+
   model::ModelConfig model_;
   ClusterSpec cluster_;
   BatchConfig batch_;

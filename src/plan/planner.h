@@ -42,12 +42,20 @@ struct PlanResult {
 
 // Scores a plan more precisely than the closed form (the simulator); lower is better.
 using Evaluator = std::function<double(const Plan&, const Rates&)>;
+// Bytes that switching from the first plan to the second moves. The planner does not know how
+// state moves (that is the layout algebra's job, above it): replan::migration_tie_break supplies
+// the one estimate the controller and the simulator use too.
+using MigrationBytes = std::function<double(const Plan& from, const Plan& to)>;
 
 struct PlannerOptions {
   double straggler_threshold = 1.2;  // drop-slow drops devices at or above this rate
   double tie_tolerance = 1e-6;       // relative; closer candidates count as equal
   int refine_top = 6;                // candidates re-scored by `refine`
   Evaluator refine;                  // optional
+  // Among candidates within tie_tolerance of the best, the one moving the fewest bytes from the
+  // request's current plan wins. Unset: the current plan wins if it is among them (it moves
+  // nothing), otherwise the fastest.
+  MigrationBytes migration;
 };
 
 class Strategy {
@@ -75,17 +83,9 @@ std::vector<int> assign_layers(int layers,
 std::vector<int> assign_micro_batches(int total, const std::vector<double>& first,
                                       const std::vector<double>& period, bool allow_zero);
 
-// ---- shapes and migration ---------------------------------------------------------------------
+// ---- shapes ------------------------------------------------------------------------------------
 
 // The uniform shape with the lowest predicted time on a healthy cluster.
 Shape best_uniform_shape(const CostModel& cost);
-
-struct Migration {
-  double total_bytes = 0;     // parameters and optimizer state every rank must receive
-  double max_rank_bytes = 0;  // the busiest receiver
-  double seconds = 0;         // busiest receiver over the inter-node bandwidth
-};
-// What turning `from` into `to` moves (per layer and share range; idle ranks hold nothing).
-Migration migration_cost(const Plan& from, const Plan& to, const CostModel& cost);
 
 }  // namespace malleus::plan

@@ -11,77 +11,14 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "common/stats.h"
+#include "svg/svg.h"
 
 namespace malleus::report {
 
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// Typed access to the keys of one line; every message names the file and line, and keys that are
-// not asked for are ignored so newer trainers can add fields.
-class Fields {
- public:
-  Fields(const Json& object, std::string where) : object_(object), where_(std::move(where)) {}
-
-  bool has(const char* key) const { return object_.contains(key); }
-
-  double number(const char* key, bool required = false) const {
-    const Json* value = find(key, required);
-    if (value == nullptr || value->is_null()) return kNaN;
-    if (!value->is_number()) wrong_type(key, "a number");
-    return value->get<double>();
-  }
-  int64_t integer(const char* key, bool required = false) const {
-    const Json* value = find(key, required);
-    if (value == nullptr) return 0;
-    if (!value->is_number_integer()) wrong_type(key, "an integer");
-    return value->get<int64_t>();
-  }
-  std::string text(const char* key, bool required = false) const {
-    const Json* value = find(key, required);
-    if (value == nullptr || value->is_null()) return "";
-    if (!value->is_string()) wrong_type(key, "a string");
-    return value->get<std::string>();
-  }
-  std::vector<double> numbers(const char* key) const {
-    std::vector<double> out;
-    const Json* value = find(key, false);
-    if (value == nullptr || value->is_null()) return out;
-    if (!value->is_array()) wrong_type(key, "an array of numbers");
-    for (const Json& element : *value) {
-      if (element.is_null()) {
-        out.push_back(kNaN);
-      } else if (element.is_number()) {
-        out.push_back(element.get<double>());
-      } else {
-        wrong_type(key, "an array of numbers");
-      }
-    }
-    return out;
-  }
-
- private:
-  const Json* find(const char* key, bool required) const {
-    const auto it = object_.find(key);
-    if (it != object_.end()) return &*it;
-    if (required) {
-      std::ostringstream message;
-      message << where_ << ": missing key \"" << key << "\"";
-      throw Error(message.str());
-    }
-    return nullptr;
-  }
-  [[noreturn]] void wrong_type(const char* key, const char* expected) const {
-    std::ostringstream message;
-    message << where_ << ": key \"" << key << "\" must be " << expected << " (value "
-            << object_.at(key).dump() << ")";
-    throw Error(message.str());
-  }
-
-  const Json& object_;
-  std::string where_;
-};
 
 bool blank(const std::string& line) {
   return std::all_of(line.begin(), line.end(),
@@ -98,22 +35,6 @@ double mean_of(const std::vector<double>& values) {
     }
   }
   return count == 0 ? kNaN : sum / static_cast<double>(count);
-}
-
-double median_of(std::vector<double> values) {
-  values.erase(
-      std::remove_if(values.begin(), values.end(), [](double v) { return !std::isfinite(v); }),
-      values.end());
-  if (values.empty()) return kNaN;
-  const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
-  double result = values[mid];
-  if (values.size() % 2 == 0) {
-    result = (result + *std::max_element(values.begin(),
-                                         values.begin() + static_cast<std::ptrdiff_t>(mid))) /
-             2;
-  }
-  return result;
 }
 
 std::string printf_string(const char* format, double value) {
@@ -161,37 +82,15 @@ std::vector<size_t> resume_points(const std::vector<StepRecord>& steps) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SVG drawing
+// The timeline
 
-std::string escape(const std::string& text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
-// Coordinates with one decimal keep the file small and are finer than a pixel.
-std::string px(double v) {
-  std::string text = printf_string("%.1f", v);
-  return text == "-0.0" ? "0.0" : text;
-}
+using svg::Attributes;
+using svg::Axis;
+using svg::nice_axis;
+using svg::nice_step;
+using svg::path_data;
+using svg::Points;
+using svg::Scale;
 
 // Counts code points, not bytes, so "→" is one character wide.
 size_t text_length(const std::string& text) {
@@ -218,43 +117,6 @@ std::string truncate(const std::string& text, size_t max_chars) {
 // measuring text.
 constexpr double kCharWidth = 6.4;
 
-struct Scale {
-  double d0 = 0, d1 = 1, r0 = 0, r1 = 1;
-  double operator()(double v) const { return r0 + (v - d0) / (d1 - d0) * (r1 - r0); }
-};
-
-double nice_step(double range, int target) {
-  const double raw = range / target;
-  const double power = std::pow(10.0, std::floor(std::log10(raw)));
-  for (double m : {1.0, 2.0, 2.5, 5.0, 10.0}) {
-    if (m * power >= raw) return m * power;
-  }
-  return 10 * power;
-}
-
-struct Axis {
-  double lo = 0, hi = 1, step = 1;
-  std::vector<double> ticks;
-};
-
-// Widens [lo, hi] to whole tick steps, so the frame's edges carry labels.
-Axis nice_axis(double lo, double hi, int target) {
-  if (!std::isfinite(lo) || !std::isfinite(hi)) lo = 0, hi = 1;
-  if (hi - lo < 1e-12) {
-    const double pad = std::max(std::fabs(lo) * 0.1, 0.5);
-    lo -= pad;
-    hi += pad;
-  }
-  Axis axis;
-  axis.step = nice_step(hi - lo, target);
-  axis.lo = std::floor(lo / axis.step + 1e-9) * axis.step;
-  axis.hi = std::ceil(hi / axis.step - 1e-9) * axis.step;
-  for (double t = axis.lo; t <= axis.hi + axis.step * 1e-6; t += axis.step) {
-    axis.ticks.push_back(std::fabs(t) < axis.step * 1e-9 ? 0.0 : t);
-  }
-  return axis;
-}
-
 // The step axis keeps the data's own ends (no empty margin before step 1) and integer ticks.
 Axis step_axis(double lo, double hi) {
   if (hi - lo < 1) {
@@ -277,69 +139,6 @@ std::string tick_label(double value, double step, bool si) {
   char format[16];
   std::snprintf(format, sizeof format, "%%.%df", decimals);
   return printf_string(format, value);
-}
-
-// Drops points that land in the same pixel column, keeping each column's first, lowest, highest
-// and last point: a long run then draws the same picture from a path of bounded size.
-std::vector<std::pair<double, double>> thin_out(const std::vector<std::pair<double, double>>& pts) {
-  std::vector<std::pair<double, double>> out;
-  size_t begin = 0;
-  while (begin < pts.size()) {
-    size_t end = begin + 1;
-    const double column = std::floor(pts[begin].first);
-    while (end < pts.size() && std::floor(pts[end].first) == column) ++end;
-    if (end - begin <= 4) {
-      out.insert(out.end(), pts.begin() + static_cast<std::ptrdiff_t>(begin),
-                 pts.begin() + static_cast<std::ptrdiff_t>(end));
-    } else {
-      size_t lowest = begin, highest = begin;
-      for (size_t i = begin; i < end; ++i) {
-        if (pts[i].second > pts[lowest].second) lowest = i;  // SVG y grows downwards
-        if (pts[i].second < pts[highest].second) highest = i;
-      }
-      out.push_back(pts[begin]);
-      out.push_back(pts[std::min(lowest, highest)]);
-      out.push_back(pts[std::max(lowest, highest)]);
-      out.push_back(pts[end - 1]);
-    }
-    begin = end;
-  }
-  return out;
-}
-
-// A polyline in pixel coordinates; a NaN y (or a NaN x: an explicit break) starts a new piece.
-std::string path_data(const std::vector<std::pair<double, double>>& pts) {
-  std::string d;
-  std::vector<std::pair<double, double>> piece;
-  auto flush = [&] {
-    const auto thin = thin_out(piece);
-    for (size_t i = 0; i < thin.size(); ++i) {
-      // Inside a flat stretch (an injected rate, mostly) only the ends matter.
-      const std::string y = px(thin[i].second);
-      if (i > 0 && i + 1 < thin.size() && px(thin[i - 1].second) == y &&
-          px(thin[i + 1].second) == y) {
-        continue;
-      }
-      d += i == 0 ? 'M' : 'L';
-      d += px(thin[i].first);
-      d += ' ';
-      d += y;
-    }
-    if (thin.size() == 1) {  // a lone point still shows as a dot
-      d += 'h';
-      d += px(0.5);
-    }
-    piece.clear();
-  };
-  for (const auto& p : pts) {
-    if (std::isfinite(p.first) && std::isfinite(p.second)) {
-      piece.push_back(p);
-    } else {
-      flush();
-    }
-  }
-  flush();
-  return d;
 }
 
 // Ten well-separated colours (Tableau 10), then evenly spread hues for large clusters.
@@ -378,33 +177,20 @@ std::string rank_colour(size_t rank) {
   return buffer;
 }
 
-std::string stroke_attributes(const std::string& colour, const char* css_class) {
-  std::ostringstream out;
-  out << "stroke=\"" << colour << "\" class=\"" << css_class << '"';
-  return out.str();
+Attributes stroke(const std::string& colour, const char* css_class) {
+  return {{"stroke", colour}, {"class", css_class}};
+}
+
+// Path data of a triangle pointing down: apex `height` below the middle of its top edge.
+std::string down_triangle(double x, double top, double half_width, double height) {
+  return "M" + svg::number(x - half_width) + ' ' + svg::number(top) + 'L' +
+         svg::number(x + half_width) + ' ' + svg::number(top) + 'L' + svg::number(x) + ' ' +
+         svg::number(top + height) + 'Z';
 }
 
 struct Panel {
   double top = 0, height = 0;
   double bottom() const { return top + height; }
-};
-
-class SvgWriter {
- public:
-  std::ostringstream out;
-
-  void text(double x, double y, const std::string& content, const std::string& attributes = "") {
-    out << "<text x=\"" << px(x) << "\" y=\"" << px(y) << "\"";
-    if (!attributes.empty()) out << ' ' << attributes;
-    out << '>' << escape(content) << "</text>\n";
-  }
-  void line(double x1, double y1, double x2, double y2, const std::string& attributes) {
-    out << "<line x1=\"" << px(x1) << "\" y1=\"" << px(y1) << "\" x2=\"" << px(x2) << "\" y2=\""
-        << px(y2) << "\" " << attributes << "/>\n";
-  }
-  void path(const std::string& d, const std::string& attributes) {
-    if (!d.empty()) out << "<path d=\"" << d << "\" fill=\"none\" " << attributes << "/>\n";
-  }
 };
 
 constexpr double kRowHeight = 15;
@@ -517,11 +303,13 @@ class Timeline {
   void draw_band_label(double x, const BandLabel& label, const char* css_class);
   void draw_replan_table();
   double legend_x() const { return left_ + plot_width_ + 18; }
-  void legend_line(double y, const std::string& label, const std::string& stroke_attributes);
+  void legend_line(double y, const std::string& label, const Attributes& stroke);
+  // A line through pixel points (breaks at non-finite ones), not filled.
+  void polyline(const Points& points, Attributes attributes);
 
   const Report& report_;
   const RenderOptions& options_;
-  SvgWriter svg_;
+  std::optional<svg::Document> svg_;  // once the layout knows the size
 
   double width_ = 0, height_ = 0, left_ = 74, right_margin_ = 176, plot_width_ = 0;
   double band_top_ = 0;
@@ -608,41 +396,42 @@ void Timeline::layout() {
 
 void Timeline::draw_frame(const Panel& panel, const Axis& y, const Scale& ys, bool si,
                           bool x_labels, const std::string& heading) {
-  SvgWriter& s = svg_;
-  s.text(left_, panel.top - 9, heading, "class=\"heading\"");
-  s.out << "<rect x=\"" << px(left_) << "\" y=\"" << px(panel.top) << "\" width=\""
-        << px(plot_width_) << "\" height=\"" << px(panel.height)
-        << "\" fill=\"#fcfcfc\" stroke=\"none\"/>\n";
+  svg::Document& s = *svg_;
+  s.text(left_, panel.top - 9, heading, {{"class", "heading"}});
+  s.rect(left_, panel.top, plot_width_, panel.height, {{"fill", "#fcfcfc"}, {"stroke", "none"}});
   for (double t : x_axis_.ticks) {
     const double x = xs_(t);
-    s.line(x, panel.top, x, panel.bottom(), "class=\"grid\"");
-    s.line(x, panel.bottom(), x, panel.bottom() + 4, "class=\"tick\"");
+    s.line(x, panel.top, x, panel.bottom(), {{"class", "grid"}});
+    s.line(x, panel.bottom(), x, panel.bottom() + 4, {{"class", "tick"}});
     if (x_labels) {
       s.text(x, panel.bottom() + 16, tick_label(t, x_axis_.step, false),
-             "class=\"tick-label\" text-anchor=\"middle\"");
+             {{"class", "tick-label"}, {"text-anchor", "middle"}});
     }
   }
   for (double t : y.ticks) {
     const double yy = ys(t);
-    s.line(left_, yy, left_ + plot_width_, yy, "class=\"grid\"");
-    s.line(left_ - 4, yy, left_, yy, "class=\"tick\"");
+    s.line(left_, yy, left_ + plot_width_, yy, {{"class", "grid"}});
+    s.line(left_ - 4, yy, left_, yy, {{"class", "tick"}});
     s.text(left_ - 7, yy + 3.5, tick_label(t, y.step, si),
-           "class=\"tick-label\" text-anchor=\"end\"");
+           {{"class", "tick-label"}, {"text-anchor", "end"}});
   }
-  s.out << "<rect x=\"" << px(left_) << "\" y=\"" << px(panel.top) << "\" width=\""
-        << px(plot_width_) << "\" height=\"" << px(panel.height) << "\" class=\"frame\"/>\n";
+  s.rect(left_, panel.top, plot_width_, panel.height, {{"class", "frame"}});
 }
 
 void Timeline::draw_no_data(const Panel& panel, const std::string& message) {
-  svg_.text(left_ + plot_width_ / 2, panel.top + panel.height / 2, message,
-            "class=\"note\" text-anchor=\"middle\"");
+  svg_->text(left_ + plot_width_ / 2, panel.top + panel.height / 2, message,
+             {{"class", "note"}, {"text-anchor", "middle"}});
 }
 
-void Timeline::legend_line(double y, const std::string& label,
-                           const std::string& stroke_attributes) {
+void Timeline::legend_line(double y, const std::string& label, const Attributes& stroke) {
   const double x = legend_x();
-  svg_.line(x, y - 3.5, x + 20, y - 3.5, stroke_attributes);
-  svg_.text(x + 26, y, label, "class=\"legend\"");
+  svg_->line(x, y - 3.5, x + 20, y - 3.5, stroke);
+  svg_->text(x + 26, y, label, {{"class", "legend"}});
+}
+
+void Timeline::polyline(const Points& points, Attributes attributes) {
+  attributes.emplace_back("fill", "none");
+  svg_->path(path_data(points), attributes);
 }
 
 void Timeline::draw_throughput() {
@@ -653,11 +442,11 @@ void Timeline::draw_throughput() {
   }
   const Axis y = nice_axis(0, hi > 0 ? hi * 1.04 : 1, 5);
   const Scale ys{y.lo, y.hi, throughput_.bottom(), throughput_.top};
-  svg_.out << "<g id=\"panel-throughput\">\n";
+  svg_->begin_group({{"id", "panel-throughput"}});
   draw_frame(throughput_, y, ys, true, false, "Throughput (tokens/s)");
   if (hi <= 0) {
     draw_no_data(throughput_, "no throughput in this file");
-    svg_.out << "</g>\n";
+    svg_->end_group();
     return;
   }
 
@@ -677,7 +466,7 @@ void Timeline::draw_throughput() {
   }
   const size_t window =
       std::clamp<size_t>((steps.size() / 40) | 1, 5, 51);  // odd, so it centres on a step
-  std::vector<std::pair<double, double>> raw, median, means;
+  Points raw, medians, means;
   for (size_t b = 0; b + 1 < block_starts.size(); ++b) {
     const size_t begin = block_starts[b], end = block_starts[b + 1];
     std::vector<double> values;
@@ -689,37 +478,35 @@ void Timeline::draw_throughput() {
       raw.push_back({x, ys(steps[i].tokens_per_s)});
       const size_t lo = i - begin >= window / 2 ? i - window / 2 : begin;
       const size_t hi_index = std::min(end, i + window / 2 + 1);
-      median.push_back({x, ys(median_of(std::vector<double>(
-                               values.begin() + static_cast<std::ptrdiff_t>(lo - begin),
-                               values.begin() + static_cast<std::ptrdiff_t>(hi_index - begin))))});
+      medians.push_back({x, ys(median(std::vector<double>(
+                                values.begin() + static_cast<std::ptrdiff_t>(lo - begin),
+                                values.begin() + static_cast<std::ptrdiff_t>(hi_index - begin))))});
     }
-    median.push_back({kNaN, kNaN});
+    medians.push_back({kNaN, kNaN});
     const double mean = mean_of(values);
     means.push_back({xs_(static_cast<double>(steps[begin].step)), ys(mean)});
     means.push_back({xs_(static_cast<double>(steps[end - 1].step)), ys(mean)});
     means.push_back({kNaN, kNaN});
   }
-  svg_.path(path_data(raw), "class=\"tps-raw\"");
-  svg_.path(path_data(means), "class=\"tps-mean\"");
-  svg_.path(path_data(median), "class=\"tps-median\"");
-  svg_.out << "</g>\n";
+  polyline(raw, {{"class", "tps-raw"}});
+  polyline(means, {{"class", "tps-mean"}});
+  polyline(medians, {{"class", "tps-median"}});
+  svg_->end_group();
 
   double row_y = throughput_.top + 14;
-  legend_line(row_y, "per step", "class=\"tps-raw\"");
+  legend_line(row_y, "per step", {{"class", "tps-raw"}});
   std::string median_label = "median of ";
   median_label += std::to_string(window);
-  legend_line(row_y += kRowHeight, median_label, "class=\"tps-median\"");
+  legend_line(row_y += kRowHeight, median_label, {{"class", "tps-median"}});
   legend_line(row_y += kRowHeight, report_.replans.empty() ? "mean" : "mean per plan",
-              "class=\"tps-mean\"");
+              {{"class", "tps-mean"}});
   if (!report_.replans.empty())
-    legend_line(row_y += kRowHeight, "re-plan", "class=\"replan-line\"");
+    legend_line(row_y += kRowHeight, "re-plan", {{"class", "replan-line"}});
   if (!report_.declined.empty()) {
     row_y += kRowHeight;
     const double x = legend_x() + 10;
-    svg_.out << "<path d=\"M" << px(x - 5) << ' ' << px(row_y - 8) << 'L' << px(x + 5) << ' '
-             << px(row_y - 8) << 'L' << px(x) << ' ' << px(row_y)
-             << "Z\" class=\"declined-marker\"/>\n";
-    svg_.text(legend_x() + 26, row_y, "re-plan declined", "class=\"legend\"");
+    svg_->path(down_triangle(x, row_y - 8, 5, 8), {{"class", "declined-marker"}});
+    svg_->text(legend_x() + 26, row_y, "re-plan declined", {{"class", "legend"}});
   }
 }
 
@@ -736,16 +523,16 @@ void Timeline::draw_rates() {
   // Padding below 1 keeps healthy ranks off the frame's bottom edge.
   const Axis y = nice_axis(lo - 0.06 * (hi - lo), hi + 0.04 * (hi - lo), 5);
   const Scale ys{y.lo, y.hi, rates_.bottom(), rates_.top};
-  svg_.out << "<g id=\"panel-rates\">\n";
+  svg_->begin_group({{"id", "panel-rates"}});
   draw_frame(rates_, y, ys, false, false, "Straggle rate per rank (1 = healthy)");
   if (ranks_ == 0) draw_no_data(rates_, "no per-rank rates in this file");
   if (ranks_ > 0 && y.lo < 1) {
-    svg_.line(left_, ys(1), left_ + plot_width_, ys(1), "class=\"baseline\"");
+    svg_->line(left_, ys(1), left_ + plot_width_, ys(1), {{"class", "baseline"}});
   }
 
   const auto resumed = [&](size_t i) { return i > 0 && steps[i].step <= steps[i - 1].step; };
   for (size_t rank = 0; rank < ranks_; ++rank) {
-    std::vector<std::pair<double, double>> measured, injected;
+    Points measured, injected;
     for (size_t i = 0; i < steps.size(); ++i) {
       const double x = xs_(static_cast<double>(steps[i].step));
       if (resumed(i)) measured.push_back({kNaN, kNaN}), injected.push_back({kNaN, kNaN});
@@ -755,15 +542,15 @@ void Timeline::draw_rates() {
     }
     const std::string colour = rank_colour(rank);
     // Injected on top: its dashes stay visible over a noisy measured line.
-    svg_.path(path_data(measured), stroke_attributes(colour, "rate-measured"));
-    svg_.path(path_data(injected), stroke_attributes(colour, "rate-injected"));
+    polyline(measured, stroke(colour, "rate-measured"));
+    polyline(injected, stroke(colour, "rate-injected"));
   }
-  svg_.out << "</g>\n";
+  svg_->end_group();
 
   double y0 = rates_.top + 14;
   if (any_injected_) {
-    legend_line(y0, "measured", "class=\"rate-measured\" stroke=\"#444\"");
-    legend_line(y0 + kRowHeight, "injected", "class=\"rate-injected\" stroke=\"#444\"");
+    legend_line(y0, "measured", {{"class", "rate-measured"}, {"stroke", "#444"}});
+    legend_line(y0 + kRowHeight, "injected", {{"class", "rate-injected"}, {"stroke", "#444"}});
     y0 += 2.5 * kRowHeight;
   }
   const double column_width = (right_margin_ - 22) / legend_columns_;
@@ -775,11 +562,10 @@ void Timeline::draw_rates() {
     const double yy = y0 + static_cast<double>(rank % rows) * kRowHeight;
     std::string label = legend_columns_ == 3 ? "r" : "rank ";
     label += std::to_string(rank);
-    svg_.out << "<g class=\"legend-rank\">";
-    svg_.line(x, yy - 3.5, x + swatch, yy - 3.5,
-              stroke_attributes(rank_colour(rank), "rate-measured"));
-    svg_.text(x + swatch + 5, yy, label, "class=\"legend\"");
-    svg_.out << "</g>\n";
+    svg_->begin_group({{"class", "legend-rank"}});
+    svg_->line(x, yy - 3.5, x + swatch, yy - 3.5, stroke(rank_colour(rank), "rate-measured"));
+    svg_->text(x + swatch + 5, yy, label, {{"class", "legend"}});
+    svg_->end_group();
   }
 }
 
@@ -796,38 +582,36 @@ void Timeline::draw_loss() {
   const Axis y =
       any ? nice_axis(lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo), 5) : nice_axis(0, 1, 5);
   const Scale ys{y.lo, y.hi, loss_.bottom(), loss_.top};
-  svg_.out << "<g id=\"panel-loss\">\n";
+  svg_->begin_group({{"id", "panel-loss"}});
   draw_frame(loss_, y, ys, false, true, "Loss");
-  svg_.text(left_ + plot_width_ / 2, loss_.bottom() + 34, "step",
-            "class=\"axis-label\" text-anchor=\"middle\"");
+  svg_->text(left_ + plot_width_ / 2, loss_.bottom() + 34, "step",
+             {{"class", "axis-label"}, {"text-anchor", "middle"}});
   if (!any) draw_no_data(loss_, "no loss in this file");
 
-  std::vector<std::pair<double, double>> train;
+  Points train;
   for (size_t i = 0; i < steps.size(); ++i) {
     if (i > 0 && steps[i].step <= steps[i - 1].step) train.push_back({kNaN, kNaN});
     train.push_back({xs_(static_cast<double>(steps[i].step)), ys(steps[i].loss)});
   }
-  svg_.path(path_data(train), "class=\"loss-train\"");
+  polyline(train, {{"class", "loss-train"}});
   for (const auto& e : report_.evals) {
     if (!std::isfinite(e.val_loss)) continue;
-    svg_.out << "<circle cx=\"" << px(xs_(static_cast<double>(e.step))) << "\" cy=\""
-             << px(ys(e.val_loss)) << "\" r=\"3\" class=\"loss-val\"><title>step " << e.step
-             << ": val loss " << printf_string("%.4f", e.val_loss) << "</title></circle>\n";
+    svg_->circle(
+        xs_(static_cast<double>(e.step)), ys(e.val_loss), 3, {{"class", "loss-val"}},
+        "step " + std::to_string(e.step) + ": val loss " + printf_string("%.4f", e.val_loss));
   }
-  svg_.out << "</g>\n";
+  svg_->end_group();
   const double y0 = loss_.top + 14;
-  legend_line(y0, "train", "class=\"loss-train\"");
-  svg_.out << "<circle cx=\"" << px(legend_x() + 10) << "\" cy=\"" << px(y0 + kRowHeight - 3.5)
-           << "\" r=\"3\" class=\"loss-val\"/>\n";
-  svg_.text(legend_x() + 26, y0 + kRowHeight, "validation", "class=\"legend\"");
+  legend_line(y0, "train", {{"class", "loss-train"}});
+  svg_->circle(legend_x() + 10, y0 + kRowHeight - 3.5, 3, {{"class", "loss-val"}});
+  svg_->text(legend_x() + 26, y0 + kRowHeight, "validation", {{"class", "legend"}});
 }
 
 void Timeline::draw_band_label(double x, const BandLabel& label, const char* css_class) {
   if (label.row < 0) return;
-  std::string attributes = "class=\"";
-  attributes += css_class;
-  attributes += label.flip ? "\" text-anchor=\"end\"" : "\"";
-  svg_.text(label.flip ? x - 4 : x + 4, label_y(label.row), label.text, attributes);
+  Attributes attributes{{"class", css_class}};
+  if (label.flip) attributes.emplace_back("text-anchor", "end");
+  svg_->text(label.flip ? x - 4 : x + 4, label_y(label.row), label.text, attributes);
 }
 
 void Timeline::draw_events() {
@@ -836,39 +620,39 @@ void Timeline::draw_events() {
     const int64_t step = report_.steps[resumes_[i]].step;
     const double x = xs_(static_cast<double>(step));
     const BandLabel& label = resume_labels_[i];
-    svg_.out << "<g class=\"resume\"><title>run resumed at step " << step << "</title>";
-    svg_.line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
-              "class=\"resume-line\"");
-    svg_.out << "</g>\n";
+    svg_->begin_group({{"class", "resume"}}, "run resumed at step " + std::to_string(step));
+    svg_->line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
+               {{"class", "resume-line"}});
+    svg_->end_group();
     draw_band_label(x, label, "resume-label");
   }
   for (const auto& d : report_.declined) {
     const double x = xs_(static_cast<double>(d.step));
-    svg_.out << "<g class=\"declined\"><title>re-plan declined at step " << d.step;
-    if (!d.reason.empty()) svg_.out << ": " << escape(d.reason);
-    svg_.out << "</title>";
+    std::string tooltip = "re-plan declined at step " + std::to_string(d.step);
+    if (!d.reason.empty()) tooltip += ": " + d.reason;
+    svg_->begin_group({{"class", "declined"}}, tooltip);
     for (const Panel* panel : {&throughput_, &rates_}) {
-      const double y = panel->top + 1;
-      svg_.out << "<path d=\"M" << px(x - 4.5) << ' ' << px(y) << 'L' << px(x + 4.5) << ' ' << px(y)
-               << 'L' << px(x) << ' ' << px(y + 7) << "Z\" class=\"declined-marker\"/>";
+      svg_->path(down_triangle(x, panel->top + 1, 4.5, 7), {{"class", "declined-marker"}});
     }
-    svg_.out << "</g>\n";
+    svg_->end_group();
   }
   for (size_t i = 0; i < report_.replans.size(); ++i) {
     const ReplanRecord& r = report_.replans[i];
     const double x = xs_(static_cast<double>(r.step));
     const BandLabel& label = replan_labels_[i];
-    svg_.out << "<g class=\"replan\"><title>R" << (i + 1) << ": re-plan at step " << r.step << "\n"
-             << escape(r.old_plan) << " → " << escape(r.new_plan) << "\nmoved "
-             << format_bytes(static_cast<double>(r.bytes_moved)) << " in "
-             << format_seconds(r.migration_s) << "; planning took " << format_seconds(r.planning_s)
-             << "\npredicted step time " << format_seconds(r.predicted_old_s) << " → "
-             << format_seconds(r.predicted_new_s) << " (gain " << format_seconds(r.predicted_gain_s)
-             << ")</title>";
-    svg_.line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
-              "class=\"replan-line\"");
-    svg_.line(x, throughput_.top, x, bottom, "class=\"hit\"");
-    svg_.out << "</g>\n";
+    std::ostringstream tooltip;
+    tooltip << "R" << (i + 1) << ": re-plan at step " << r.step << "\n"
+            << r.old_plan << " → " << r.new_plan << "\nmoved "
+            << format_bytes(static_cast<double>(r.bytes_moved)) << " in "
+            << format_seconds(r.migration_s) << "; planning took " << format_seconds(r.planning_s)
+            << "\npredicted step time " << format_seconds(r.predicted_old_s) << " → "
+            << format_seconds(r.predicted_new_s) << " (gain " << format_seconds(r.predicted_gain_s)
+            << ")";
+    svg_->begin_group({{"class", "replan"}}, tooltip.str());
+    svg_->line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
+               {{"class", "replan-line"}});
+    svg_->line(x, throughput_.top, x, bottom, {{"class", "hit"}});
+    svg_->end_group();
     draw_band_label(x, label, "replan-label");
   }
 }
@@ -877,7 +661,7 @@ void Timeline::draw_events() {
 void Timeline::draw_replan_table() {
   if (table_rows_ == 0) return;
   double y = loss_.bottom() + 48 + 16;
-  svg_.text(left_, y, "Re-plans", "class=\"heading\"");
+  svg_->text(left_, y, "Re-plans", {{"class", "heading"}});
   const size_t max_chars = static_cast<size_t>((width_ - left_ - 40) / kCharWidth);
   for (size_t i = 0; i < std::min(report_.replans.size(), kMaxTableReplans); ++i) {
     const ReplanRecord& r = report_.replans[i];
@@ -890,59 +674,57 @@ void Timeline::draw_replan_table() {
          << format_seconds(r.planning_s);
     plans << r.old_plan << "  →  " << r.new_plan;
     y += kRowHeight;
-    svg_.text(left_, y, truncate(head.str(), max_chars), "class=\"table\"");
+    svg_->text(left_, y, truncate(head.str(), max_chars), {{"class", "table"}});
     y += kRowHeight;
-    svg_.text(left_ + 26, y, truncate(plans.str(), max_chars), "class=\"table plans\"");
+    svg_->text(left_ + 26, y, truncate(plans.str(), max_chars), {{"class", "table plans"}});
   }
   if (report_.replans.size() > kMaxTableReplans) {
     y += kRowHeight;
     std::string more = "… and ";
     more += std::to_string(report_.replans.size() - kMaxTableReplans);
     more += " more (hover over the dashed lines for each one)";
-    svg_.text(left_, y, more, "class=\"table\"");
+    svg_->text(left_, y, more, {{"class", "table"}});
   }
 }
 
 std::string Timeline::render() {
   layout();
-  SvgWriter& s = svg_;
-  s.out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << px(width_) << "\" height=\""
-        << px(height_) << "\" viewBox=\"0 0 " << px(width_) << ' ' << px(height_) << "\">\n";
-  s.out << "<style>\n"
-           "text{font-family:'DejaVu Sans',Helvetica,Arial,sans-serif;fill:#222}\n"
-           ".title{font-size:17px;font-weight:bold}\n"
-           ".subtitle{font-size:12px;fill:#555}\n"
-           ".heading{font-size:12.5px;font-weight:bold;fill:#333}\n"
-           ".tick-label,.legend,.table{font-size:11px;fill:#444}\n"
-           ".axis-label{font-size:12px;fill:#444}\n"
-           ".note{font-size:12px;fill:#999;font-style:italic}\n"
-           ".replan-label{font-size:11px;fill:#333}\n"
-           ".resume-label{font-size:10.5px;fill:#999}\n"
-           ".plans{fill:#666}\n"
-           ".grid{stroke:#ececec;stroke-width:1}\n"
-           ".tick{stroke:#888;stroke-width:1}\n"
-           ".frame{fill:none;stroke:#bbb;stroke-width:1}\n"
-           ".baseline{stroke:#aaa;stroke-width:1;stroke-dasharray:2 3}\n"
-           ".tps-raw{stroke:#9ecae1;stroke-width:1}\n"
-           ".tps-median{stroke:#08519c;stroke-width:1.4}\n"
-           ".tps-mean{stroke:#e6550d;stroke-width:1.2;stroke-dasharray:1 3;"
-           "stroke-linecap:round}\n"
-           ".rate-measured{fill:none;stroke-width:1.4;stroke-opacity:0.75}\n"
-           ".rate-injected{fill:none;stroke-width:1.8;stroke-dasharray:7 4}\n"
-           ".loss-train{stroke:#1f77b4;stroke-width:1.3}\n"
-           ".loss-val{fill:#ff7f0e;stroke:#fff;stroke-width:1}\n"
-           ".replan-line{stroke:#333;stroke-width:1.1;stroke-dasharray:5 3}\n"
-           ".hit{stroke:transparent;stroke-width:8}\n"
-           ".resume-line{stroke:#bbb;stroke-width:1;stroke-dasharray:1 2}\n"
-           ".declined-marker{fill:#999}\n"
-           "</style>\n";
-  s.out << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n";
+  svg_.emplace(width_, height_);
+  svg::Document& s = *svg_;
+  s.style(
+      "text{font-family:'DejaVu Sans',Helvetica,Arial,sans-serif;fill:#222}\n"
+      ".title{font-size:17px;font-weight:bold}\n"
+      ".subtitle{font-size:12px;fill:#555}\n"
+      ".heading{font-size:12.5px;font-weight:bold;fill:#333}\n"
+      ".tick-label,.legend,.table{font-size:11px;fill:#444}\n"
+      ".axis-label{font-size:12px;fill:#444}\n"
+      ".note{font-size:12px;fill:#999;font-style:italic}\n"
+      ".replan-label{font-size:11px;fill:#333}\n"
+      ".resume-label{font-size:10.5px;fill:#999}\n"
+      ".plans{fill:#666}\n"
+      ".grid{stroke:#ececec;stroke-width:1}\n"
+      ".tick{stroke:#888;stroke-width:1}\n"
+      ".frame{fill:none;stroke:#bbb;stroke-width:1}\n"
+      ".baseline{stroke:#aaa;stroke-width:1;stroke-dasharray:2 3}\n"
+      ".tps-raw{stroke:#9ecae1;stroke-width:1}\n"
+      ".tps-median{stroke:#08519c;stroke-width:1.4}\n"
+      ".tps-mean{stroke:#e6550d;stroke-width:1.2;stroke-dasharray:1 3;"
+      "stroke-linecap:round}\n"
+      ".rate-measured{fill:none;stroke-width:1.4;stroke-opacity:0.75}\n"
+      ".rate-injected{fill:none;stroke-width:1.8;stroke-dasharray:7 4}\n"
+      ".loss-train{stroke:#1f77b4;stroke-width:1.3}\n"
+      ".loss-val{fill:#ff7f0e;stroke:#fff;stroke-width:1}\n"
+      ".replan-line{stroke:#333;stroke-width:1.1;stroke-dasharray:5 3}\n"
+      ".hit{stroke:transparent;stroke-width:8}\n"
+      ".resume-line{stroke:#bbb;stroke-width:1;stroke-dasharray:1 2}\n"
+      ".declined-marker{fill:#999}\n");
+  s.rect(0, 0, width_, height_, {{"fill", "#fff"}});
   std::string title = options_.title;
   if (title.empty()) {
     title = "malleus timeline: ";
     title += report_.source;
   }
-  s.text(left_, 30, title, "class=\"title\"");
+  s.text(left_, 30, title, {{"class", "title"}});
 
   std::ostringstream subtitle;
   subtitle << report_.steps.size() << " steps";
@@ -961,15 +743,14 @@ std::string Timeline::render() {
   if (!report_.replans.empty())
     subtitle << " · " << format_bytes(static_cast<double>(bytes)) << " moved";
   if (!resumes_.empty()) subtitle << " · resumed " << resumes_.size() << "×";
-  s.text(left_, 49, subtitle.str(), "class=\"subtitle\"");
+  s.text(left_, 49, subtitle.str(), {{"class", "subtitle"}});
 
   draw_throughput();
   draw_rates();
   draw_loss();
   draw_events();
   draw_replan_table();
-  s.out << "</svg>\n";
-  return s.out.str();
+  return s.finish();
 }
 
 }  // namespace
@@ -989,57 +770,15 @@ Report parse_metrics(const std::string& text, const std::string& source) {
   while (std::getline(in, line)) {
     ++number;
     if (blank(line)) continue;
-    std::ostringstream where_stream;
-    where_stream << source << ":" << number;
-    const std::string where = where_stream.str();
-    const Json object = parse_json(line, where);
-    check(object.is_object(), where + ": expected a JSON object");
-    const Fields f(object, where);
-    if (f.has("event")) {
-      const std::string event = f.text("event", true);
-      if (event == "replan") {
-        ReplanRecord r;
-        r.line = number;
-        r.step = f.integer("step", true);
-        r.old_plan = f.text("old_plan");
-        r.new_plan = f.text("new_plan");
-        r.rates = f.numbers("rates");
-        r.predicted_old_s = f.number("predicted_old_s");
-        r.predicted_new_s = f.number("predicted_new_s");
-        r.predicted_gain_s = f.number("predicted_gain_s");
-        r.bytes_moved = f.integer("bytes_moved");
-        r.migration_s = f.number("migration_s");
-        r.planning_s = f.number("planning_s");
-        report.replans.push_back(std::move(r));
-      } else if (event == "replan_declined") {
-        DeclinedReplan d;
-        d.line = number;
-        d.step = f.integer("step", true);
-        d.reason = f.text("reason");
-        report.declined.push_back(std::move(d));
-      }
-      // Other events belong to newer trainers; the timeline has nothing to draw for them.
-    } else if (f.has("loss") || f.has("tokens_per_s")) {
-      StepRecord s;
-      s.line = number;
-      s.step = f.integer("step", true);
-      s.loss = f.number("loss");
-      s.lr = f.number("lr");
-      s.grad_norm = f.number("grad_norm");
-      s.tokens_per_s = f.number("tokens_per_s");
-      s.step_time_s = f.number("step_time_s");
-      s.eta_s = f.number("eta_s");
-      s.consumed_samples = f.integer("consumed_samples");
-      s.plan = f.text("plan");
-      s.rates = f.numbers("rates");
-      s.injected = f.numbers("injected");
-      report.steps.push_back(std::move(s));
-    } else if (f.has("val_loss")) {
-      EvalRecord e;
-      e.line = number;
-      e.step = f.integer("step", true);
-      e.val_loss = f.number("val_loss", true);
-      report.evals.push_back(e);
+    const std::string where = source + ":" + std::to_string(number);
+    const auto record = train::parse_record(parse_json(line, where), where);
+    if (!record) continue;  // a kind the timeline has nothing to draw for
+    if (const auto* step = std::get_if<train::StepRecord>(&*record)) {
+      report.steps.push_back({*step, number});
+    } else if (const auto* eval = std::get_if<train::EvalRecord>(&*record)) {
+      report.evals.push_back({*eval, number});
+    } else if (const auto* replan = std::get_if<train::ReplanRecord>(&*record)) {
+      (replan->switched ? report.replans : report.declined).push_back({*replan, number});
     }
   }
   return report;

@@ -1,6 +1,7 @@
 // `malleus report`: reads a run's metrics.jsonl and draws what the straggler-tolerance loop did
 // (throughput, per-rank straggle rates, loss, re-plans) as one self-contained SVG, plus a short
-// text summary. Hand-written SVG keeps the binary free of plotting dependencies.
+// text summary. Records are read through the metrics schema the trainer writes with
+// (train/metrics.h); the chart is drawn with the shared SVG writer (svg/svg.h).
 #pragma once
 
 #include <cstdint>
@@ -8,55 +9,33 @@
 #include <string>
 #include <vector>
 
+#include "train/metrics.h"
+
 namespace malleus::report {
 
-// Numbers that are absent, or null in the file (nlohmann writes NaN and infinity as null), are
-// NaN here; plots leave a gap for them.
-struct StepRecord {
-  size_t line = 0;  // 1-based line in the file; orders records of different kinds
-  int64_t step = 0;
-  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_time_s = 0, eta_s = 0;
-  int64_t consumed_samples = 0;
-  std::string plan;
-  std::vector<double> rates;     // per rank; empty when not measured
-  std::vector<double> injected;  // per rank; empty when nothing was injected
+// A record and its 1-based line in the file, which orders records of different kinds.
+template <typename Record>
+struct Numbered : Record {
+  size_t line = 0;
 };
 
-struct EvalRecord {
-  size_t line = 0;
-  int64_t step = 0;
-  double val_loss = 0;
-};
-
-struct ReplanRecord {
-  size_t line = 0;
-  int64_t step = 0;
-  std::string old_plan, new_plan;
-  std::vector<double> rates;
-  double predicted_old_s = 0, predicted_new_s = 0, predicted_gain_s = 0;
-  int64_t bytes_moved = 0;
-  double migration_s = 0, planning_s = 0;
-};
-
-struct DeclinedReplan {
-  size_t line = 0;
-  int64_t step = 0;
-  std::string reason;
-};
+using StepRecord = Numbered<train::StepRecord>;
+using EvalRecord = Numbered<train::EvalRecord>;
+using ReplanRecord = Numbered<train::ReplanRecord>;
 
 struct Report {
   std::string source;  // the file name, for titles and messages
   std::vector<StepRecord> steps;
   std::vector<EvalRecord> evals;
-  std::vector<ReplanRecord> replans;
-  std::vector<DeclinedReplan> declined;
+  std::vector<ReplanRecord> replans;   // the controller switched plans
+  std::vector<ReplanRecord> declined;  // it was asked and kept the plan
 
   // Ranks seen in any step record's rates or injected rates.
   size_t num_ranks() const;
 };
 
 // Reads a metrics file. Throws Error for a missing file, and, naming the file and line, for a line
-// that is not a JSON object or whose known keys have the wrong type. Unknown keys, unknown event
+// that is not a JSON object or whose known keys have the wrong type. Unknown keys, unknown record
 // kinds and blank lines are skipped, so newer trainers stay readable.
 Report read_metrics(const std::filesystem::path& path);
 // The same on text already in memory; `source` names it in error messages.

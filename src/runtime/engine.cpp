@@ -5,7 +5,9 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "layout/migration.h"
 #include "layout/redistribution.h"
+#include "plan/cost_model.h"
 #include "runtime/schedule.h"
 
 namespace malleus::runtime {
@@ -21,21 +23,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Training FLOPs (forward and backward) of one micro-batch through a model shard: 6 per
-// matmul weight per token, plus causal attention over this shard's heads.
-double shard_flops(const model::ModelConfig& config, const model::ParameterLayout& layout,
-                   int tokens, int seq) {
-  double weights = 0;
-  for (const auto& t : layout.tensors()) {
-    if (t.shape.size() == 2 && t.name != "model.embed_tokens.weight") {
-      weights += static_cast<double>(t.size);
-    }
-  }
-  const auto& shard = layout.shard();
-  const double attention = 3.0 * 4.0 * shard.heads * config.head_dim() * (seq / 2.0);
-  return tokens * (6.0 * weights + (shard.layer_end - shard.layer_begin) * attention);
 }
 
 // An emulated slow device keeps computing for the extra time: busy work until the wall clock
@@ -81,8 +68,13 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
-  work_flops_ = state_->pipeline().micro_batches *
-                shard_flops(model, model_->layout(), static_cast<int>(tokens), options.seq_len);
+  // The cost model's FLOP count of this rank's shard: what its measured time is divided by.
+  const plan::Stage& stage = state_->stage();
+  work_flops_ =
+      state_->pipeline().micro_batches *
+      plan::shard_training_flops(
+          model, plan.micro_batch_size, options.seq_len, stage.num_layers(), state_->last_stage(),
+          plan::Shares::of(stage, static_cast<size_t>(state_->role().tp_rank), model));
 }
 
 void Engine::init_parameters(uint64_t seed) {
@@ -280,7 +272,6 @@ void Engine::sync_gradients() {
   ParallelState& st = *state_;
   const auto& sync = st.grad_sync();
   const int me = st.rank();
-  const model::ParameterLayout full(model_config_);
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
@@ -288,20 +279,19 @@ void Engine::sync_gradients() {
     float* cursor = pack_buffer_.data();
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
-      const int64_t n = layout::piece_elements(full, piece.piece);
       if (layout::contributes(piece, me)) {
         layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
       } else {
-        std::fill_n(cursor, n, 0.0f);
+        std::fill_n(cursor, piece.elements, 0.0f);
       }
-      cursor += n;
+      cursor += piece.elements;
     }
     all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
     cursor = pack_buffer_.data();
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
       layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
-      cursor += layout::piece_elements(full, piece.piece);
+      cursor += piece.elements;
     }
   }
 }
@@ -316,11 +306,10 @@ double Engine::local_norm_squares() {
   if (!model_) return 0;
   const auto& sync = state_->grad_sync();
   const int me = state_->rank();
-  const model::ParameterLayout full(model_config_);
   double sum = 0;
   for (const auto& piece : sync.pieces) {
     if (layout::norm_owner(piece) != me) continue;
-    pack_buffer_.resize(static_cast<size_t>(layout::piece_elements(full, piece.piece)));
+    pack_buffer_.resize(static_cast<size_t>(piece.elements));
     layout::pack_piece(model_->grads(), my_part(piece), piece.piece, pack_buffer_.data());
     sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
   }
@@ -332,23 +321,25 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   auto next = std::make_unique<Engine>(model_config_, plan, state_->world(), options_);
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  const std::vector<float*> from = state_buffers();
-  layout::redistribute<float>(moves, model_config_, state_->world(),
-                              model_ ? &model_->layout() : nullptr, {from.begin(), from.end()},
-                              next->model_ ? &next->model_->layout() : nullptr,
-                              next->state_buffers());
+  const layout::LocalState<float> from = local_state();
+  check(from.buffers.empty() || from.buffers.size() == layout::kMigratedBuffers,
+        "migration: the state that moves is not what layout::migration_volume counts");
+  const int64_t received = layout::redistribute<float>(
+      moves, state_->world(), layout::read_only(from), next->local_state());
   next->set_steps_done(steps_done_);
   if (stats != nullptr) {
-    stats->bytes_moved = moves.elements_moved() * 3 * static_cast<int64_t>(sizeof(float));
+    stats->bytes_received = received;
+    stats->bytes_moved = state_->world().all_reduce_sum(received);
     stats->seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   return next;
 }
 
-std::vector<float*> Engine::state_buffers() {
+layout::LocalState<float> Engine::local_state() {
   if (!model_) return {};
-  return {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()};
+  return {&model_->layout(),
+          {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()}};
 }
 
 void Engine::set_steps_done(int64_t steps) {
@@ -362,19 +353,16 @@ FullState Engine::gather(int root) {
   const auto plan = layout::plan_redistribution(model_config_, st.layout(), checkpoint);
   FullState full;
   std::optional<model::ParameterLayout> full_layout;
-  std::vector<float*> to;
+  layout::LocalState<float> to;
   if (st.rank() == root) {
     full_layout.emplace(model_config_);
     const size_t total = static_cast<size_t>(full_layout->total_size());
     full.params.assign(total, 0.0f);
     full.adam_m.assign(total, 0.0f);
     full.adam_v.assign(total, 0.0f);
-    to = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
+    to = {&*full_layout, {full.params.data(), full.adam_m.data(), full.adam_v.data()}};
   }
-  const std::vector<float*> from = state_buffers();
-  layout::redistribute<float>(plan, model_config_, st.world(), model_ ? &model_->layout() : nullptr,
-                              {from.begin(), from.end()}, full_layout ? &*full_layout : nullptr,
-                              to);
+  layout::redistribute<float>(plan, st.world(), layout::read_only(local_state()), to);
   return full;
 }
 
@@ -383,17 +371,15 @@ void Engine::scatter(const FullState& full, int64_t steps_done, int root) {
   const auto checkpoint = layout::single_owner_layout(model_config_, st.world().size(), root);
   const auto plan = layout::plan_redistribution(model_config_, checkpoint, st.layout());
   std::optional<model::ParameterLayout> full_layout;
-  std::vector<const float*> from;
+  layout::LocalState<const float> from;
   if (st.rank() == root) {
     full_layout.emplace(model_config_);
     check(full.params.size() == static_cast<size_t>(full_layout->total_size()) &&
               full.adam_m.size() == full.params.size() && full.adam_v.size() == full.params.size(),
           "model state does not match the model's parameter layout");
-    from = {full.params.data(), full.adam_m.data(), full.adam_v.data()};
+    from = {&*full_layout, {full.params.data(), full.adam_m.data(), full.adam_v.data()}};
   }
-  layout::redistribute<float>(plan, model_config_, st.world(),
-                              full_layout ? &*full_layout : nullptr, from,
-                              model_ ? &model_->layout() : nullptr, state_buffers());
+  layout::redistribute<float>(plan, st.world(), from, local_state());
   set_steps_done(steps_done);
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "layout/redistribution.h"
 #include "model/transformer.h"
 #include "runtime/optimizer.h"
 #include "runtime/parallel_state.h"
@@ -48,10 +49,12 @@ struct StepResult {
   std::vector<double> measurements;
 };
 
-// What a migration to a new plan did on this rank (bytes and time are the same on every rank).
+// What a migration to a new plan did: bytes sent between ranks (parameters and both Adam moments,
+// counted from the messages themselves), over all ranks and into this one.
 struct MigrationStats {
-  int64_t bytes_moved = 0;  // over all ranks: parameters and both Adam moments
-  double seconds = 0;       // wall time, building the new communicators included
+  int64_t bytes_moved = 0;     // over all ranks (the same on every rank)
+  int64_t bytes_received = 0;  // by this rank
+  double seconds = 0;          // wall time, building the new communicators included
 };
 
 // The full model state gathered on one rank (params, Adam moments in the full model's layout).
@@ -109,9 +112,9 @@ class Engine {
   void receive_input(int slot, int micro_batch);
   // The stage output to every rank of the next stage; only the group's first rank sends.
   void send_output(int slot, int micro_batch, std::vector<comm::Request>* sends);
-  // Parameters and both Adam moments, in this rank's layout (none when idle): what moves
+  // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
   // between plans and to and from checkpoints.
-  std::vector<float*> state_buffers();
+  layout::LocalState<float> local_state();
   void set_steps_done(int64_t steps);
   // This rank's local tensor holding a piece of the gradient-sync refinement (it must hold it).
   const model::TensorSpec& my_part(const layout::RefinedPiece& piece) const;

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "sim/simulator.h"
+#include "svg/svg.h"
 
 namespace malleus::sim {
 
@@ -96,7 +97,7 @@ ScenarioResult run_scenario(const Scenario& sc) {
   const int N = sc.cluster.num_devices();
   const double GB = sc.batch.global_batch;
   const plan::Rates healthy(static_cast<size_t>(N), 1.0);
-  plan::PlannerOptions options;
+  plan::PlannerOptions options = replan::with_migration_tie_break({}, sc.model);
   options.refine = simulator_evaluator(cost);
   auto sim_time = [&](const plan::Plan& p, const plan::Rates& rates) {
     const SimResult r = simulate(cost, p, rates);
@@ -143,33 +144,36 @@ ScenarioResult run_scenario(const Scenario& sc) {
       iter = old_iter;
       try {
         plan::PlanResult next = strategy->plan(cost, {rates, sc.base, *current});
-        const bool changed = next.plan.to_json() != current->to_json();
-        if (changed) {
-          const double new_iter = sim_time(next.plan, rates);
-          const double planning = sc.replan_s ? *sc.replan_s : next.planning_seconds;
-          double switch_s = 0;
-          std::string what;
-          if (next.restart || name == "drop-slow") {
-            switch_s = sc.cluster.restart_seconds;
-            what = "restart";
-          } else {
-            switch_s =
-                planning + plan::migration_cost(*current, next.plan, cost).seconds + sc.rebuild_s;
-            what = "re-plan + migration";
-          }
-          // Ours weighs the switch: it must repay its cost within the decision horizon.
-          bool take = true;
-          if (name == "malleus" && std::isfinite(old_iter)) {
-            const double gained = sc.decision_horizon_s * (1 / new_iter - 1 / old_iter);
-            take = gained > switch_s / new_iter;
-          }
-          if (take) {
-            run.overhead_s += std::min(switch_s, std::max(0.0, sc.horizon_s - t));
-            advance(t + switch_s, kInf, what);
-            current = next.plan;
-            iter = new_iter;
-            ++run.replans;
-          }
+        const bool same = next.plan.to_json() == current->to_json();
+        const double new_iter = same ? old_iter : sim_time(next.plan, rates);
+        const double planning = sc.replan_s ? *sc.replan_s : next.planning_seconds;
+        double switch_s = 0;  // keeping the plan costs nothing
+        std::string what;
+        if (!same && (next.restart || name == "drop-slow")) {
+          switch_s = sc.cluster.restart_seconds;
+          what = "restart";
+        } else if (!same) {
+          switch_s = planning + replan::estimate_migration(cost, *current, next.plan).seconds +
+                     sc.rebuild_s;
+          what = "re-plan + migration";
+        }
+        bool take = !same;
+        // Ours weighs the switch with the controller's rule; the horizon is the steps the old
+        // plan would run within decision_horizon_s.
+        if (name == "malleus") {
+          WeighedSwitch weighed;
+          weighed.at_s = event.at_s;
+          weighed.question = {old_iter, new_iter, switch_s, sc.decision_horizon_s / old_iter, same};
+          weighed.verdict = replan::weigh_switch(weighed.question);
+          take = weighed.verdict.take;
+          run.switches.push_back(std::move(weighed));
+        }
+        if (take) {
+          run.overhead_s += std::min(switch_s, std::max(0.0, sc.horizon_s - t));
+          advance(t + switch_s, kInf, what);
+          current = next.plan;
+          iter = new_iter;
+          ++run.replans;
         }
       } catch (const Error& e) {
         run.error = e.what();
@@ -281,65 +285,47 @@ std::string render_svg(const ScenarioResult& r) {
   const double W = 820, H = 420, left = 70, right = 190, top = 40, bottom = 50;
   const double pw = W - left - right, ph = H - top - bottom;
   const double horizon = r.scenario.horizon_s;
-  double ymax = 0;
+  const double healthy = r.healthy_iteration_s > 0 && std::isfinite(r.healthy_iteration_s)
+                             ? r.scenario.batch.global_batch / r.healthy_iteration_s
+                             : 0;
+  double ymax = healthy;
   for (double v : r.ideal_samples_per_s) ymax = std::max(ymax, v);
   for (const auto& run : r.runs) {
     for (const auto& s : run.timeline) ymax = std::max(ymax, s.samples_per_s);
   }
-  if (r.healthy_iteration_s > 0 && std::isfinite(r.healthy_iteration_s)) {
-    ymax = std::max(ymax, r.scenario.batch.global_batch / r.healthy_iteration_s);
-  }
-  ymax = ymax > 0 ? ymax * 1.1 : 1;
-  auto x = [&](double t) { return left + pw * t / horizon; };
-  auto y = [&](double v) { return top + ph * (1 - v / ymax); };
+  const svg::Axis axis = svg::nice_axis(0, ymax > 0 ? ymax * 1.05 : 1, 5);
+  const svg::Scale x{0, horizon, left, left + pw}, y{axis.lo, axis.hi, top + ph, top};
   static const char* colors[] = {"#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"};
-  std::string svg;
-  svg += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + fixed(W, 0) + "\" height=\"" +
-         fixed(H, 0) + "\" font-family=\"sans-serif\" font-size=\"12\">\n";
-  svg += "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  svg += "<text x=\"" + fixed(left, 0) + "\" y=\"22\" font-size=\"14\">" + r.scenario.name +
-         ": throughput over time (" + r.scenario.model.name + ", " + r.scenario.cluster.name +
-         ")</text>\n";
+  svg::Document doc(W, H);
+  doc.style("text{font-family:sans-serif;font-size:12px}\n.title{font-size:14px}\n");
+  doc.rect(0, 0, W, H, {{"fill", "white"}});
+  doc.text(left, 22,
+           r.scenario.name + ": throughput over time (" + r.scenario.model.name + ", " +
+               r.scenario.cluster.name + ")",
+           {{"class", "title"}});
   // Axes and grid.
-  for (int i = 0; i <= 5; ++i) {
-    const double v = ymax * i / 5, yy = y(v);
-    svg += "<line x1=\"" + fixed(left, 1) + "\" y1=\"" + fixed(yy, 1) + "\" x2=\"" +
-           fixed(left + pw, 1) + "\" y2=\"" + fixed(yy, 1) + "\" stroke=\"#ddd\"/>\n";
-    svg += "<text x=\"" + fixed(left - 6, 1) + "\" y=\"" + fixed(yy + 4, 1) +
-           "\" text-anchor=\"end\">" + fixed(v, 2) + "</text>\n";
+  for (double v : axis.ticks) {
+    doc.line(left, y(v), left + pw, y(v), {{"stroke", "#ddd"}});
+    doc.text(left - 6, y(v) + 4, fixed(v, axis.step < 1 ? 2 : 0), {{"text-anchor", "end"}});
   }
   for (int i = 0; i <= 6; ++i) {
-    const double t = horizon * i / 6, xx = x(t);
-    svg += "<text x=\"" + fixed(xx, 1) + "\" y=\"" + fixed(top + ph + 18, 1) +
-           "\" text-anchor=\"middle\">" + fixed(t, 0) + "</text>\n";
+    const double t = horizon * i / 6;
+    doc.text(x(t), top + ph + 18, fixed(t, 0), {{"text-anchor", "middle"}});
   }
-  svg += "<rect x=\"" + fixed(left, 1) + "\" y=\"" + fixed(top, 1) + "\" width=\"" + fixed(pw, 1) +
-         "\" height=\"" + fixed(ph, 1) + "\" fill=\"none\" stroke=\"#444\"/>\n";
-  svg += "<text x=\"" + fixed(left + pw / 2, 1) + "\" y=\"" + fixed(H - 10, 1) +
-         "\" text-anchor=\"middle\">time (s)</text>\n";
-  svg += "<text transform=\"rotate(-90)\" x=\"" + fixed(-(top + ph / 2), 1) +
-         "\" y=\"16\" text-anchor=\"middle\">samples/s</text>\n";
-  auto polyline = [&](const std::vector<std::pair<double, double>>& steps, const char* color,
-                      const char* extra) {
-    std::string points;
-    for (const auto& [t, v] : steps) {
-      points += fixed(x(t), 1);
-      points += ',';
-      points += fixed(y(v), 1);
-      points += ' ';
-    }
-    svg += "<polyline fill=\"none\" stroke=\"";
-    svg += color;
-    svg += "\" stroke-width=\"2\" ";
-    svg += extra;
-    svg += " points=\"" + points + "\"/>\n";
+  doc.rect(left, top, pw, ph, {{"fill", "none"}, {"stroke", "#444"}});
+  doc.text(left + pw / 2, H - 10, "time (s)", {{"text-anchor", "middle"}});
+  doc.text(-(top + ph / 2), 16, "samples/s",
+           {{"transform", "rotate(-90)"}, {"text-anchor", "middle"}});
+  auto series = [&](const svg::Points& steps, const std::string& color, bool dashed) {
+    svg::Points points;
+    for (const auto& [t, v] : steps) points.emplace_back(x(t), y(v));
+    svg::Attributes style{{"fill", "none"}, {"stroke", color}, {"stroke-width", "2"}};
+    style.emplace_back(dashed ? "stroke-dasharray" : "stroke-opacity", dashed ? "6,4" : "0.85");
+    doc.path(svg::path_data(points), style);
   };
   // Ideal, as a dashed step function.
   {
-    std::vector<std::pair<double, double>> steps;
-    const double healthy = r.healthy_iteration_s > 0 && std::isfinite(r.healthy_iteration_s)
-                               ? r.scenario.batch.global_batch / r.healthy_iteration_s
-                               : 0;
+    svg::Points steps;
     double t = 0, v = healthy;
     for (size_t e = 0; e < r.scenario.events.size(); ++e) {
       steps.emplace_back(t, v);
@@ -349,29 +335,26 @@ std::string render_svg(const ScenarioResult& r) {
     }
     steps.emplace_back(t, v);
     steps.emplace_back(horizon, v);
-    polyline(steps, "#000", "stroke-dasharray=\"6,4\"");
+    series(steps, "#000", true);
   }
   for (size_t i = 0; i < r.runs.size(); ++i) {
-    std::vector<std::pair<double, double>> steps;
+    svg::Points steps;
     for (const auto& s : r.runs[i].timeline) {
       steps.emplace_back(s.start_s, s.samples_per_s);
       steps.emplace_back(s.end_s, s.samples_per_s);
     }
-    if (!steps.empty()) polyline(steps, colors[i % 6], "stroke-opacity=\"0.85\"");
+    series(steps, colors[i % 6], false);
   }
   // Legend.
   for (size_t i = 0; i <= r.runs.size(); ++i) {
     const double yy = top + 10 + 20.0 * static_cast<double>(i);
     const bool ideal = i == r.runs.size();
-    svg += "<line x1=\"" + fixed(left + pw + 12, 1) + "\" y1=\"" + fixed(yy, 1) + "\" x2=\"" +
-           fixed(left + pw + 36, 1) + "\" y2=\"" + fixed(yy, 1) + "\" stroke=\"" +
-           (ideal ? std::string("#000") : std::string(colors[i % 6])) + "\" stroke-width=\"2\"" +
-           (ideal ? " stroke-dasharray=\"6,4\"" : "") + "/>\n";
-    svg += "<text x=\"" + fixed(left + pw + 42, 1) + "\" y=\"" + fixed(yy + 4, 1) + "\">" +
-           (ideal ? std::string("ideal") : r.runs[i].strategy) + "</text>\n";
+    svg::Attributes style{{"stroke", ideal ? "#000" : colors[i % 6]}, {"stroke-width", "2"}};
+    if (ideal) style.emplace_back("stroke-dasharray", "6,4");
+    doc.line(left + pw + 12, yy, left + pw + 36, yy, style);
+    doc.text(left + pw + 42, yy + 4, ideal ? std::string("ideal") : r.runs[i].strategy);
   }
-  svg += "</svg>\n";
-  return svg;
+  return doc.finish();
 }
 
 }  // namespace malleus::sim

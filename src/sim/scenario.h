@@ -13,6 +13,10 @@
 // Optional: "strategies" (default all), "replan_s" (default: measured planning time),
 // "detect_iterations" (1), "rebuild_s" (5), "failure_timeout_s" (60), "decision_horizon_s"
 // (600), "profile" (a profile file). An event's rates replace all earlier ones.
+//
+// Ours switches only when replan::weigh_switch (the controller's rule) says so, asked with the
+// simulated step times, the migration estimate plus planning and rebuild time as the switch cost,
+// and the steps of the old plan that fit in decision_horizon_s as the horizon.
 #pragma once
 
 #include <optional>
@@ -23,6 +27,7 @@
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/planner.h"
+#include "replan/replan.h"
 
 namespace malleus::sim {
 
@@ -52,6 +57,14 @@ struct Scenario {
 
 Scenario load_scenario(const std::string& path);
 
+// A switch our strategy weighed (replan::weigh_switch) at an event: the question, as the
+// simulator put it, and the verdict.
+struct WeighedSwitch {
+  double at_s = 0;
+  replan::SwitchQuestion question;
+  replan::SwitchVerdict verdict;
+};
+
 // One strategy's plan over one stretch of the trace.
 struct Segment {
   double start_s = 0, end_s = 0;
@@ -66,6 +79,7 @@ struct StrategyRun {
   int replans = 0;
   std::vector<double> steady_samples_per_s;  // per event: throughput of the plan it settled on
   std::vector<Segment> timeline;
+  std::vector<WeighedSwitch> switches;  // ours only: the baselines switch whenever the plan changes
   std::string error;  // the strategy could not run (e.g. every pipeline lost a device)
   double samples_per_s(double horizon) const { return horizon > 0 ? samples / horizon : 0; }
 };

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 
 #include "common/error.h"
 
@@ -41,7 +42,174 @@ off_t cut_torn_tail(int fd, const std::filesystem::path& path) {
   return size - end;
 }
 
+// ---- the schema: one field list per record kind ------------------------------------------------
+
+template <typename Record, typename T>
+struct Field {
+  constexpr Field(const char* k, T Record::*m, bool r = false) : key(k), member(m), required(r) {}
+  const char* key;
+  T Record::*member;
+  bool required;
+};
+
+constexpr auto fields(const StepRecord*) {
+  using R = StepRecord;
+  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
+                    Field<R, double>{"loss", &R::loss},
+                    Field<R, double>{"lr", &R::lr},
+                    Field<R, double>{"grad_norm", &R::grad_norm},
+                    Field<R, double>{"tokens_per_s", &R::tokens_per_s},
+                    Field<R, double>{"step_time_s", &R::step_time_s},
+                    Field<R, double>{"eta_s", &R::eta_s},
+                    Field<R, int64_t>{"consumed_samples", &R::consumed_samples},
+                    Field<R, std::string>{"plan", &R::plan},
+                    Field<R, std::vector<double>>{"rates", &R::rates},
+                    Field<R, std::vector<double>>{"injected", &R::injected},
+                    Field<R, std::vector<double>>{"compute_s", &R::compute_s},
+                    Field<R, double>{"monitor_overhead_s", &R::monitor_overhead_s}};
+}
+
+constexpr auto fields(const EvalRecord*) {
+  using R = EvalRecord;
+  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
+                    Field<R, double>{"val_loss", &R::val_loss, true}};
+}
+
+constexpr auto fields(const ReplanRecord*) {
+  using R = ReplanRecord;
+  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
+                    Field<R, std::vector<double>>{"rates", &R::rates},
+                    Field<R, std::string>{"old_plan", &R::old_plan},
+                    Field<R, std::string>{"new_plan", &R::new_plan},
+                    Field<R, std::string>{"reason", &R::reason},
+                    Field<R, double>{"predicted_old_s", &R::predicted_old_s},
+                    Field<R, double>{"predicted_new_s", &R::predicted_new_s},
+                    Field<R, double>{"predicted_gain_s", &R::predicted_gain_s},
+                    Field<R, double>{"predicted_migration_s", &R::predicted_migration_s},
+                    Field<R, int64_t>{"horizon_steps", &R::horizon_steps},
+                    Field<R, double>{"planning_s", &R::planning_s},
+                    Field<R, int64_t>{"bytes_moved", &R::bytes_moved},
+                    Field<R, double>{"migration_s", &R::migration_s}};
+}
+
+constexpr const char* kSwitched = "replan";
+constexpr const char* kDeclined = "replan_declined";
+
+// ---- writing -----------------------------------------------------------------------------------
+
+void put(Json& json, const char* key, double value) {
+  if (!std::isnan(value)) json[key] = value;
+}
+template <typename T>
+void put(Json& json, const char* key, const T& value) {
+  json[key] = value;
+}
+
+template <typename Record>
+Json write(const Record& record) {
+  Json json = Json::object();
+  std::apply([&](const auto&... field) { (put(json, field.key, record.*(field.member)), ...); },
+             fields(&record));
+  return json;
+}
+
+// ---- reading: typed access to one line's keys; every message names the file and line ----------
+
+class Reader {
+ public:
+  Reader(const Json& object, const std::string& where) : object_(object), where_(where) {}
+
+  bool has(const char* key) const { return object_.contains(key); }
+
+  void get(const char* key, bool required, double& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr || value->is_null()) return;
+    if (!value->is_number()) wrong_type(key, "a number");
+    out = value->get<double>();
+  }
+  void get(const char* key, bool required, int64_t& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr) return;
+    if (!value->is_number_integer()) wrong_type(key, "an integer");
+    out = value->get<int64_t>();
+  }
+  void get(const char* key, bool required, std::string& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr || value->is_null()) return;
+    if (!value->is_string()) wrong_type(key, "a string");
+    out = value->get<std::string>();
+  }
+  void get(const char* key, bool required, std::vector<double>& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr || value->is_null()) return;
+    if (!value->is_array()) wrong_type(key, "an array of numbers");
+    for (const Json& element : *value) {
+      if (element.is_null()) {
+        out.push_back(kUnknown);
+      } else if (element.is_number()) {
+        out.push_back(element.get<double>());
+      } else {
+        wrong_type(key, "an array of numbers");
+      }
+    }
+  }
+
+  template <typename Record>
+  Record read() const {
+    Record record;
+    std::apply(
+        [&](const auto&... field) {
+          (get(field.key, field.required, record.*(field.member)), ...);
+        },
+        fields(&record));
+    return record;
+  }
+
+ private:
+  const Json* find(const char* key, bool required) const {
+    const auto it = object_.find(key);
+    if (it != object_.end()) return &*it;
+    check(!required, where_ + ": missing key \"" + key + "\"");
+    return nullptr;
+  }
+  [[noreturn]] void wrong_type(const char* key, const char* expected) const {
+    throw Error(where_ + ": key \"" + key + "\" must be " + expected + " (value " +
+                object_.at(key).dump() + ")");
+  }
+
+  const Json& object_;
+  const std::string& where_;
+};
+
 }  // namespace
+
+Json to_json(const MetricsRecord& record) {
+  return std::visit(
+      [](const auto& r) {
+        Json json = write(r);
+        if constexpr (std::is_same_v<std::decay_t<decltype(r)>, ReplanRecord>) {
+          json["event"] = r.switched ? kSwitched : kDeclined;
+        }
+        return json;
+      },
+      record);
+}
+
+std::optional<MetricsRecord> parse_record(const Json& object, const std::string& where) {
+  check(object.is_object(), where + ": expected a JSON object");
+  const Reader in(object, where);
+  if (in.has("event")) {
+    std::string event;
+    in.get("event", true, event);
+    if (event != kSwitched && event != kDeclined) return std::nullopt;
+    ReplanRecord r = in.read<ReplanRecord>();
+    r.switched = event == kSwitched;
+    return r;
+  }
+  if (in.has("loss") || in.has("tokens_per_s")) return in.read<StepRecord>();
+  if (in.has("val_loss")) return in.read<EvalRecord>();
+  return std::nullopt;
+}
 
 MetricsLog::MetricsLog(const std::filesystem::path& path) : path_(path) {
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
@@ -64,8 +232,8 @@ MetricsLog::~MetricsLog() {
   ::close(fd_);
 }
 
-void MetricsLog::write(const Json& record) {
-  const std::string line = record.dump() + "\n";
+void MetricsLog::write(const MetricsRecord& record) {
+  const std::string line = to_json(record).dump() + "\n";
   const off_t before = ::lseek(fd_, 0, SEEK_END);
   if (before < 0) fail("write", path_, errno);
   size_t done = 0;

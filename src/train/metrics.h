@@ -1,12 +1,66 @@
 // Progress output: the human-readable step line and the JSONL metrics file carry the same fields.
+// The records of metrics.jsonl are declared here once, as structs with one field list each
+// (metrics.cpp); the trainer writes them and `malleus report` reads them back through the same
+// lists, so writer and reader cannot disagree on a key.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <limits>
+#include <optional>
 #include <string>
+#include <variant>
+#include <vector>
 
 #include "common/json.h"
 
 namespace malleus::train {
+
+// Numbers that are unknown are NaN: left out when written, and NaN when absent or null on reading
+// (nlohmann writes NaN and infinity as null).
+inline constexpr double kUnknown = std::numeric_limits<double>::quiet_NaN();
+
+// One optimizer step.
+struct StepRecord {
+  int64_t step = 0;  // 1-based number of the update just made
+  double loss = kUnknown, lr = kUnknown, grad_norm = kUnknown;
+  double tokens_per_s = kUnknown, step_time_s = kUnknown, eta_s = kUnknown;
+  int64_t consumed_samples = 0;
+  std::string plan;              // the plan's summary
+  std::vector<double> rates;     // monitored straggle rate of every rank; empty when not measured
+  std::vector<double> injected;  // injected rate of every rank; empty when nothing was injected
+  std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
+  double monitor_overhead_s = kUnknown;  // monitoring and deciding, a re-plan's migration included
+};
+
+// One evaluation on held-out data.
+struct EvalRecord {
+  int64_t step = 0;
+  double val_loss = kUnknown;
+};
+
+// One decision of the controller: "event" is "replan" when it switched, "replan_declined" when not.
+struct ReplanRecord {
+  bool switched = false;
+  int64_t step = 0;
+  std::vector<double> rates;  // the (effective) rates planned for
+  std::string old_plan, new_plan;
+  std::string reason;  // why declined
+  double predicted_old_s = kUnknown, predicted_new_s = kUnknown, predicted_gain_s = kUnknown;
+  double predicted_migration_s = kUnknown;
+  int64_t horizon_steps = 0;
+  double planning_s = kUnknown;
+  int64_t bytes_moved = 0;        // measured by the engine (switched only)
+  double migration_s = kUnknown;  // measured wall time (switched only)
+};
+
+using MetricsRecord = std::variant<StepRecord, EvalRecord, ReplanRecord>;
+
+Json to_json(const MetricsRecord& record);
+// The record of one line. nullopt for a kind this reader does not know (newer trainers may add
+// some); unknown keys are ignored. Throws Error naming `where` and the key for a known key of the
+// wrong type or a missing required key ("step"; "val_loss" of an evaluation).
+std::optional<MetricsRecord> parse_record(const Json& object, const std::string& where);
 
 // Appends one JSON object per line. A line is in the file whole or not at all: a write that fails
 // (a full disk) is cut back off before the error is thrown, and a torn last line left by a crash
@@ -18,7 +72,7 @@ class MetricsLog {
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
-  void write(const Json& record);
+  void write(const MetricsRecord& record);
   const std::filesystem::path& path() const { return path_; }
 
  private:

@@ -97,6 +97,26 @@ void check_memory(const model::ModelConfig& model, const plan::Plan& plan, int r
             ": use more ranks, a plan that shards the model further, or a smaller model");
 }
 
+// The metrics record of a controller decision (its numbers are rank 0's).
+ReplanRecord replan_record(const elastic::Decision& d) {
+  ReplanRecord r;
+  r.switched = d.plan.has_value();
+  r.step = d.step;
+  r.rates = d.rates;
+  r.old_plan = d.old_plan;
+  r.new_plan = d.new_plan;
+  r.reason = d.verdict.reason;
+  if (!d.new_plan.empty()) {  // a plan was found and weighed
+    r.predicted_old_s = d.question.current_step_s;
+    r.predicted_new_s = d.question.proposed_step_s;
+    r.predicted_gain_s = d.question.current_step_s - d.question.proposed_step_s;
+    r.predicted_migration_s = d.question.switch_s;
+    r.horizon_steps = static_cast<int64_t>(d.question.horizon_steps);
+    r.planning_s = d.planning_s;
+  }
+  return r;
+}
+
 }  // namespace
 
 int resolve_threads(int configured, int ranks) {
@@ -268,8 +288,9 @@ StepStats Trainer::train_step() {
   for (size_t i = 0; i < r.measurements.size(); i += 2)
     stats.compute_s.push_back(r.measurements[i]);
   if (controller_) {
-    elastic::Decision decision = controller_->decide(
+    const elastic::Decision decision = controller_->decide(
         world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_);
+    if (decision.asked) stats.replan = replan_record(decision);
     if (decision.plan) {
       plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
                      "re-plan");
@@ -277,12 +298,12 @@ StepStats Trainer::train_step() {
       engine_ = engine_->migrate(*decision.plan, &migration);
       controller_->note_migration_seconds(migration.seconds);
       monitor_.note_replan();
-      decision.record["bytes_moved"] = migration.bytes_moved;
-      decision.record["migration_s"] = migration.seconds;
+      stats.replan->bytes_moved = migration.bytes_moved;
+      stats.replan->migration_s = migration.seconds;
     }
-    stats.replan = decision.record;
   }
-  stats.overhead_s = seconds_since(loop_start);
+  stats.monitor_overhead_s = seconds_since(loop_start);
+  stats.consumed_samples = consumed_samples_;
 
   stats.step = step_;
   stats.loss = r.loss;
@@ -321,8 +342,9 @@ void Trainer::save(const std::filesystem::path& root) {
               format_duration(seconds_since(start)).c_str());
 }
 
-void Trainer::log_step(const StepStats& s, double eta, const std::string& plan_text,
-                       MetricsLog& metrics) {
+void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics) {
+  s.eta_s = eta;
+  s.plan = plan_text;
   std::string rates;
   for (double r : s.rates) {
     char text[16];
@@ -335,32 +357,19 @@ void Trainer::log_step(const StepStats& s, double eta, const std::string& plan_t
       static_cast<long long>(s.step), static_cast<long long>(config_.steps), s.loss, s.lr,
       s.grad_norm, format_count(s.tokens_per_s).c_str(), s.step_time_s,
       format_duration(eta).c_str(), plan_text.c_str(), rates.c_str());
-  metrics.write({{"step", s.step},
-                 {"loss", s.loss},
-                 {"lr", s.lr},
-                 {"grad_norm", s.grad_norm},
-                 {"tokens_per_s", s.tokens_per_s},
-                 {"step_time_s", s.step_time_s},
-                 {"eta_s", eta},
-                 {"consumed_samples", consumed_samples_},
-                 {"plan", plan_text},
-                 {"rates", s.rates},
-                 {"injected", s.injected},
-                 {"compute_s", s.compute_s},
-                 {"monitor_overhead_s", s.overhead_s}});
-  if (!s.replan.is_null()) {
-    const Json& d = s.replan;
-    if (d["event"] == "replan") {
+  metrics.write(static_cast<const StepRecord&>(s));
+  if (s.replan) {
+    const ReplanRecord& d = *s.replan;
+    if (d.switched) {
       std::printf(
           "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %sB in %.3f s "
           "(planning %.3f s)\n",
-          static_cast<long long>(s.step), d["old_plan"].get<std::string>().c_str(),
-          d["new_plan"].get<std::string>().c_str(), d["predicted_old_s"].get<double>(),
-          d["predicted_new_s"].get<double>(), format_count(d["bytes_moved"].get<double>()).c_str(),
-          d["migration_s"].get<double>(), d["planning_s"].get<double>());
+          static_cast<long long>(s.step), d.old_plan.c_str(), d.new_plan.c_str(), d.predicted_old_s,
+          d.predicted_new_s, format_count(static_cast<double>(d.bytes_moved)).c_str(),
+          d.migration_s, d.planning_s);
     } else {
       std::printf("re-plan declined at step %lld: %s\n", static_cast<long long>(s.step),
-                  d["reason"].get<std::string>().c_str());
+                  d.reason.c_str());
     }
     metrics.write(d);
   }
@@ -413,7 +422,7 @@ int Trainer::run() {
       if (is_root()) {
         std::printf("eval  %5lld | val loss %.4f (%.3f bits/token)\n",
                     static_cast<long long>(step_), val_loss, val_loss / std::log(2.0));
-        metrics->write({{"step", step_}, {"val_loss", val_loss}});
+        metrics->write(EvalRecord{step_, val_loss});
       }
     }
     const bool saved =

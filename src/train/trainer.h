@@ -25,18 +25,10 @@
 
 namespace malleus::train {
 
-struct StepStats {
-  int64_t step = 0;  // 1-based number of the update just made
-  double loss = 0;   // mean token loss of the global batch
-  double lr = 0;
-  double grad_norm = 0;  // before clipping
-  double step_time_s = 0;
-  double tokens_per_s = 0;
-  std::vector<double> rates;      // monitored straggle rate of every rank (1 = healthy)
-  std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
-  std::vector<double> injected;   // injected rate of every rank (experiments)
-  Json replan;                    // the controller's record when it was asked, else null
-  double overhead_s = 0;          // monitoring and deciding (a re-plan's migration included)
+// One step as train_step returns it: its metrics record (the plan and ETA are filled when it is
+// logged) and the controller's decision when it was asked.
+struct StepStats : StepRecord {
+  std::optional<ReplanRecord> replan;
 };
 
 // The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
@@ -81,7 +73,7 @@ class Trainer {
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
-  void log_step(const StepStats& s, double eta, const std::string& plan_text, MetricsLog& metrics);
+  void log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
   TrainConfig config_;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;  // before model_config_: it fits it

@@ -1,0 +1,415 @@
+// Ours: a search over TP groupings around the stragglers, with layers and micro-batches assigned
+// exactly for every trial (docs/planner.md, "Outer search"). One call is one MalleusSearch: its
+// inputs and the candidates it collects, phase by phase.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "common/error.h"
+#include "plan/planner_parts.h"
+
+namespace malleus::plan::detail {
+
+namespace {
+
+// One way to run a region's devices: TP groups in stage order, each with shares balanced to its
+// members' rates or even.
+struct RegionOption {
+  std::vector<std::vector<int>> groups;
+  bool balance = true;
+  bool operator==(const RegionOption& o) const {
+    return groups == o.groups && balance == o.balance;
+  }
+};
+
+// Power-of-two groups of at most `t`, largest first, over `devices` in order.
+std::vector<std::vector<int>> binary_groups(const std::vector<int>& devices, int t) {
+  std::vector<std::vector<int>> out;
+  size_t i = 0;
+  while (i < devices.size()) {
+    int size = t;
+    while (static_cast<size_t>(size) > devices.size() - i) size /= 2;
+    out.emplace_back(devices.begin() + static_cast<long>(i),
+                     devices.begin() + static_cast<long>(i) + size);
+    i += static_cast<size_t>(size);
+  }
+  return out;
+}
+
+// The choices for one region (the devices one pipeline has on one node): keep the TP groups
+// (shares even or balanced to rates), or exclude the k slowest devices and regroup the rest into
+// power-of-two groups, either in rate order or with the healthy devices grouped apart from the
+// slow ones (Malleus's isolation). Devices are sorted by rate first, so slow devices share groups.
+std::vector<RegionOption> region_options(std::vector<int> devices, int t, const Rates& rates) {
+  std::stable_sort(devices.begin(), devices.end(), [&](int a, int b) {
+    return rates[static_cast<size_t>(a)] < rates[static_cast<size_t>(b)];
+  });
+  const double best = rates[static_cast<size_t>(devices.front())];
+  int gone = 0, slow = 0, healthy = 0;
+  for (int d : devices) {
+    const double r = rates[static_cast<size_t>(d)];
+    gone += is_gone(r) ? 1 : 0;
+    slow += r > 1.0 ? 1 : 0;
+    healthy += r <= best ? 1 : 0;
+  }
+  std::vector<RegionOption> out;
+  // Each grouping also in reverse stage order: slow groups first (where the embedding is cheap)
+  // or last (fewer activations in flight) depends on the model and the memory.
+  auto add = [&](RegionOption o) {
+    for (int reversed = 0; reversed < 2; ++reversed) {
+      if (std::find(out.begin(), out.end(), o) == out.end()) out.push_back(o);
+      std::reverse(o.groups.begin(), o.groups.end());
+    }
+  };
+  if (gone == 0) {
+    add({binary_groups(devices, t), false});
+    if (slow > 0) {
+      add({binary_groups(devices, t), true});
+      // HAP-style mixing: deal devices to the groups fast-to-slow in snake order so every group
+      // has a similar total speed, with shares balanced inside each.
+      const size_t groups = devices.size() / static_cast<size_t>(t);
+      if (groups > 1 && devices.size() % static_cast<size_t>(t) == 0) {
+        std::vector<std::vector<int>> mixed(groups);
+        for (size_t i = 0; i < devices.size(); ++i) {
+          const size_t round = i / groups, k = i % groups;
+          mixed[round % 2 == 0 ? k : groups - 1 - k].push_back(devices[i]);
+        }
+        add({mixed, true});
+      }
+    }
+  }
+  const int n = to_int(devices.size());
+  for (int k = gone; k <= slow && slow > 0; ++k) {
+    const std::vector<int> kept(devices.begin(), devices.begin() + (n - k));
+    add({binary_groups(kept, t), true});
+    if (healthy > 0 && healthy < n - k) {
+      const std::vector<int> fast(kept.begin(), kept.begin() + healthy);
+      const std::vector<int> rest(kept.begin() + healthy, kept.end());
+      auto groups = binary_groups(fast, t);
+      for (auto& g : binary_groups(rest, t)) groups.push_back(std::move(g));
+      add({std::move(groups), true});
+    }
+  }
+  return out;
+}
+
+struct Candidate {
+  Plan plan;
+  double score = kInf;    // the cost model's iteration time (+inf when it does not fit)
+  double refined = kInf;  // the evaluator's, when there is one
+  bool must_refine = false;
+};
+
+// Searches one base (t, S): Megatron's layout of t-rank groups, S per pipeline, regrouped region
+// by region around the stragglers by coordinate descent on the predicted iteration time, with
+// layers and micro-batches assigned exactly for every trial.
+class BaseSearch {
+ public:
+  BaseSearch(const CostModel& cost, const Rates& rates, int t, int S) : cost_(cost), rates_(rates) {
+    const ClusterSpec& c = cost.cluster();
+    const int per_node = c.devices_per_node / t;
+    const int G = c.nodes * per_node;
+    const int P = G / S;
+    for (int p = 0; p < P; ++p) {
+      std::vector<std::vector<int>> regions;
+      int last_node = -1;
+      for (int g = p * S; g < (p + 1) * S; ++g) {
+        const int node = g / per_node;
+        if (node != last_node) regions.emplace_back(), last_node = node;
+        for (int r = g * t; r < (g + 1) * t; ++r) regions.back().push_back(r);
+      }
+      std::vector<std::vector<RegionOption>> options;
+      for (const auto& devices : regions) options.push_back(region_options(devices, t, rates));
+      options_.push_back(std::move(options));
+    }
+    choice_.resize(options_.size());
+    evals_.resize(options_.size());
+    for (size_t p = 0; p < options_.size(); ++p) {
+      choice_[p].assign(options_[p].size(), 0);
+      evals_[p] = &eval(p, choice_[p]);
+    }
+  }
+
+  // Runs the descent and appends its best states to `out`.
+  void run(std::vector<Candidate>& out, int keep) {
+    std::vector<std::pair<double, Plan>> found;
+    double current = objective(nullptr);
+    record(found, current);
+    for (int pass = 0; pass < 2; ++pass) {
+      bool improved = false;
+      for (size_t p = 0; p < options_.size(); ++p) {
+        for (size_t r = 0; r < options_[p].size(); ++r) {
+          if (options_[p][r].size() <= 1) continue;
+          const int was = choice_[p][r];
+          int best = was;
+          for (int o = 0; o < to_int(options_[p][r].size()); ++o) {
+            if (o == was) continue;
+            choice_[p][r] = o;
+            evals_[p] = &eval(p, choice_[p]);
+            const double value = objective(nullptr);
+            if (value < current * (1 - 1e-9)) {
+              current = value;
+              best = o;
+              improved = true;
+              record(found, value);
+            }
+          }
+          choice_[p][r] = best;
+          evals_[p] = &eval(p, choice_[p]);
+        }
+      }
+      if (!improved) break;
+    }
+    std::sort(found.begin(), found.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (int i = 0; i < std::min(keep, to_int(found.size())); ++i) {
+      Candidate c;
+      c.plan = std::move(found[static_cast<size_t>(i)].second);
+      out.push_back(std::move(c));
+    }
+  }
+
+  // Healthy-cluster quality of this base: the objective of the initial state.
+  double initial_objective() { return objective(nullptr); }
+
+ private:
+  const PipelineEval& eval(size_t p, const std::vector<int>& choice) {
+    auto& cache = cache_[p];
+    auto it = cache.find(choice);
+    if (it != cache.end()) return it->second;
+    std::vector<Stage> stages;
+    for (size_t r = 0; r < choice.size(); ++r) {
+      const RegionOption& o = options_[p][r][static_cast<size_t>(choice[r])];
+      for (const auto& g : o.groups) stages.push_back(make_group(cost_, g, o.balance, rates_));
+    }
+    return cache.emplace(choice, evaluate_pipeline(cost_, std::move(stages), rates_)).first->second;
+  }
+
+  double objective(std::vector<int>* micro_batches) {
+    std::vector<double> first, period;
+    for (const PipelineEval* e : evals_) {
+      first.push_back(e->feasible ? e->first : kInf);
+      period.push_back(e->feasible ? e->period : kInf);
+    }
+    auto m = assign_micro_batches(cost_.batch().micro_batches(), first, period, true);
+    const double t = allocation_time(first, period, m);
+    if (micro_batches) *micro_batches = std::move(m);
+    return t;
+  }
+
+  void record(std::vector<std::pair<double, Plan>>& found, double value) {
+    if (!std::isfinite(value)) return;
+    std::vector<int> m;
+    objective(&m);
+    found.emplace_back(value, assemble(cost_, evals_, m));
+  }
+
+  const CostModel& cost_;
+  const Rates& rates_;
+  std::vector<std::vector<std::vector<RegionOption>>> options_;  // pipeline → region → options
+  std::vector<std::vector<int>> choice_;
+  std::vector<const PipelineEval*> evals_;
+  std::map<size_t, std::map<std::vector<int>, PipelineEval>> cache_;
+};
+
+// A base of the search: t-rank TP groups, S per pipeline, and how fast it is when healthy.
+struct Base {
+  int t, S;
+  double healthy_time;
+};
+
+class MalleusSearch {
+ public:
+  MalleusSearch(const CostModel& cost, const PlanRequest& request, const PlannerOptions& options)
+      : cost_(cost),
+        request_(request),
+        options_(options),
+        rates_(full_rates(request.rates, cost.cluster().num_devices())),
+        healthy_(static_cast<size_t>(cost.cluster().num_devices()), 1.0) {}
+
+  PlanResult run() {
+    const auto start = Clock::now();
+    const std::vector<Base> bases = enumerate_bases();
+    search(bases);
+    add_baselines();
+    add_current();
+    check(!candidates_.empty(), "malleus: no plan fits the devices that are left");
+    const std::vector<Candidate*> pool = score_and_refine();
+    PlanResult r = finish("malleus", cost_, choose(pool).plan, rates_, start);
+    r.note = std::to_string(candidates_.size()) + " candidates from " +
+             std::to_string(bases.size()) + " bases";
+    return r;
+  }
+
+ private:
+  // The fewest stages of t-rank groups for which a healthy pipeline fits in memory; 0 if none.
+  int fewest_stages(int t, int groups) const {
+    for (int S = 1; S <= std::min(groups, cost_.model().num_layers); ++S) {
+      std::vector<Stage> stages;
+      for (int g = 0; g < S; ++g) {
+        std::vector<int> ranks;
+        for (int r = g * t; r < (g + 1) * t; ++r) ranks.push_back(r);
+        stages.push_back(make_group(cost_, ranks, false, healthy_));
+      }
+      if (evaluate_pipeline(cost_, stages, healthy_).feasible) return S;
+    }
+    return 0;
+  }
+
+  // Bases (t, S): for each TP degree the fewest stages that fit, a few more, the stage counts that
+  // tile the cluster evenly, and the request's base shape.
+  std::vector<Base> enumerate_bases() const {
+    const ClusterSpec& c = cost_.cluster();
+    const int L = cost_.model().num_layers;
+    std::vector<Base> bases;
+    for (int t : tp_degrees(cost_)) {
+      const int G = c.nodes * (c.devices_per_node / t);
+      const int s_min = fewest_stages(t, G);
+      if (s_min == 0) continue;
+      std::vector<int> counts;
+      for (int S = s_min; S <= std::min({G, L, 2 * s_min + 2}); ++S) {
+        const bool tiles =
+            G % S == 0 || (S * t) % c.devices_per_node == 0 || c.devices_per_node % (S * t) == 0;
+        if (S <= s_min + 2 || tiles) counts.push_back(S);
+      }
+      const Shape& base = request_.base;
+      if (base.tp == t && base.pp <= std::min(G, L) && base.pp >= 1) counts.push_back(base.pp);
+      std::sort(counts.begin(), counts.end());
+      counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+      for (int S : counts) {
+        BaseSearch probe(cost_, healthy_, t, S);
+        bases.push_back({t, S, probe.initial_objective()});
+      }
+    }
+    return bases;
+  }
+
+  // Coordinate descent from every base worth searching: a base far slower when healthy rarely
+  // wins under stragglers, but on small clusters (few bases) it can, so prune only where there
+  // are many.
+  void search(const std::vector<Base>& bases) {
+    double best_healthy = kInf;
+    for (const Base& b : bases) best_healthy = std::min(best_healthy, b.healthy_time);
+    const double prune = bases.size() > 24 ? 1.5 : kInf;
+    for (const Base& b : bases) {
+      const bool is_base = b.t == request_.base.tp && b.S == request_.base.pp;
+      if (!is_base && !(b.healthy_time <= prune * best_healthy)) continue;
+      BaseSearch(cost_, rates_, b.t, b.S).run(candidates_, 3);
+    }
+  }
+
+  void add_refined(Plan plan) {
+    Candidate cand;
+    cand.plan = std::move(plan);
+    cand.must_refine = true;
+    candidates_.push_back(std::move(cand));
+  }
+
+  // The baselines' plans are points of our search space too; they are always re-scored.
+  void add_baselines() {
+    const Shape shape = resolve_base(cost_, request_.base);
+    try {
+      const BaseLayout base = base_layout(cost_, shape, rates_);
+      for (auto [layers, micro] :
+           {std::pair{true, true}, {true, false}, {false, true}, {false, false}}) {
+        add_refined(uneven_plan(cost_, base, rates_, layers, micro));
+      }
+    } catch (const Error&) {
+      // every base pipeline holds a gone device
+    }
+    UniformChoice dropped = drop_slow_choice(cost_, rates_, options_.straggler_threshold);
+    if (!dropped.plan.pipelines.empty()) add_refined(std::move(dropped.plan));
+  }
+
+  // The running plan, when it can still run here: keeping it is always an option.
+  bool current_is_usable() const {
+    if (!request_.current) return false;
+    const Plan& current = *request_.current;
+    bool ok = current.world_size == cost_.cluster().num_devices() &&
+              current.global_batch() == cost_.batch().global_batch;
+    for (const auto& p : current.pipelines) {
+      for (const auto& s : p.stages) ok = ok && !uses_gone(s.ranks, rates_);
+    }
+    return ok;
+  }
+
+  void add_current() {
+    if (current_is_usable()) add_refined(*request_.current);
+  }
+
+  // Scores every candidate with the cost model, then re-scores the best few (and the baseline-
+  // shaped ones) with the evaluator when there is one. Returns the re-scored pool.
+  std::vector<Candidate*> score_and_refine() {
+    for (auto& cand : candidates_) {
+      const Prediction pred = cost_.predict(cand.plan, rates_);
+      cand.score = pred.fits ? pred.iteration_time : kInf;
+    }
+    std::stable_sort(candidates_.begin(), candidates_.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.score < b.score; });
+    std::vector<Candidate*> pool;
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      Candidate& cand = candidates_[i];
+      if (!std::isfinite(cand.score)) continue;
+      if (to_int(i) < options_.refine_top || cand.must_refine) pool.push_back(&cand);
+    }
+    check(!pool.empty(), "malleus: no candidate plan fits in device memory");
+    for (Candidate* cand : pool) {
+      cand->refined = options_.refine ? options_.refine(cand->plan, rates_) : cand->score;
+    }
+    return pool;
+  }
+
+  // Bytes switching from the running plan to `plan` moves (0 without a running plan).
+  double moved_bytes(const Plan& plan) const {
+    if (!request_.current) return 0;
+    if (options_.migration && request_.current->world_size == plan.world_size) {
+      return options_.migration(*request_.current, plan);
+    }
+    return plan.to_json() == request_.current->to_json() ? 0.0 : 1.0;
+  }
+
+  // Among the candidates within the tie tolerance of the best, the one that moves least, then the
+  // fastest.
+  const Candidate& choose(const std::vector<Candidate*>& pool) const {
+    double best = kInf;
+    for (const Candidate* cand : pool) best = std::min(best, cand->refined);
+    const Candidate* chosen = nullptr;
+    double chosen_moved = kInf;
+    for (const Candidate* cand : pool) {
+      if (cand->refined > best * (1 + options_.tie_tolerance)) continue;
+      const double moved = moved_bytes(cand->plan);
+      if (!chosen || moved < chosen_moved ||
+          (moved == chosen_moved && cand->refined < chosen->refined)) {
+        chosen = cand;
+        chosen_moved = moved;
+      }
+    }
+    return *chosen;
+  }
+
+  const CostModel& cost_;
+  const PlanRequest& request_;
+  const PlannerOptions& options_;
+  const Rates rates_, healthy_;
+  std::vector<Candidate> candidates_;
+};
+
+class MalleusStrategy : public Strategy {
+ public:
+  explicit MalleusStrategy(PlannerOptions options) : options_(std::move(options)) {}
+  std::string name() const override { return "malleus"; }
+  PlanResult plan(const CostModel& cost, const PlanRequest& request) const override {
+    return MalleusSearch(cost, request, options_).run();
+  }
+
+ private:
+  PlannerOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_malleus_strategy(PlannerOptions options) {
+  return std::make_unique<MalleusStrategy>(std::move(options));
+}
+
+}  // namespace malleus::plan::detail
