@@ -11,6 +11,7 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
+#include "common/stats.h"
 
 using namespace malleus;
 using Clock = std::chrono::steady_clock;
@@ -25,8 +26,7 @@ double median_seconds(int repeats, F&& f) {
     f();
     t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
 }
 
 }  // namespace

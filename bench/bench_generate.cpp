@@ -12,23 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "common/stats.h"
 #include "model/generation.h"
 #include "train/checkpoint.h"
 
 using namespace malleus;
 
-namespace {
-
-struct Stats {
-  double median, min, max;
-};
-
-Stats summarize(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return {values[values.size() / 2], values.front(), values.back()};
-}
-
-}  // namespace
+namespace {}  // namespace
 
 int main(int argc, char** argv) {
   const std::string source = argc > 1 ? argv[1] : "demo";
@@ -80,7 +70,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    const Stats a = summarize(cached), b = summarize(recomputed);
+    const Summary a = summarize(cached), b = summarize(recomputed);
     std::printf("with cache:    %9.1f tokens/s (min %.1f, max %.1f)\n", a.median, a.min, a.max);
     std::printf("without cache: %9.1f tokens/s (min %.1f, max %.1f)\n", b.median, b.min, b.max);
     std::printf("speedup:       %9.2fx (ratio of medians)\n", a.median / b.median);

@@ -23,9 +23,11 @@
 #include <string>
 #include <vector>
 
+#include "bench_args.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/error.h"
+#include "common/stats.h"
 #include "elastic/monitor.h"
 #include "model/config.h"
 #include "plan/plan.h"
@@ -53,21 +55,9 @@ std::string load_average() {
   return file >> first ? first : std::string("?");
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-int positive_arg(int argc, char** argv, int index, int fallback) {
-  if (argc <= index) return fallback;
-  const int value = std::atoi(argv[index]);
-  check(value > 0, std::string("argument ") + std::to_string(index) + " must be positive");
-  return value;
-}
-
 void run(comm::Communicator& world, int argc, char** argv) {
-  const int rounds = positive_arg(argc, argv, 1, 10);
-  const int steps_per_round = positive_arg(argc, argv, 2, 3);
+  const int rounds = bench::positive_arg(argc, argv, 1, 10);
+  const int steps_per_round = bench::positive_arg(argc, argv, 2, 3);
   const bool root = world.rank() == 0;
   const model::ModelConfig model = model::load_model_config("demo");
   const plan::Plan plan = plan::uniform_plan(model, world.size(), 1, 1, kGlobalBatch, 1);

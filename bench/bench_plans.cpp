@@ -26,11 +26,13 @@
 
 #include <unistd.h>
 
+#include "bench_args.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "common/stats.h"
 #include "data/shard.h"
 #include "model/config.h"
 #include "tokenizer/byte_tokenizer.h"
@@ -102,31 +104,13 @@ void broadcast_string(comm::Communicator& world, std::string& text) {
   world.broadcast(text.data(), text.size(), 0);
 }
 
-struct Summary {
-  double median, min, max;
-};
-
-Summary summarize(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  const double median = n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-  return {median, values.front(), values.back()};
-}
-
-int positive_arg(int argc, char** argv, int index, int fallback) {
-  if (argc <= index) return fallback;
-  const int value = std::atoi(argv[index]);
-  check(value > 0, std::string("argument ") + std::to_string(index) + " must be positive");
-  return value;
-}
-
 void run(comm::Communicator& world, int argc, char** argv) {
   check(world.size() == kWorld,
         "bench_plans runs on exactly 4 ranks (mpirun -np 4), not " + std::to_string(world.size()));
-  const int rounds = positive_arg(argc, argv, 1, 5);
-  const int steps_per_round = positive_arg(argc, argv, 2, 4);
+  const int rounds = bench::positive_arg(argc, argv, 1, 5);
+  const int steps_per_round = bench::positive_arg(argc, argv, 2, 4);
   const std::string model_name = argc > 3 ? argv[3] : "demo";
-  const int threads = positive_arg(argc, argv, 4, 1);
+  const int threads = bench::positive_arg(argc, argv, 4, 1);
   const bool root = world.rank() == 0;
 
   train::TrainConfig base;

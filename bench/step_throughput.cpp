@@ -27,15 +27,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Stats {
-  double median, min, max;
-};
-
-Stats summarize(const std::vector<double>& values) {
-  return {median(values), *std::min_element(values.begin(), values.end()),
-          *std::max_element(values.begin(), values.end())};
-}
-
 template <typename F>
 double time_seconds(F&& f) {
   const auto start = Clock::now();
@@ -152,8 +143,8 @@ int main(int argc, char** argv) {
     step_gflops.push_back(step_flops / s / 1e9);
   }
 
-  const Stats sqs = summarize(square), shs = summarize(shaped), sts = summarize(step_gflops),
-              secs = summarize(step_seconds);
+  const Summary sqs = summarize(square), shs = summarize(shaped), sts = summarize(step_gflops),
+                secs = summarize(step_seconds);
   std::printf(
       "model %s (%lld parameters), %d threads, step = %d × %d sequences of %d tokens, "
       "%d repeats (median [min–max])\n",

@@ -3,7 +3,8 @@
 # demo model on 2 MPI ranks bound one per core while, from step 100 to step 200, two ordinary busy
 # processes (`bash -c 'while :; do :; done'`, nothing to do with malleus) share rank 1's core
 # (scripts/slow_rank.sh). Watch the monitor measure the slowdown, the controller re-plan around
-# it, and re-plan again once the processes are gone.
+# it, and re-plan again once the processes are gone. Ends with the timeline (malleus report) and a
+# few samples of the model before and after training (scripts/demo_samples.sh).
 #
 #   scripts/demo.sh [--injected] [malleus train arguments...]
 #
@@ -40,3 +41,5 @@ else
   wait $slower || true
 fi
 build/malleus report "$out"
+# What the model writes before and after training.
+scripts/demo_samples.sh "$out"

@@ -2,6 +2,7 @@
 // every reader; the training-config field table (round trip, resume policy of every field).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -10,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/stats.h"
 #include "elastic/stragglers.h"
 #include "model/config.h"
 #include "model/parameters.h"
@@ -337,4 +339,17 @@ TEST(TrainConfig, ResumeNeedsStepsLeft) {
   m = error_of([&] { saved.resumed({{steps, Json(8), "--steps"}}, 10); });
   EXPECT_TRUE(contains(m, "--steps is 8, but the checkpoint is already at step 10")) << m;
   EXPECT_EQ(saved.resumed({{steps, Json(12), "--steps"}}, 10).steps, 12);
+}
+
+TEST(Stats, MedianAndSummaryOfMeasurements) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(median({3, 1, 2}), 2);
+  EXPECT_EQ(median({4, 1, 3, 2}), 2.5);  // the mean of the two middle values
+  EXPECT_EQ(median({nan, 5, 1}), 3);     // missing numbers are ignored
+  EXPECT_TRUE(std::isnan(median({})));
+  const Summary s = summarize({nan, 0.5, 2, -1, 7});
+  EXPECT_EQ(s.median, 1.25);
+  EXPECT_EQ(s.min, -1);
+  EXPECT_EQ(s.max, 7);
+  EXPECT_TRUE(std::isnan(summarize({nan}).min));
 }

@@ -18,4 +18,15 @@ double median(std::vector<double> values) {
   return 0.5 * (upper + *std::max_element(values.begin(), values.begin() + mid));
 }
 
+Summary summarize(const std::vector<double>& values) {
+  Summary s{median(values), std::numeric_limits<double>::quiet_NaN(),
+            std::numeric_limits<double>::quiet_NaN()};
+  for (double v : values) {
+    if (std::isnan(v)) continue;
+    if (!(v >= s.min)) s.min = v;  // also takes the first value (NaN compares false)
+    if (!(v <= s.max)) s.max = v;
+  }
+  return s;
+}
+
 }  // namespace malleus

@@ -10,4 +10,11 @@ namespace malleus {
 // middle ones for an even count. NaN when no value is left.
 double median(std::vector<double> values);
 
+// Repeated measurements as the benchmarks quote them: the median and the extremes (NaNs ignored;
+// all NaN when no value is left).
+struct Summary {
+  double median, min, max;
+};
+Summary summarize(const std::vector<double>& values);
+
 }  // namespace malleus
