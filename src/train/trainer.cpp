@@ -192,7 +192,9 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
   engine_options_ = engine_options(config_, world_.size());
   check_memory(model_config, plan, world_.rank(), ranks_on_this_node(world_.size()));
-  if (config_.replan) {
+  // One rank has no other plan to switch to: the monitor still reports its rate, but nobody is
+  // asked to re-plan (the step lines would otherwise say "declined" whenever the rate moved).
+  if (config_.replan && world_.size() > 1) {
     plan::BatchConfig batch;
     batch.global_batch = config_.global_batch_size;
     batch.micro_batch = config_.micro_batch_size;
