@@ -19,8 +19,8 @@
 #include "elastic/controller.h"
 #include "layout/migration.h"
 #include "layout/redistribution.h"
-#include "runtime/core_lease.h"
 #include "replan/replan.h"
+#include "runtime/core_lease.h"
 #include "test_util.h"
 #include "train/trainer.h"
 

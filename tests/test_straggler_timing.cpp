@@ -186,8 +186,7 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   // the same run: two runs on a shared machine need not slow rank 1 by the same factor (measured
   // 2.3x in one and 2.9x in the next), so comparing this run's rate with the other run's slowdown
   // would test the machine, not the monitor.
-  const int seen =
-      first_step(run, kFrom, kTo, [&](const Step& s) { return s.rates[1] >= 1.5; });
+  const int seen = first_step(run, kFrom, kTo, [&](const Step& s) { return s.rates[1] >= 1.5; });
   EXPECT_GE(seen, kFrom) << table;
   EXPECT_LE(seen, kFrom + 2) << table;
   // Re-planned around, while it lasts.

@@ -26,9 +26,9 @@ struct StepRecord {
   double loss = kUnknown, lr = kUnknown, grad_norm = kUnknown;
   double tokens_per_s = kUnknown, step_time_s = kUnknown, eta_s = kUnknown;
   int64_t consumed_samples = 0;
-  std::string plan;              // the plan's summary
-  std::vector<double> rates;     // monitored straggle rate of every rank; empty when not measured
-  std::vector<double> injected;  // injected rate of every rank; empty when nothing was injected
+  std::string plan;               // the plan's summary
+  std::vector<double> rates;      // monitored straggle rate of every rank; empty when not measured
+  std::vector<double> injected;   // injected rate of every rank; empty when nothing was injected
   std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
   double monitor_overhead_s = kUnknown;  // monitoring and deciding, a re-plan's migration included
 };
