@@ -5,6 +5,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "data/prepare.h"
+
 namespace malleus::cli {
 
 // Ends the program with this exit status, its message already printed: e.g. a training run
@@ -12,6 +14,10 @@ namespace malleus::cli {
 struct ExitStatus {
   int code = 1;
 };
+
+// The text a command reads (prepare-data, train-tokenizer): --input and --separator, with the
+// built-in default of Debian's fortunes, one fortune per document.
+void add_corpus_options(CLI::App& command, data::PrepareOptions& corpus);
 
 // train, prepare-data, eval, export, models
 void add_training_commands(CLI::App& app);

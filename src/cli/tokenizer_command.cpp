@@ -20,15 +20,9 @@ void add_tokenizer_command(CLI::App& app) {
     int threads = 0;
   };
   auto args = std::make_shared<TokenizerArgs>();
-  args->corpus.inputs = {"/usr/share/games/fortunes"};
-  args->corpus.document_separator = "%";
   auto* cmd = app.add_subcommand(
       "train-tokenizer", "Train a SentencePiece tokenizer on text files (for prepare-data)");
-  cmd->add_option("--input", args->corpus.inputs, "Text files or directories (as prepare-data)")
-      ->capture_default_str();
-  cmd->add_option("--separator", args->corpus.document_separator,
-                  "A line equal to this ends a document")
-      ->capture_default_str();
+  add_corpus_options(*cmd, args->corpus);
   cmd->add_option("--vocab-size", args->training.vocab_size, "Tokens in the vocabulary")
       ->capture_default_str();
   cmd->add_option("--model-type", args->training.model_type, "bpe or unigram")

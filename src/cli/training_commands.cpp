@@ -205,6 +205,16 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
 
 }  // namespace
 
+void add_corpus_options(CLI::App& command, data::PrepareOptions& corpus) {
+  corpus.inputs = {"/usr/share/games/fortunes"};
+  corpus.document_separator = "%";
+  command.add_option("--input", corpus.inputs, "Text files or directories")->capture_default_str();
+  command
+      .add_option("--separator", corpus.document_separator,
+                  "A line equal to this ends a document (\"\": one file, one document)")
+      ->capture_default_str();
+}
+
 void add_training_commands(CLI::App& app) {
   // train
   auto train_args = std::make_shared<TrainArgs>();
@@ -225,17 +235,10 @@ void add_training_commands(CLI::App& app) {
 
   // prepare-data
   auto prepare = std::make_shared<data::PrepareOptions>();
-  prepare->inputs = {"/usr/share/games/fortunes"};
   prepare->output_dir = "data/fortunes";
-  prepare->document_separator = "%";
   auto* prepare_cmd = app.add_subcommand("prepare-data", "Tokenize text files into token shards");
-  prepare_cmd->add_option("--input", prepare->inputs, "Text files or directories")
-      ->capture_default_str();
+  add_corpus_options(*prepare_cmd, *prepare);
   prepare_cmd->add_option("--output", prepare->output_dir, "Output directory")
-      ->capture_default_str();
-  prepare_cmd
-      ->add_option("--separator", prepare->document_separator,
-                   "A line equal to this ends a document (\"\": one file, one document)")
       ->capture_default_str();
   prepare_cmd
       ->add_option("--val-fraction", prepare->val_fraction, "Share of documents for validation")
