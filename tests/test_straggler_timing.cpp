@@ -174,9 +174,13 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
               slowdown, step_slowdown);
   ASSERT_GT(step_slowdown, 1.5) << "two busy processes should slow rank 1, and the job, about 3x\n"
                                 << rate_table(fixed);
-  // The monitor reads that slowdown under that plan.
-  const double fixed_rate = median_rate(fixed, 1, kFrom + 2, kTo);
-  EXPECT_NEAR(fixed_rate, slowdown, 0.25 * slowdown) << rate_table(fixed);
+  // The monitor reads that slowdown under that plan. Its rates are against the fastest the rank
+  // has been (its healthy reference), and a core shared with other work can already read above
+  // 1 before the busy processes start (CI measured 1.37), so it is the rise in the rate across
+  // the same two windows that must match the rise in compute time.
+  const double rate_rise =
+      median_rate(fixed, 1, kFrom + 2, kTo) / median_rate(fixed, 1, 3, kFrom - 1);
+  EXPECT_NEAR(rate_rise, slowdown, 0.25 * slowdown) << rate_table(fixed);
 
   const TrainingRun run = train_with_busy_core(dir, "replan", kSteps, kFrom, kTo, "");
   ASSERT_EQ(run.steps.size(), size_t{kSteps}) << run.output;
@@ -195,10 +199,12 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   ASSERT_NE(replan, run.replans.end()) << table;
   // Under the new plan rank 1 still reads slow, so the re-plan is not undone by a mismeasure.
   EXPECT_GT(median_rate(run, 1, *replan + 1, kTo), 1.5) << table;
-  // Healthy again (below the controller's straggler threshold, 1.2) within 3 steps of the busy
-  // processes ending (after step kTo is logged), and re-planned for it.
-  const int healed =
-      first_step(run, kTo + 1, kSteps, [](const Step& s) { return s.rates[1] <= 1.2; });
+  // Healthy again within 3 steps of the busy processes ending (after step kTo is logged), and
+  // re-planned for it: below the controller's straggler threshold (1.2), or where the machine's
+  // other work had rank 1 above it before the slowdown, back within 15 % of that level.
+  const double healthy_rate = std::max(1.2, 1.15 * median_rate(run, 1, 3, kFrom - 1));
+  const int healed = first_step(run, kTo + 1, kSteps,
+                                [&](const Step& s) { return s.rates[1] <= healthy_rate; });
   EXPECT_GE(healed, kTo + 1) << table;
   EXPECT_LE(healed, kTo + 3) << table;
   EXPECT_TRUE(std::any_of(run.replans.begin(), run.replans.end(), [&](int s) { return s > kTo; }))
