@@ -155,3 +155,62 @@ TEST(Model, RefusesOutOfRangeTokensAndSequences) {
   std::vector<int32_t> inputs{1, 2, 3, 13}, targets{1, 2, 3, 4};
   EXPECT_THROW(m.forward(inputs.data(), targets.data()), Error);
 }
+
+// Recomputation repeats the same operations on the same inputs, so losses and gradients are
+// bit-identical to keeping every activation: with two micro-batches in flight (two slots, both
+// forwards before either backward, as 1F1B's warm-up does), for each mode and layer count.
+TEST(Model, RecomputationGivesBitIdenticalLossesAndGradients) {
+  const auto config = small_config();
+  const int micro = 2, seq = 6;
+  auto backend = backend::make_cpu_backend<float>(1);
+  const Batch first = random_batch(config, micro, seq, 3),
+              second = random_batch(config, micro, seq, 4);
+  auto run = [&](model::Recompute recompute) {
+    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, micro, seq, 2,
+                                nullptr, recompute);
+    m.init_parameters(5);
+    m.zero_grads();
+    std::vector<double> losses;
+    losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
+    losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
+    m.backward(0, 0.01f);
+    m.backward(1, 0.01f);
+    std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
+    backend->copy_to_host(grads.data(), m.grads(), grads.size());
+    return std::make_pair(losses, grads);
+  };
+  const auto plain = run({});
+  using model::RecomputeMode;
+  for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+    for (int layers = 1; layers <= config.num_layers; ++layers) {
+      const auto recomputed = run({mode, layers});
+      EXPECT_EQ(recomputed.first, plain.first) << model::recompute_mode_name(mode) << " " << layers;
+      EXPECT_EQ(recomputed.second, plain.second)
+          << model::recompute_mode_name(mode) << " " << layers;
+    }
+  }
+}
+
+// What a slot keeps shrinks with the mode: selective drops the attention core, full all but each
+// layer's input; the memory ledger sees it.
+TEST(Model, RecomputationKeepsLessActivationMemory) {
+  const auto config = small_config();
+  auto backend = backend::make_cpu_backend<float>(1);
+  auto activations = [&](model::Recompute recompute) {
+    const auto before = backend::memory_ledger().current()[backend::MemoryKind::kActivations];
+    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, 2, 8, 3, nullptr,
+                                recompute);
+    return backend::memory_ledger().current()[backend::MemoryKind::kActivations] - before;
+  };
+  using model::RecomputeMode;
+  const int64_t none = activations({}), selective = activations({RecomputeMode::kSelective, 2}),
+                full = activations({RecomputeMode::kFull, 2}),
+                one_full = activations({RecomputeMode::kFull, 1});
+  EXPECT_LT(selective, none);
+  EXPECT_LT(full, selective);
+  EXPECT_LT(full, one_full);
+  EXPECT_LT(one_full, none);
+  EXPECT_THROW(model::Transformer<float>(config, model::ShardSpec::full(config), *backend, 1, 4, 1,
+                                         nullptr, {RecomputeMode::kFull, 3}),
+               Error);
+}

@@ -113,3 +113,36 @@ TEST(PlanFormat, WorldSizeAndBatchMustMatchTheJob) {
   j["pipelines"][0]["stages"][0]["tp"] = 2;
   EXPECT_NE(error_of(j).find("unknown key(s) \"tp\""), std::string::npos) << error_of(j);
 }
+
+TEST(PlanFormat, RecomputationIsPerStageAndChecked) {
+  const auto model = malleus::testing::parallel_test_model();
+  Json json = mixed_plan();
+  auto& first = json["pipelines"][0]["stages"][0];
+  first["recompute"] = "selective";
+  EXPECT_EQ(error_of(json), "");
+  auto plan = plan::Plan::from_json(json, model, "p.json");
+  // All of the stage's layers unless told otherwise; other stages keep everything.
+  EXPECT_EQ(plan.pipelines[0].stages[0].recompute,
+            (model::Recompute{model::RecomputeMode::kSelective, 3}));
+  EXPECT_EQ(plan.pipelines[0].stages[1].recompute, model::Recompute{});
+  first["recompute"] = "full";
+  first["recompute_layers"] = 1;
+  plan = plan::Plan::from_json(json, model, "p.json");
+  EXPECT_EQ(plan::Plan::from_json(plan.to_json(), model, "again").pipelines[0].stages[0].recompute,
+            (model::Recompute{model::RecomputeMode::kFull, 1}));
+
+  first["recompute_layers"] = 4;
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 0: \"recompute_layers\" is 4, the stage has 3 layers");
+  first["recompute_layers"] = -1;
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 0: \"recompute_layers\" is -1, the stage has 3 layers");
+  first["recompute"] = "none";
+  first["recompute_layers"] = 2;
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 0: \"recompute_layers\" is 2 but \"recompute\" is \"none\"");
+  first["recompute"] = "partial";
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 0: \"recompute\" is \"partial\"; expected "
+            "\"none\", \"selective\" or \"full\"");
+}

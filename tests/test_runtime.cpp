@@ -396,6 +396,57 @@ TEST(Runtime, MigrationSendsExactlyTheEstimatedBytes) {
   }
 }
 
+// Activation recomputation (per stage: none / selective / full, some or all of its layers) leaves
+// the numerics bit-identical: the same plan without it gives the same losses and parameters, to
+// the last bit, on every plan with pp >= 2 and on tensor-parallel stages (whose recomputed
+// forward repeats its all-reduces).
+TEST(Runtime, RecomputationTrainsBitIdenticallyToKeepingActivations) {
+  Communicator world = Communicator::world();
+  if (world.size() != 2 && world.size() != 4) GTEST_SKIP() << "plans for 2 and 4 ranks";
+  const fs::path dir = shared_dir(world);
+  const train::TrainConfig base = base_config(dir);
+  // Stage texts: {plain, recomputing}.
+  std::vector<std::pair<std::string, std::string>> stages;
+  if (world.size() == 2) {
+    stages = {{R"({"layers": [0, 3], "ranks": [0]}, {"layers": [3, 4], "ranks": [1]})",
+               R"({"layers": [0, 3], "ranks": [0], "recompute": "full", "recompute_layers": 2},
+                  {"layers": [3, 4], "ranks": [1], "recompute": "selective"})"},
+              {R"({"layers": [0, 2], "ranks": [1]}, {"layers": [2, 4], "ranks": [0]})",
+               R"({"layers": [0, 2], "ranks": [1], "recompute": "selective", "recompute_layers": 1},
+                  {"layers": [2, 4], "ranks": [0], "recompute": "full"})"}};
+  } else {
+    stages = {
+        {R"({"layers": [0, 2], "ranks": [0, 1]}, {"layers": [2, 4], "ranks": [2, 3]})",
+         R"({"layers": [0, 2], "ranks": [0, 1], "recompute": "full"},
+                  {"layers": [2, 4], "ranks": [2, 3], "recompute": "selective"})"},
+        {R"({"layers": [0, 1], "ranks": [2]}, {"layers": [1, 3], "ranks": [0]}, {"layers": [3, 4], "ranks": [1, 3]})",
+         R"({"layers": [0, 1], "ranks": [2], "recompute": "selective"},
+                  {"layers": [1, 3], "ranks": [0], "recompute": "full", "recompute_layers": 1},
+                  {"layers": [3, 4], "ranks": [1, 3], "recompute": "full"})"}};
+  }
+  auto run = [&](const std::string& name, const std::string& stage_list) {
+    train::TrainConfig config = base;
+    const std::string text = R"({"world_size": )" + std::to_string(world.size()) +
+                             R"(, "pipelines": [{"micro_batches": 8, "stages": [)" + stage_list +
+                             "]}]}";
+    config.plan =
+        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
+    world.barrier();
+    train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
+    return train_steps(trainer, 6);
+  };
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const TrainingRun plain = run("plain" + std::to_string(i), stages[i].first);
+    const TrainingRun recomputed = run("recomputed" + std::to_string(i), stages[i].second);
+    if (world.rank() == 0) {
+      EXPECT_EQ(recomputed.losses, plain.losses) << stages[i].second;
+      EXPECT_EQ(recomputed.params, plain.params) << stages[i].second;
+    }
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
 TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
   Communicator world = Communicator::world();
   const fs::path dir = shared_dir(world);

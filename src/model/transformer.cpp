@@ -43,12 +43,12 @@ class NormalStream {
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, backend::Backend<T>& backend,
                             int micro_batch, int seq_len)
-    : Transformer(config, ShardSpec::full(config), backend, micro_batch, seq_len, 1, nullptr) {}
+    : Transformer(config, ShardSpec::full(config), backend, micro_batch, seq_len, 1, nullptr, {}) {}
 
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
                             backend::Backend<T>& backend, int micro_batch, int seq_len, int slots,
-                            TensorParallelGroup<T>* tp)
+                            TensorParallelGroup<T>* tp, Recompute recompute)
     : config_(config),
       layout_(config, shard),
       backend_(backend),
@@ -58,7 +58,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
       heads_(shard.heads),
       kv_heads_(shard.kv_heads(config)),
       ffn_(shard.ffn),
-      vocab_(shard.vocab) {
+      vocab_(shard.vocab),
+      recompute_(recompute) {
   config_.validate("model \"" + config.name + "\"");
   check(micro_batch > 0, "micro-batch size must be positive");
   check(slots > 0, "a model shard needs at least one activation slot");
@@ -74,6 +75,10 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
   const size_t kv = static_cast<size_t>(kv_heads_) * config.head_dim();
   const size_t probs = static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len;
   const int blocks = shard.layer_end - shard.layer_begin;
+  check(recompute.layers >= 0 && recompute.layers <= blocks,
+        "recomputation of " + std::to_string(recompute.layers) + " layers on a shard of " +
+            std::to_string(blocks));
+  if (recompute.mode == RecomputeMode::kNone) recompute_.layers = 0;
   using backend::MemoryKind;
   // Activation slots hold what a micro-batch keeps from its forward until its backward; the
   // backward scratch below is shared by every slot and block.
@@ -89,9 +94,15 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
       slot.inputs = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
     for (int b = 0; b <= blocks; ++b) slot.residual.push_back(buf(n * c));
     for (int b = 0; b < blocks; ++b) {
-      slot.blocks.push_back({buf(n * c), buf(n), buf(n * q), buf(n * kv), buf(n * kv), buf(probs),
-                             buf(n * q), buf(n * c), buf(n * c), buf(n), buf(n * f), buf(n * f),
-                             buf(n * f)});
+      BlockActivations a;
+      if (!recompute_.recomputes(b)) {
+        a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(probs), buf(n * q),
+             buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+      } else if (recompute_.mode == RecomputeMode::kSelective) {
+        a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), {},        {},
+             buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+      }  // full: the block keeps only its input, residual[b]
+      slot.blocks.push_back(std::move(a));
     }
     if (shard.has_head) {
       slot.targets = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
@@ -103,6 +114,15 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
       slot.softmax_sums = buf(2 * n);  // sum_exp then target_logit: one all-reduce for both
     }
     slots_.push_back(std::move(slot));
+  }
+  // What a recomputing block computes again lives here, once for all slots.
+  if (recompute_.layers > 0 && recompute_.mode == RecomputeMode::kFull) {
+    recomputed_ = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv),
+                   buf(probs), buf(n * q), buf(n * c), buf(n * c),  buf(n),
+                   buf(n * f), buf(n * f), buf(n * f)};
+  } else if (recompute_.layers > 0) {
+    recomputed_.probs = buf(probs);
+    recomputed_.attn = buf(n * q);
   }
   dres_ = buf(n * c, MemoryKind::kWorkspace);
   dnorm_ = buf(n * c, MemoryKind::kWorkspace);
@@ -197,9 +217,9 @@ double Transformer<T>::forward(int slot_index, const int32_t* inputs, const int3
   const size_t n = static_cast<size_t>(tokens_per_micro_batch());
   if (shard.has_embedding) embed(slot, inputs, tokens_per_micro_batch());
   for (size_t b = 0; b < slot.blocks.size(); ++b) {
-    BlockActivations& a = slot.blocks[b];
+    const BlockPointers a = block_storage(slot, static_cast<int>(b));
     block_forward(a, static_cast<int>(b), slot.residual[b].data(), slot.residual[b + 1].data(),
-                  Positions{micro_batch_, seq_len_, 0, a.k.data(), a.v.data()});
+                  Positions{micro_batch_, seq_len_, 0, a.k, a.v});
   }
   if (!shard.has_head) return 0;
   check_tokens(targets, n, "target");
@@ -214,6 +234,7 @@ std::vector<T> Transformer<T>::forward_cached(const int32_t* tokens, int count) 
             ffn_ == config_.ffn_hidden_size && vocab_ == config_.vocab_size &&
             shard.layer_begin == 0 && shard.layer_end == config_.num_layers,
         "cached inference needs the whole model on one rank");
+  check(recompute_.layers == 0, "cached inference keeps every activation: no recomputation");
   check(count > 0, "cached inference: no tokens given");
   check(count <= seq_len_ - cached_positions_,
         "cached inference: " + std::to_string(cached_positions_) + " cached + " +
@@ -231,7 +252,7 @@ std::vector<T> Transformer<T>::forward_cached(const int32_t* tokens, int count) 
   Slot& slot = slots_[0];
   embed(slot, tokens, count);
   for (size_t b = 0; b < slot.blocks.size(); ++b) {
-    block_forward(slot.blocks[b], static_cast<int>(b), slot.residual[b].data(),
+    block_forward(pointers(slot.blocks[b]), static_cast<int>(b), slot.residual[b].data(),
                   slot.residual[b + 1].data(),
                   Positions{1, count, cached_positions_, k_cache_[b].data(), v_cache_[b].data()});
   }
@@ -280,7 +301,24 @@ std::vector<T> Transformer<T>::host_losses(const Slot& slot) {
 }
 
 template <typename T>
-void Transformer<T>::block_forward(BlockActivations& a, int index, const T* x, T* out,
+typename Transformer<T>::BlockPointers Transformer<T>::pointers(BlockActivations& a) {
+  return {a.ln1.data(),   a.rstd1.data(), a.q.data(),   a.k.data(),   a.v.data(),
+          a.probs.data(), a.attn.data(),  a.mid.data(), a.ln2.data(), a.rstd2.data(),
+          a.gate.data(),  a.up.data(),    a.act.data()};
+}
+
+template <typename T>
+typename Transformer<T>::BlockPointers Transformer<T>::block_storage(Slot& slot, int index) {
+  if (!recompute_.recomputes(index)) return pointers(slot.blocks[static_cast<size_t>(index)]);
+  if (recompute_.mode == RecomputeMode::kFull) return pointers(recomputed_);
+  BlockPointers a = pointers(slot.blocks[static_cast<size_t>(index)]);
+  a.probs = recomputed_.probs.data();
+  a.attn = recomputed_.attn.data();
+  return a;
+}
+
+template <typename T>
+void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x, T* out,
                                    const Positions& at) {
   auto& be = backend_;
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
@@ -293,27 +331,27 @@ void Transformer<T>::block_forward(BlockActivations& a, int index, const T* x, T
 
   // Attention: q/k/v are column-parallel (this rank's heads), o_proj row-parallel; the partial
   // outputs are summed over the group before the residual is added (once).
-  be.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, param(w.attn_norm), n, c, config_.norm_eps);
-  be.matmul_forward(a.q.data(), a.ln1.data(), param(w.q_proj), n, c, q);
-  be.matmul_forward(k_new, a.ln1.data(), param(w.k_proj), n, c, kv);
-  be.matmul_forward(v_new, a.ln1.data(), param(w.v_proj), n, c, kv);
-  be.rope_forward(a.q.data(), at.batch, at.seq, heads_, hd, config_.rope_theta, at.past);
+  be.rmsnorm_forward(a.ln1, a.rstd1, x, param(w.attn_norm), n, c, config_.norm_eps);
+  be.matmul_forward(a.q, a.ln1, param(w.q_proj), n, c, q);
+  be.matmul_forward(k_new, a.ln1, param(w.k_proj), n, c, kv);
+  be.matmul_forward(v_new, a.ln1, param(w.v_proj), n, c, kv);
+  be.rope_forward(a.q, at.batch, at.seq, heads_, hd, config_.rope_theta, at.past);
   be.rope_forward(k_new, at.batch, at.seq, kv_heads_, hd, config_.rope_theta, at.past);
-  be.attention_forward(a.attn.data(), a.probs.data(), a.q.data(), at.k, at.v, at.batch, at.seq,
-                       at.past, heads_, kv_heads_, hd);
-  be.matmul_forward(a.mid.data(), a.attn.data(), param(w.o_proj), n, q, c);
-  all_reduce_sum(a.mid.data(), nc);
-  be.add(a.mid.data(), x, nc);  // mid = x + o_proj(attention)
+  be.attention_forward(a.attn, a.probs, a.q, at.k, at.v, at.batch, at.seq, at.past, heads_,
+                       kv_heads_, hd);
+  be.matmul_forward(a.mid, a.attn, param(w.o_proj), n, q, c);
+  all_reduce_sum(a.mid, nc);
+  be.add(a.mid, x, nc);  // mid = x + o_proj(attention)
 
   // SwiGLU MLP: gate/up column-parallel, down row-parallel.
-  be.rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.mid.data(), param(w.mlp_norm), n, c,
-                     config_.norm_eps);
-  be.matmul_forward(a.gate.data(), a.ln2.data(), param(w.gate_proj), n, c, ffn_);
-  be.matmul_forward(a.up.data(), a.ln2.data(), param(w.up_proj), n, c, ffn_);
-  be.swiglu_forward(a.act.data(), a.gate.data(), a.up.data(), static_cast<size_t>(n) * ffn_);
-  be.matmul_forward(out, a.act.data(), param(w.down_proj), n, ffn_, c);
+  be.rmsnorm_forward(a.ln2, a.rstd2, a.mid, param(w.mlp_norm), n, c, config_.norm_eps);
+  be.matmul_forward(a.gate, a.ln2, param(w.gate_proj), n, c, ffn_);
+  be.matmul_forward(a.up, a.ln2, param(w.up_proj), n, c, ffn_);
+  be.swiglu_forward(a.act, a.gate, a.up, static_cast<size_t>(n) * ffn_);
+  if (out == nullptr) return;
+  be.matmul_forward(out, a.act, param(w.down_proj), n, ffn_, c);
   all_reduce_sum(out, nc);
-  be.add(out, a.mid.data(), nc);  // out = mid + down_proj(act)
+  be.add(out, a.mid, nc);  // out = mid + down_proj(act)
 }
 
 // On entry dres holds dLoss/d(block output); on exit dLoss/d(block input x). Both are the same on
@@ -322,45 +360,47 @@ void Transformer<T>::block_forward(BlockActivations& a, int index, const T* x, T
 template <typename T>
 void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres) {
   auto& be = backend_;
-  BlockActivations& a = slot.blocks[static_cast<size_t>(index)];
+  const BlockPointers a = block_storage(slot, index);
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
   const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
   const size_t nc = static_cast<size_t>(n) * c;
+  // Recomputation: the same operations on the same inputs as the forward, so the same values.
+  if (recompute_.recomputes(index) && recompute_.mode == RecomputeMode::kFull) {
+    block_forward(a, index, x, nullptr, Positions{micro_batch_, seq_len_, 0, a.k, a.v});
+  } else if (recompute_.recomputes(index)) {
+    be.attention_forward(a.attn, a.probs, a.q, a.k, a.v, micro_batch_, seq_len_, 0, heads_,
+                         kv_heads_, hd);
+  }
 
   // MLP branch: out = mid + down(silu(gate(ln2)) * up(ln2)).
-  be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act.data(), param(w.down_proj), n,
-                     ffn_, c);
-  be.swiglu_backward(dgate_.data(), dup_.data(), dact_.data(), a.gate.data(), a.up.data(),
+  be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act, param(w.down_proj), n, ffn_, c);
+  be.swiglu_backward(dgate_.data(), dup_.data(), dact_.data(), a.gate, a.up,
                      static_cast<size_t>(n) * ffn_);
-  be.matmul_backward(dnorm_.data(), grad(w.gate_proj), dgate_.data(), a.ln2.data(),
-                     param(w.gate_proj), n, c, ffn_);
-  be.matmul_backward(dnorm2_.data(), grad(w.up_proj), dup_.data(), a.ln2.data(), param(w.up_proj),
-                     n, c, ffn_);
+  be.matmul_backward(dnorm_.data(), grad(w.gate_proj), dgate_.data(), a.ln2, param(w.gate_proj), n,
+                     c, ffn_);
+  be.matmul_backward(dnorm2_.data(), grad(w.up_proj), dup_.data(), a.ln2, param(w.up_proj), n, c,
+                     ffn_);
   be.add(dnorm_.data(), dnorm2_.data(), nc);
   all_reduce_sum(dnorm_.data(), nc);
-  be.rmsnorm_backward(dtmp_.data(), grad(w.mlp_norm), dnorm_.data(), a.mid.data(),
-                      param(w.mlp_norm), a.rstd2.data(), n, c);
+  be.rmsnorm_backward(dtmp_.data(), grad(w.mlp_norm), dnorm_.data(), a.mid, param(w.mlp_norm),
+                      a.rstd2, n, c);
   be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/d(mid)
 
   // Attention branch: mid = x + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
-  be.matmul_backward(dattn_.data(), grad(w.o_proj), dres, a.attn.data(), param(w.o_proj), n, q, c);
-  be.attention_backward(dq_.data(), dk_.data(), dv_.data(), dattn_.data(), a.probs.data(),
-                        a.q.data(), a.k.data(), a.v.data(), micro_batch_, seq_len_, heads_,
-                        kv_heads_, hd);
+  be.matmul_backward(dattn_.data(), grad(w.o_proj), dres, a.attn, param(w.o_proj), n, q, c);
+  be.attention_backward(dq_.data(), dk_.data(), dv_.data(), dattn_.data(), a.probs, a.q, a.k, a.v,
+                        micro_batch_, seq_len_, heads_, kv_heads_, hd);
   be.rope_backward(dq_.data(), micro_batch_, seq_len_, heads_, hd, config_.rope_theta);
   be.rope_backward(dk_.data(), micro_batch_, seq_len_, kv_heads_, hd, config_.rope_theta);
-  be.matmul_backward(dnorm_.data(), grad(w.q_proj), dq_.data(), a.ln1.data(), param(w.q_proj), n, c,
-                     q);
-  be.matmul_backward(dnorm2_.data(), grad(w.k_proj), dk_.data(), a.ln1.data(), param(w.k_proj), n,
-                     c, kv);
+  be.matmul_backward(dnorm_.data(), grad(w.q_proj), dq_.data(), a.ln1, param(w.q_proj), n, c, q);
+  be.matmul_backward(dnorm2_.data(), grad(w.k_proj), dk_.data(), a.ln1, param(w.k_proj), n, c, kv);
   be.add(dnorm_.data(), dnorm2_.data(), nc);
-  be.matmul_backward(dnorm2_.data(), grad(w.v_proj), dv_.data(), a.ln1.data(), param(w.v_proj), n,
-                     c, kv);
+  be.matmul_backward(dnorm2_.data(), grad(w.v_proj), dv_.data(), a.ln1, param(w.v_proj), n, c, kv);
   be.add(dnorm_.data(), dnorm2_.data(), nc);
   all_reduce_sum(dnorm_.data(), nc);
   be.rmsnorm_backward(dtmp_.data(), grad(w.attn_norm), dnorm_.data(), x, param(w.attn_norm),
-                      a.rstd1.data(), n, c);
+                      a.rstd1, n, c);
   be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/dx
 }
 

@@ -8,7 +8,9 @@
 // single-device model is the shard that holds everything.
 //
 // Activations are kept per "slot", so a pipeline stage can hold several micro-batches in flight
-// (1F1B keeps up to pipeline depth − stage index of them).
+// (1F1B keeps up to pipeline depth − stage index of them). With recomputation (model/recompute.h)
+// a slot keeps less of its recomputing blocks, and one scratch block (shared by all slots, as
+// only one block runs at a time) holds what is computed again.
 //
 // Inference (forward_cached) runs the same layer code on one sequence, keeping every layer's keys
 // and values so that each new token costs one position instead of the whole sequence again.
@@ -20,6 +22,7 @@
 #include "backend/backend.h"
 #include "model/config.h"
 #include "model/parameters.h"
+#include "model/recompute.h"
 #include "model/tensor_parallel.h"
 
 namespace malleus::model {
@@ -31,8 +34,10 @@ class Transformer {
   Transformer(const ModelConfig& config, backend::Backend<T>& backend, int micro_batch,
               int seq_len);
   // One shard. `tp` may be null when the shard holds all heads, FFN columns and vocabulary rows.
+  // `recompute.layers` is at most the shard's block count.
   Transformer(const ModelConfig& config, const ShardSpec& shard, backend::Backend<T>& backend,
-              int micro_batch, int seq_len, int slots, TensorParallelGroup<T>* tp);
+              int micro_batch, int seq_len, int slots, TensorParallelGroup<T>* tp,
+              Recompute recompute = {});
 
   const ModelConfig& config() const { return config_; }
   const ShardSpec& shard() const { return layout_.shard(); }
@@ -42,6 +47,7 @@ class Transformer {
   int seq_len() const { return seq_len_; }
   int slots() const { return static_cast<int>(slots_.size()); }
   int tokens_per_micro_batch() const { return micro_batch_ * seq_len_; }
+  const Recompute& recompute() const { return recompute_; }
 
   // Flat buffers of layout().total_size() elements (backend memory).
   T* params() { return params_.data(); }
@@ -94,6 +100,11 @@ class Transformer {
   struct BlockActivations {
     backend::Buffer<T> ln1, rstd1, q, k, v, probs, attn, mid, ln2, rstd2, gate, up, act;
   };
+  // Where one block's activations are, for one forward or backward: in the slot, or in the
+  // recomputation scratch.
+  struct BlockPointers {
+    T *ln1, *rstd1, *q, *k, *v, *probs, *attn, *mid, *ln2, *rstd2, *gate, *up, *act;
+  };
   struct Slot {
     backend::Buffer<T, int32_t> inputs, targets;
     // residual[i] is the input of the shard's i-th block; residual[blocks] is the stage output.
@@ -114,7 +125,11 @@ class Transformer {
   std::vector<T> host_losses(const Slot& slot);
   void check_tokens(const int32_t* tokens, size_t n, const char* what) const;
   void embed(Slot& slot, const int32_t* tokens, int n);
-  void block_forward(BlockActivations& a, int index, const T* x, T* out, const Positions& at);
+  static BlockPointers pointers(BlockActivations& a);
+  BlockPointers block_storage(Slot& slot, int index);
+  // With `out` null, stops before the MLP's output projection: all that backward needs (full
+  // recomputation).
+  void block_forward(const BlockPointers& a, int index, const T* x, T* out, const Positions& at);
   void block_backward(Slot& slot, int index, const T* x, T* dres);
   // Final norm and this shard's logits for n rows of the stage output x.
   void head_logits(Slot& slot, const T* x, int n);
@@ -127,9 +142,11 @@ class Transformer {
   TensorParallelGroup<T>* tp_;
   int micro_batch_, seq_len_;
   int heads_, kv_heads_, ffn_, vocab_;  // this shard's shares
+  Recompute recompute_;
 
   backend::Buffer<T> params_, grads_;
   std::vector<Slot> slots_;
+  BlockActivations recomputed_;  // the block being recomputed (only the parts that are)
   // Per block, keys and values of the cached sequence [seq_len × kv heads × head_dim]; allocated
   // by the first forward_cached.
   std::vector<backend::Buffer<T>> k_cache_, v_cache_;

@@ -97,11 +97,16 @@ Json Plan::to_json() const {
   for (const auto& p : pipelines) {
     Json stages = Json::array();
     for (const auto& s : p.stages) {
-      stages.push_back({{"layers", {s.layer_begin, s.layer_end}},
-                        {"ranks", s.ranks},
-                        {"heads", s.heads},
-                        {"ffn", s.ffn},
-                        {"vocab", s.vocab}});
+      Json stage = {{"layers", {s.layer_begin, s.layer_end}},
+                    {"ranks", s.ranks},
+                    {"heads", s.heads},
+                    {"ffn", s.ffn},
+                    {"vocab", s.vocab}};
+      if (s.recompute.mode != model::RecomputeMode::kNone) {
+        stage["recompute"] = model::recompute_mode_name(s.recompute.mode);
+        stage["recompute_layers"] = s.recompute.layers;
+      }
+      stages.push_back(std::move(stage));
     }
     pipes.push_back({{"micro_batches", p.micro_batches}, {"stages", stages}});
   }
@@ -137,6 +142,13 @@ Plan Plan::from_json(const Json& json, const model::ModelConfig& model, const st
       s.heads = sr.optional("heads", even_shares(model.num_heads, tp, group));
       s.ffn = sr.optional("ffn", even_shares(model.ffn_hidden_size, tp));
       s.vocab = sr.optional("vocab", even_shares(model.vocab_size, tp));
+      const auto mode = sr.optional<std::string>("recompute", "none");
+      const auto parsed = model::parse_recompute_mode(mode);
+      check(parsed.has_value(), sr.source() + ": \"recompute\" is \"" + mode +
+                                    "\"; expected \"none\", \"selective\" or \"full\"");
+      s.recompute.mode = *parsed;
+      s.recompute.layers = sr.optional<int>(
+          "recompute_layers", s.recompute.mode == model::RecomputeMode::kNone ? 0 : s.num_layers());
       sr.finish();
       p.stages.push_back(std::move(s));
     }
@@ -175,6 +187,15 @@ void validate(const Plan& plan, const model::ModelConfig& model, const std::stri
         check(owner.empty(), at + ": rank " + std::to_string(r) + " is already used by " +
                                  (owner.empty() ? std::string() : owner));
         owner = "pipeline " + std::to_string(i) + " stage " + std::to_string(j);
+      }
+      if (s.recompute.mode == model::RecomputeMode::kNone) {
+        check(s.recompute.layers == 0, at + ": \"recompute_layers\" is " +
+                                           std::to_string(s.recompute.layers) +
+                                           " but \"recompute\" is \"none\"");
+      } else {
+        check(s.recompute.layers >= 0 && s.recompute.layers <= s.num_layers(),
+              at + ": \"recompute_layers\" is " + std::to_string(s.recompute.layers) +
+                  ", the stage has " + std::to_string(s.num_layers()) + " layers");
       }
       check_shares(s.heads, s.ranks.size(), model.num_heads, group, "heads", at);
       check_shares(s.ffn, s.ranks.size(), model.ffn_hidden_size, 1, "ffn", at);

@@ -13,7 +13,8 @@
 //                  {"layers": [3, 4], "ranks": [2]}]},
 //      {"micro_batches": 2, "stages": [{"layers": [0, 4], "ranks": [3]}]}]}
 // "layers" is a half-open range [begin, end). Omitted shares are split as evenly as the units
-// allow (heads in whole KV groups).
+// allow (heads in whole KV groups). A stage may add "recompute": "none" | "selective" | "full"
+// and "recompute_layers": k (its first k layers recompute; default all of them).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@
 
 #include "common/json.h"
 #include "model/config.h"
+#include "model/recompute.h"
 
 namespace malleus::plan {
 
@@ -31,6 +33,9 @@ struct Stage {
   std::vector<int> heads;              // query heads per rank (whole KV groups)
   std::vector<int> ffn;                // FFN columns per rank
   std::vector<int> vocab;              // vocabulary rows per rank (used by first and last stage)
+  // Activation recomputation of every rank of the stage: its first `recompute.layers` layers
+  // (model/recompute.h). Chosen by the planner where memory requires it, or written by hand.
+  model::Recompute recompute;
 
   int tp() const { return static_cast<int>(ranks.size()); }
   int num_layers() const { return layer_end - layer_begin; }

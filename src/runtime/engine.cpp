@@ -61,9 +61,9 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   }
   const int slots = activation_slots(state_->role().stage, state_->num_stages(),
                                      state_->pipeline().micro_batches);
-  model_ = std::make_unique<model::Transformer<float>>(model, *state_->shard(), *backend_,
-                                                       plan.micro_batch_size, options.seq_len,
-                                                       slots, state_->tensor_parallel());
+  model_ = std::make_unique<model::Transformer<float>>(
+      model, *state_->shard(), *backend_, plan.micro_batch_size, options.seq_len, slots,
+      state_->tensor_parallel(), state_->stage().recompute);
   optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout(), options.adamw);
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
@@ -126,6 +126,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
   const float loss_scale = 1.0f / static_cast<float>(global_tokens);
   double loss_sum = 0;
+  backend::memory_ledger().reset_peak();  // this step's peak, measured from here
 
   if (model_) {
     zero_grads();
@@ -184,7 +185,9 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   // One all-reduce carries the loss, the squared gradient norm and every rank's measurements
   // (each rank fills its own slots), so monitoring costs no extra round of communication.
   const size_t ranks = static_cast<size_t>(world.size());
-  std::vector<double> shared(2 + 2 * ranks, 0.0);
+  // Per rank: compute time and FLOPs, then peak memory by kind and in total.
+  constexpr size_t kMemoryFields = backend::kMemoryKinds + 1;
+  std::vector<double> shared(2 + 2 * ranks + kMemoryFields * ranks, 0.0);
   shared[0] = loss_sum;
   {
     // Packing gradients and summing squares is computing too: on a shared core, in turn.
@@ -195,10 +198,23 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   double* mine = shared.data() + 2 + 2 * static_cast<size_t>(world.rank());
   mine[0] = result.compute_seconds;
   mine[1] = result.flops;
+  {
+    const backend::MemoryFigures peak = backend::memory_ledger().peak();
+    double* memory = shared.data() + 2 + 2 * ranks + kMemoryFields * size_t(world.rank());
+    for (size_t k = 0; k < peak.bytes.size(); ++k) memory[k] = double(peak.bytes[k]);
+    memory[backend::kMemoryKinds] = double(backend::memory_ledger().peak_total());
+  }
   all_reduce_sum(world, shared.data(), shared.size(), lease());
   result.loss = shared[0] / static_cast<double>(global_tokens);
   result.grad_norm = std::sqrt(shared[1]);
-  result.measurements.assign(shared.begin() + 2, shared.end());
+  result.measurements.assign(shared.begin() + 2, shared.begin() + 2 + 2 * long(ranks));
+  for (size_t r = 0; r < ranks; ++r) {
+    const double* memory = shared.data() + 2 + 2 * ranks + kMemoryFields * r;
+    backend::MemoryFigures figures;
+    for (size_t k = 0; k < figures.bytes.size(); ++k) figures.bytes[k] = int64_t(memory[k]);
+    result.peak_memory.push_back(figures);
+    result.peak_memory_total.push_back(memory[backend::kMemoryKinds]);
+  }
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (optimizer_) {
@@ -275,8 +291,7 @@ void Engine::sync_gradients() {
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
-    pack_buffer_.resize(static_cast<size_t>(group.elements));
-    float* cursor = pack_buffer_.data();
+    float* cursor = pack_buffer(static_cast<size_t>(group.elements));
     for (int p : group.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
       if (layout::contributes(piece, me)) {
@@ -296,6 +311,12 @@ void Engine::sync_gradients() {
   }
 }
 
+float* Engine::pack_buffer(size_t elements) {
+  pack_buffer_.resize(elements);
+  pack_booking_.resize(static_cast<int64_t>(pack_buffer_.capacity() * sizeof(float)));
+  return pack_buffer_.data();
+}
+
 const model::TensorSpec& Engine::my_part(const layout::RefinedPiece& piece) const {
   return model_->layout().tensor(
       layout::find_holder(piece.holders[0], state_->rank())->local_tensor);
@@ -309,8 +330,8 @@ double Engine::local_norm_squares() {
   double sum = 0;
   for (const auto& piece : sync.pieces) {
     if (layout::norm_owner(piece) != me) continue;
-    pack_buffer_.resize(static_cast<size_t>(piece.elements));
-    layout::pack_piece(model_->grads(), my_part(piece), piece.piece, pack_buffer_.data());
+    layout::pack_piece(model_->grads(), my_part(piece), piece.piece,
+                       pack_buffer(static_cast<size_t>(piece.elements)));
     sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
   }
   return sum;

@@ -47,6 +47,10 @@ struct StepResult {
   double compute_seconds = 0, flops = 0;
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> measurements;
+  // Every rank's peak memory during the step (its forwards, backwards and gradient sync), from
+  // its own allocations (backend::memory_ledger), in rank order: by kind, and the peak total.
+  std::vector<backend::MemoryFigures> peak_memory;
+  std::vector<double> peak_memory_total;
 };
 
 // What a migration to a new plan did: bytes sent between ranks (parameters and both Adam moments,
@@ -127,6 +131,9 @@ class Engine {
   std::unique_ptr<AdamW> optimizer_;
   int64_t steps_done_ = 0;  // kept on idle ranks too
   std::vector<float> pack_buffer_;
+  backend::MemoryBooking pack_booking_{backend::MemoryKind::kCommunication, 0};  // pack_buffer_'s
+  // Sizes pack_buffer_ and books its allocation.
+  float* pack_buffer(size_t elements);
   double work_flops_ = 0;  // per step, of this rank's shard
   backend::Buffer<float> probe_a_, probe_b_, probe_c_;
   std::vector<int32_t> inputs_, targets_;

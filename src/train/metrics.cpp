@@ -54,19 +54,27 @@ struct Field {
 
 constexpr auto fields(const StepRecord*) {
   using R = StepRecord;
-  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
-                    Field<R, double>{"loss", &R::loss},
-                    Field<R, double>{"lr", &R::lr},
-                    Field<R, double>{"grad_norm", &R::grad_norm},
-                    Field<R, double>{"tokens_per_s", &R::tokens_per_s},
-                    Field<R, double>{"step_time_s", &R::step_time_s},
-                    Field<R, double>{"eta_s", &R::eta_s},
-                    Field<R, int64_t>{"consumed_samples", &R::consumed_samples},
-                    Field<R, std::string>{"plan", &R::plan},
-                    Field<R, std::vector<double>>{"rates", &R::rates},
-                    Field<R, std::vector<double>>{"injected", &R::injected},
-                    Field<R, std::vector<double>>{"compute_s", &R::compute_s},
-                    Field<R, double>{"monitor_overhead_s", &R::monitor_overhead_s}};
+  return std::tuple{
+      Field<R, int64_t>{"step", &R::step, true},
+      Field<R, double>{"loss", &R::loss},
+      Field<R, double>{"lr", &R::lr},
+      Field<R, double>{"grad_norm", &R::grad_norm},
+      Field<R, double>{"tokens_per_s", &R::tokens_per_s},
+      Field<R, double>{"step_time_s", &R::step_time_s},
+      Field<R, double>{"eta_s", &R::eta_s},
+      Field<R, int64_t>{"consumed_samples", &R::consumed_samples},
+      Field<R, std::string>{"plan", &R::plan},
+      Field<R, std::vector<double>>{"rates", &R::rates},
+      Field<R, std::vector<double>>{"injected", &R::injected},
+      Field<R, std::vector<double>>{"compute_s", &R::compute_s},
+      Field<R, double>{"monitor_overhead_s", &R::monitor_overhead_s},
+      Field<R, std::vector<double>>{"peak_memory_bytes", &R::peak_memory_bytes},
+      Field<R, std::vector<double>>{"peak_parameters_bytes", &R::peak_parameters_bytes},
+      Field<R, std::vector<double>>{"peak_gradients_bytes", &R::peak_gradients_bytes},
+      Field<R, std::vector<double>>{"peak_optimizer_bytes", &R::peak_optimizer_bytes},
+      Field<R, std::vector<double>>{"peak_activations_bytes", &R::peak_activations_bytes},
+      Field<R, std::vector<double>>{"peak_workspace_bytes", &R::peak_workspace_bytes},
+      Field<R, std::vector<double>>{"peak_communication_bytes", &R::peak_communication_bytes}};
 }
 
 constexpr auto fields(const EvalRecord*) {

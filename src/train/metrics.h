@@ -31,6 +31,11 @@ struct StepRecord {
   std::vector<double> injected;   // injected rate of every rank; empty when nothing was injected
   std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
   double monitor_overhead_s = kUnknown;  // monitoring and deciding, a re-plan's migration included
+  // Every rank's peak memory during the step, from its own allocations: the peak of the total,
+  // and each kind's own peak (backend/memory.h), in bytes.
+  std::vector<double> peak_memory_bytes;
+  std::vector<double> peak_parameters_bytes, peak_gradients_bytes, peak_optimizer_bytes,
+      peak_activations_bytes, peak_workspace_bytes, peak_communication_bytes;
 };
 
 // One evaluation on held-out data.

@@ -289,6 +289,20 @@ StepStats Trainer::train_step() {
       monitor_.observe(r.measurements, elastic::work_geometries(engine_->state().layout()));
   for (size_t i = 0; i < r.measurements.size(); i += 2)
     stats.compute_s.push_back(r.measurements[i]);
+  {
+    using backend::MemoryKind;
+    stats.peak_memory_bytes = r.peak_memory_total;
+    const std::pair<std::vector<double>*, MemoryKind> kinds[] = {
+        {&stats.peak_parameters_bytes, MemoryKind::kParameters},
+        {&stats.peak_gradients_bytes, MemoryKind::kGradients},
+        {&stats.peak_optimizer_bytes, MemoryKind::kOptimizer},
+        {&stats.peak_activations_bytes, MemoryKind::kActivations},
+        {&stats.peak_workspace_bytes, MemoryKind::kWorkspace},
+        {&stats.peak_communication_bytes, MemoryKind::kCommunication}};
+    for (const auto& [field, kind] : kinds) {
+      for (const auto& figures : r.peak_memory) field->push_back(double(figures[kind]));
+    }
+  }
   if (controller_) {
     const elastic::Decision decision = controller_->decide(
         world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_);
@@ -304,6 +318,7 @@ StepStats Trainer::train_step() {
       stats.replan->migration_s = migration.seconds;
     }
   }
+
   stats.monitor_overhead_s = seconds_since(loop_start);
   stats.consumed_samples = consumed_samples_;
 
