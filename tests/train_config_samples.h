@@ -43,7 +43,10 @@ inline Json every_field_changed() {
               {"monitor_window", 5},
               {"replan_horizon", 20},
               {"stragglers", {"1:2:3-4", "2:3:5-"}},
-              {"straggler_trace", "trace.json"}};
+              {"straggler_trace", "trace.json"},
+              {"watchdog", false},
+              {"watchdog_floor_s", 30},
+              {"watchdog_multiple", 4}};
 }
 
 // Quotes a command-line argument for the shell.

@@ -31,5 +31,7 @@ void add_generate_command(CLI::App& app);
 void add_import_command(CLI::App& app);
 // train-tokenizer
 void add_tokenizer_command(CLI::App& app);
+// launch
+void add_launch_command(CLI::App& app);
 
 }  // namespace malleus::cli

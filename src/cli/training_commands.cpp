@@ -103,6 +103,7 @@ auto with_mpi(Body&& body) {
 struct TrainArgs {
   std::string config_file, resume;
   bool print_config = false;
+  int restarts = 0;
   TrainOverrides overrides;
 };
 
@@ -161,6 +162,7 @@ void run_train(const TrainArgs& args) {
         checkpoint ? checkpoint->model : model::load_model_config(config.model);
     train::Trainer trainer(config, model, world);
     if (checkpoint) trainer.restore(*checkpoint);
+    trainer.set_restarts(args.restarts);
     // Taken once every input has been checked (so bad input leaves nothing on disk) and before
     // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
     std::optional<train::RunDirectory> run_dir;
@@ -230,6 +232,10 @@ void add_training_commands(CLI::App& app) {
                         "it then goes on writing, unless --out says otherwise)");
   train_cmd->add_flag("--print-config", train_args->print_config,
                       "Print the training config this command would run with, and exit");
+  train_cmd
+      ->add_option("--restarts", train_args->restarts,
+                   "Restarts of this job so far, shown in the step lines (set by malleus launch)")
+      ->check(CLI::NonNegativeNumber);
   train_args->overrides.add_to(*train_cmd);
   train_cmd->callback([train_args] { run_train(*train_args); });
 

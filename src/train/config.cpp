@@ -172,7 +172,8 @@ std::vector<ConfigField> make_fields() {
             "Compute threads per rank (0: the node's cores shared among its ranks)",
             not_negative<int>()),
       field(&C::plan, "plan", "--plan", P::kResharded,
-            "Parallel plan file (docs/plan-format.md); \"\": the uniform plan of --dp/--tp/--pp"),
+            "Parallel plan file (docs/plan-format.md); \"auto\": the planner's plan for the "
+            "job's ranks; \"\": the uniform plan of --dp/--tp/--pp"),
       field(&C::dp, "dp", "--dp", P::kResharded,
             "Pipelines of the uniform plan (0: as many as the ranks allow)", not_negative<int>()),
       field(&C::tp, "tp", "--tp", P::kResharded, "Tensor-parallel degree of the uniform plan",
@@ -194,6 +195,13 @@ std::vector<ConfigField> make_fields() {
             straggler_specs()),
       field(&C::straggler_trace, "straggler_trace", "--straggler-trace", P::kHonoured,
             "Injected straggler trace (JSON)"),
+      field(&C::watchdog, "watchdog", "--watchdog", P::kHonoured,
+            "End a hung job, naming the ranks that did not arrive (several ranks only)"),
+      field(&C::watchdog_floor_s, "watchdog_floor_s", "--watchdog-floor", P::kHonoured,
+            "Seconds a step, evaluation or checkpoint may always take before it counts as hung",
+            positive<float>()),
+      field(&C::watchdog_multiple, "watchdog_multiple", "--watchdog-multiple", P::kHonoured,
+            "... or this many times its median duration so far, if longer", at_least(1.0f)),
   };
 }
 

@@ -87,8 +87,9 @@ struct TrainConfig {
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
 
-  // The parallel plan: a plan file (docs/plan-format.md), or else the uniform dp × tp × pp plan
-  // (dp = 0: as many pipelines as the ranks allow).
+  // The parallel plan: a plan file (docs/plan-format.md), "auto" for the planner's plan on the
+  // job's ranks (train/trainer.h), or else the uniform dp × tp × pp plan (dp = 0: as many
+  // pipelines as the ranks allow).
   std::string plan;
   int dp = 0, tp = 1, pp = 1;
 
@@ -105,6 +106,13 @@ struct TrainConfig {
   // Injected stragglers for experiments: "RANK:RATE:FROM-TO" entries and/or a trace file.
   std::vector<std::string> stragglers;
   std::string straggler_trace;
+
+  // Hang detection on several ranks (train/watchdog.h): a step, evaluation or checkpoint that
+  // takes longer than max(watchdog_floor_s, watchdog_multiple × its median so far) ends the job,
+  // naming the ranks that did not arrive.
+  bool watchdog = true;
+  float watchdog_floor_s = 120.0f;
+  float watchdog_multiple = 10.0f;
 
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }
 

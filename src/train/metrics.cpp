@@ -100,8 +100,23 @@ constexpr auto fields(const ReplanRecord*) {
                     Field<R, double>{"migration_s", &R::migration_s}};
 }
 
+constexpr auto fields(const RestartRecord*) {
+  using R = RestartRecord;
+  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
+                    Field<R, int64_t>{"restart", &R::restart, true},
+                    Field<R, int64_t>{"failed_at_step", &R::failed_at_step},
+                    Field<R, int64_t>{"steps_lost", &R::steps_lost},
+                    Field<R, std::string>{"reason", &R::reason},
+                    Field<R, std::string>{"detail", &R::detail},
+                    Field<R, std::vector<int64_t>>{"lost_ranks", &R::lost_ranks},
+                    Field<R, int64_t>{"ranks_before", &R::ranks_before},
+                    Field<R, int64_t>{"ranks_after", &R::ranks_after},
+                    Field<R, double>{"failed_at", &R::failed_at}};
+}
+
 constexpr const char* kSwitched = "replan";
 constexpr const char* kDeclined = "replan_declined";
+constexpr const char* kRestart = "restart";
 
 // ---- writing -----------------------------------------------------------------------------------
 
@@ -162,6 +177,16 @@ class Reader {
     }
   }
 
+  void get(const char* key, bool required, std::vector<int64_t>& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr || value->is_null()) return;
+    if (!value->is_array()) wrong_type(key, "an array of integers");
+    for (const Json& element : *value) {
+      if (!element.is_number_integer()) wrong_type(key, "an array of integers");
+      out.push_back(element.get<int64_t>());
+    }
+  }
+
   template <typename Record>
   Record read() const {
     Record record;
@@ -197,6 +222,8 @@ Json to_json(const MetricsRecord& record) {
         Json json = write(r);
         if constexpr (std::is_same_v<std::decay_t<decltype(r)>, ReplanRecord>) {
           json["event"] = r.switched ? kSwitched : kDeclined;
+        } else if constexpr (std::is_same_v<std::decay_t<decltype(r)>, RestartRecord>) {
+          json["event"] = kRestart;
         }
         return json;
       },
@@ -209,6 +236,7 @@ std::optional<MetricsRecord> parse_record(const Json& object, const std::string&
   if (in.has("event")) {
     std::string event;
     in.get("event", true, event);
+    if (event == kRestart) return in.read<RestartRecord>();
     if (event != kSwitched && event != kDeclined) return std::nullopt;
     ReplanRecord r = in.read<ReplanRecord>();
     r.switched = event == kSwitched;

@@ -59,7 +59,20 @@ struct ReplanRecord {
   double migration_s = kUnknown;  // measured wall time (switched only)
 };
 
-using MetricsRecord = std::variant<StepRecord, EvalRecord, ReplanRecord>;
+// One restart of the job by `malleus launch` after it lost ranks: "event" is "restart".
+struct RestartRecord {
+  int64_t step = 0;                 // the checkpoint the job restarts from
+  int64_t restart = 0;              // 1 for the first restart of the run
+  int64_t failed_at_step = 0;       // the last step the failed job logged
+  int64_t steps_lost = 0;           // failed_at_step - step: work done again
+  std::string reason;               // "killed", "hung"
+  std::string detail;               // mpirun's or the watchdog's words
+  std::vector<int64_t> lost_ranks;  // ranks of the failed job
+  int64_t ranks_before = 0, ranks_after = 0;
+  double failed_at = kUnknown;  // Unix time the failed job ended
+};
+
+using MetricsRecord = std::variant<StepRecord, EvalRecord, ReplanRecord, RestartRecord>;
 
 Json to_json(const MetricsRecord& record);
 // The record of one line. nullopt for a kind this reader does not know (newer trainers may add

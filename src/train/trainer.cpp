@@ -11,8 +11,10 @@
 #include "common/files.h"
 #include "common/system.h"
 #include "layout/layout.h"
+#include "plan/planner.h"
 #include "train/metrics.h"
 #include "train/stop_signal.h"
+#include "train/watchdog.h"
 
 namespace malleus::train {
 
@@ -132,8 +134,29 @@ int resolve_threads(int configured, int ranks) {
   return std::max(1, cpus / std::max(1, ranks));
 }
 
+namespace {
+
+plan::BatchConfig batch_config(const TrainConfig& config) {
+  plan::BatchConfig batch;
+  batch.global_batch = config.global_batch_size;
+  batch.micro_batch = config.micro_batch_size;
+  batch.seq_len = config.seq_len;
+  return batch;
+}
+
+}  // namespace
+
 plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model,
                         int world_size) {
+  if (config.plan == kPlannerPlan) {
+    // Every rank plans from the same inputs (the cluster preset, no measured profile, every rank
+    // healthy), and the planner is deterministic, so all ranks arrive at the same plan.
+    const plan::CostModel cost(model, elastic::local_cluster(config.cluster, world_size),
+                               batch_config(config));
+    plan::Plan p = plan::make_strategy("malleus")->plan(cost, {}).plan;
+    plan::validate(p, model, world_size, config.global_batch_size, "the planner's plan");
+    return p;
+  }
   if (!config.plan.empty()) {
     plan::Plan p = plan::Plan::from_json(read_json_file(config.plan), model, config.plan);
     plan::validate(p, model, world_size, config.global_batch_size, config.plan);
@@ -195,10 +218,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // One rank has no other plan to switch to: the monitor still reports its rate, but nobody is
   // asked to re-plan (the step lines would otherwise say "declined" whenever the rate moved).
   if (config_.replan && world_.size() > 1) {
-    plan::BatchConfig batch;
-    batch.global_batch = config_.global_batch_size;
-    batch.micro_batch = config_.micro_batch_size;
-    batch.seq_len = config_.seq_len;
+    const plan::BatchConfig batch = batch_config(config_);
     elastic::ControllerOptions options;
     options.horizon_steps = config_.replan_horizon;
     options.min_samples = config_.monitor_window;
@@ -368,12 +388,14 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
     std::snprintf(text, sizeof text, rates.empty() ? "%.1f" : " %.1f", r);
     rates += text;
   }
+  const std::string restarts =
+      restarts_ > 0 ? " | restarts " + std::to_string(restarts_) : std::string();
   std::printf(
       "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | %.3f s | ETA %s | %s | "
-      "rates %s\n",
+      "rates %s%s\n",
       static_cast<long long>(s.step), static_cast<long long>(config_.steps), s.loss, s.lr,
       s.grad_norm, format_count(s.tokens_per_s).c_str(), s.step_time_s,
-      format_duration(eta).c_str(), plan_text.c_str(), rates.c_str());
+      format_duration(eta).c_str(), plan_text.c_str(), rates.c_str(), restarts.c_str());
   metrics.write(static_cast<const StepRecord&>(s));
   if (s.replan) {
     const ReplanRecord& d = *s.replan;
@@ -424,8 +446,32 @@ int Trainer::run() {
     write_file_atomic(out / "ranks.json", Json{{"ranks", ranks}}.dump(2) + "\n");
   }
 
+  // Hang detection: only with several ranks (one rank waits for nobody). Rank 0 clears the
+  // previous run's heartbeats; the barrier keeps the others from writing theirs before rank 0
+  // has taken the run directory (run_directory.h) and cleared it.
+  std::optional<Watchdog> watchdog;
+  if (config_.watchdog && world_.size() > 1) {
+    if (is_root()) Watchdog::clear(out);
+    world_.barrier();
+    watchdog.emplace(out, world_.rank(), world_.size(),
+                     WatchdogOptions{.floor_s = config_.watchdog_floor_s,
+                                     .multiple = config_.watchdog_multiple});
+    if (is_root()) {
+      std::printf(
+          "watchdog: a step, evaluation or checkpoint over max(%g s, %g × its median) ends the "
+          "job, naming the ranks that did not arrive (%s)\n",
+          static_cast<double>(config_.watchdog_floor_s),
+          static_cast<double>(config_.watchdog_multiple), hang_report_path(out).c_str());
+      std::fflush(stdout);
+    }
+  }
+  const auto watch = [&](const char* phase, int64_t step) {
+    if (watchdog) watchdog->enter(phase, step);
+  };
+
   double recent_step_time = 0;  // exponential moving average, for the ETA
   while (step_ < config_.steps) {
+    watch("step", step_ + 1);
     const StepStats s = train_step();
     recent_step_time =
         recent_step_time == 0 ? s.step_time_s : 0.9 * recent_step_time + 0.1 * s.step_time_s;
@@ -435,6 +481,7 @@ int Trainer::run() {
 
     const bool last = step_ == config_.steps;
     if (val_data && ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || last)) {
+      watch("eval", step_);
       const double val_loss = evaluate(*val_data, config_.eval_samples);
       if (is_root()) {
         std::printf("eval  %5lld | val loss %.4f (%.3f bits/token)\n",
@@ -444,14 +491,20 @@ int Trainer::run() {
     }
     const bool saved =
         (config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || last;
-    if (saved) save(checkpoints);
+    if (saved) {
+      watch("checkpoint", step_);
+      save(checkpoints);
+    }
 
     // A stop request on any rank stops every rank here, after the same step. One small
     // all-reduce per step; the checkpoint is of the step every rank has finished.
     const int signal = agreed_stop_signal();
     if (signal != 0 && !last) {
       StopSignals::unblock_output();
-      if (!saved) save(checkpoints);
+      if (!saved) {
+        watch("checkpoint", step_);
+        save(checkpoints);
+      }
       if (is_root()) {
         std::printf(
             "stopped by %s after step %lld of %lld; continue with: malleus train "

@@ -31,8 +31,13 @@ struct StepStats : StepRecord {
   std::optional<ReplanRecord> replan;
 };
 
-// The plan a config asks for on `world_size` ranks: its plan file, or the uniform dp × tp × pp
-// plan. Validated against the model, the world size and the global batch; throws Error otherwise.
+// The "plan" value that asks for the planner's plan (malleus launch restarts with it, on however
+// many ranks are left).
+inline constexpr const char* kPlannerPlan = "auto";
+
+// The plan a config asks for on `world_size` ranks: its plan file, the planner's plan for the
+// cluster preset with every rank healthy ("auto"), or the uniform dp × tp × pp plan. Validated
+// against the model, the world size and the global batch; throws Error otherwise.
 plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model, int world_size);
 
 class Trainer {
@@ -62,6 +67,9 @@ class Trainer {
   // rank stops every rank after the same step, with a checkpoint of that step). Collective.
   int run();
 
+  // Restarts of the job before this run (by malleus launch): shown in the step lines.
+  void set_restarts(int restarts) { restarts_ = restarts; }
+
   int64_t step() const { return step_; }
   int64_t consumed_samples() const { return consumed_samples_; }
   const TrainConfig& config() const { return config_; }
@@ -90,6 +98,7 @@ class Trainer {
   data::Sampler sampler_;
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
+  int restarts_ = 0;
 };
 
 // Rank 0 reads the checkpoint (verifying it); the other ranks receive its config and progress but

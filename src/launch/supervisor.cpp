@@ -1,0 +1,527 @@
+#include "launch/supervisor.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/stop_signal.h"
+#include "train/trainer.h"
+#include "train/watchdog.h"
+
+namespace malleus::launch {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string joined(const std::vector<int>& values, const std::string& separator = ",") {
+  std::string text;
+  for (int v : values) text += (text.empty() ? "" : separator) + std::to_string(v);
+  return text;
+}
+
+std::string shell_words(const std::vector<std::string>& words) {
+  std::string text;
+  for (const auto& w : words) {
+    const bool plain = !w.empty() && w.find_first_of(" \t'\"$*?\\") == std::string::npos;
+    text += (text.empty() ? "" : " ") + (plain ? w : "'" + w + "'");
+  }
+  return text;
+}
+
+// A child process in a process group of its own (Ctrl-C in a terminal reaches the supervisor
+// only, which then stops the job cleanly), its stdout and stderr on pipes.
+struct Child {
+  pid_t pid = -1;
+  int out = -1, err = -1;
+};
+
+Child spawn(const std::vector<std::string>& argv) {
+  int out[2], err[2];
+  check(::pipe(out) == 0 && ::pipe(err) == 0,
+        std::string("cannot create pipes: ") + std::strerror(errno));
+  const pid_t pid = ::fork();
+  check(pid >= 0, std::string("cannot fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(out[1], 1);
+    ::dup2(err[1], 2);
+    for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    std::fprintf(stderr, "error: cannot run %s: %s\n", args[0], std::strerror(errno));
+    std::_Exit(127);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  return {pid, out[0], err[0]};
+}
+
+// The exit status of a finished child: its code, or 128 + the signal that ended it.
+int wait_status(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw Error(std::string("waitpid: ") + std::strerror(errno));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Forwards the child's output to ours until both pipes close, keeping the last `keep` bytes of
+// it; `on_stdout` sees every chunk of its stdout. A stop signal to the supervisor is passed on
+// to the child once, as SIGUSR1 (which mpirun forwards to every rank: they checkpoint and stop).
+struct Forwarded {
+  std::string tail;
+  bool stop_forwarded = false;
+};
+template <typename OnStdout>
+Forwarded forward(const Child& child, size_t keep, OnStdout&& on_stdout) {
+  Forwarded f;
+  pollfd fds[2] = {{child.out, POLLIN, 0}, {child.err, POLLIN, 0}};
+  int open = 2;
+  char buffer[65536];
+  while (open > 0) {
+    if (!f.stop_forwarded && train::StopSignals::received() != 0) {
+      ::kill(child.pid, SIGUSR1);
+      f.stop_forwarded = true;
+    }
+    const int ready = ::poll(fds, 2, 200);
+    if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
+    for (int i = 0; i < 2 && ready > 0; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open;
+        continue;
+      }
+      const std::string chunk(buffer, static_cast<size_t>(n));
+      std::FILE* to = i == 0 ? stdout : stderr;
+      std::fwrite(chunk.data(), 1, chunk.size(), to);
+      std::fflush(to);
+      if (i == 0) on_stdout(chunk);
+      f.tail += chunk;
+      if (f.tail.size() > keep) f.tail.erase(0, f.tail.size() - keep);
+    }
+  }
+  return f;
+}
+
+// The run's config as `malleus train` resolves it (file, flags, checkpoint): its --print-config.
+Json resolved_config(const LaunchOptions& o) {
+  std::vector<std::string> argv = {o.binary};
+  argv.insert(argv.end(), o.command.begin(), o.command.end());
+  argv.push_back("--print-config");
+  const Child child = spawn(argv);
+  std::string output, errors;
+  char buffer[65536];
+  for (int fd : {child.out, child.err}) {
+    ssize_t n;
+    while ((n = ::read(fd, buffer, sizeof buffer)) > 0 || (n < 0 && errno == EINTR)) {
+      if (n > 0) (fd == child.out ? output : errors).append(buffer, static_cast<size_t>(n));
+    }
+    ::close(fd);
+  }
+  const int status = wait_status(child.pid);
+  if (status != 0) {
+    throw Error("the training command is not valid (" + shell_words(o.command) +
+                "): " + (errors.empty() ? output : errors));
+  }
+  const size_t start = output.find('{');
+  check(start != std::string::npos, "malleus train --print-config printed no config: " + output);
+  return parse_json(output.substr(start), "malleus train --print-config");
+}
+
+// The last step the job logged in metrics.jsonl (0: none).
+int64_t last_logged_step(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::string line;
+  int64_t step = 0;
+  while (std::getline(in, line)) {
+    try {
+      const auto record = train::parse_record(Json::parse(line), metrics.string());
+      if (record) {
+        if (const auto* s = std::get_if<train::StepRecord>(&*record)) step = s->step;
+      }
+    } catch (const std::exception&) {
+      // a line this reader does not understand says nothing about progress
+    }
+  }
+  return step;
+}
+
+// The step of a checkpoint directory, from its name (train::checkpoint_dir: step_00000100).
+int64_t checkpoint_step(const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  check(name.rfind("step_", 0) == 0, "unexpected checkpoint name " + dir.string());
+  return std::stoll(name.substr(5));
+}
+
+// The command line of a restart: the original, resuming from the run directory under the
+// planner's plan for the ranks that are left.
+std::vector<std::string> restart_command(const std::vector<std::string>& command,
+                                         const std::string& run_dir, int restarts) {
+  std::vector<std::string> args;
+  for (size_t i = 0; i < command.size(); ++i) {
+    const std::string& a = command[i];
+    if (a == "--resume" || a == "--restarts") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.rfind("--resume=", 0) == 0 || a.rfind("--restarts=", 0) == 0) continue;
+    args.push_back(a);
+  }
+  for (const char* a : {"--resume", run_dir.c_str(), "--plan", train::kPlannerPlan}) {
+    args.emplace_back(a);
+  }
+  args.push_back("--restarts");
+  args.push_back(std::to_string(restarts));
+  return args;
+}
+
+// The devices jobs may run on: the hostfile's slots (or np local ones), less the lost ones.
+class Devices {
+ public:
+  explicit Devices(const LaunchOptions& o) : hostfile_(o.hostfile) {
+    if (hostfile_.empty()) {
+      check(o.np > 0, "give --np or --hostfile");
+      listed_ = {{"localhost", o.np}};
+    } else {
+      reread();
+    }
+    int slots = 0;
+    for (const Host& h : listed_) slots += h.slots;
+    wanted_ = o.np > 0 ? o.np : slots;
+    check(wanted_ <= slots, "--np " + std::to_string(o.np) + " is more than the " +
+                                std::to_string(slots) + " slots of " + o.hostfile);
+  }
+
+  // The device of each rank of the next job: host names, in the order mpirun fills the slots.
+  std::vector<std::string> next_job() const {
+    std::vector<std::string> ranks;
+    for (const Host& h : listed_) {
+      const auto it = excluded_.find(h.name);
+      const int free = h.slots - (it == excluded_.end() ? 0 : it->second);
+      for (int s = 0; s < free && static_cast<int>(ranks.size()) < wanted_; ++s) {
+        ranks.push_back(h.name);
+      }
+    }
+    return ranks;
+  }
+
+  void exclude(const std::string& host) { ++excluded_[host]; }
+
+  // Reads the hostfile again; a changed one is the operator's new list, so earlier exclusions
+  // are forgotten and a host listed again comes back.
+  void reread() {
+    if (hostfile_.empty()) return;
+    const std::string text = read_file(hostfile_);
+    if (text == text_) return;
+    listed_ = parse_hostfile(text, hostfile_);
+    if (!text_.empty() && !excluded_.empty()) {
+      std::printf("launch: %s changed: every host it lists is used again\n", hostfile_.c_str());
+    }
+    text_ = text;
+    excluded_.clear();
+  }
+
+  const std::string& hostfile() const { return hostfile_; }
+
+ private:
+  std::string hostfile_, text_;
+  std::vector<Host> listed_;
+  std::map<std::string, int> excluded_;
+  int wanted_ = 0;
+};
+
+// A temporary directory for the hostfiles of the jobs, removed at the end.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (fs::temp_directory_path() / "malleus-launch-XXXXXX").string();
+    check(::mkdtemp(pattern.data()) != nullptr,
+          std::string("cannot create a temporary directory: ") + std::strerror(errno));
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+}  // namespace
+
+std::vector<Host> parse_hostfile(const std::string& text, const std::string& source) {
+  std::vector<Host> hosts;
+  std::istringstream lines(text);
+  std::string line;
+  for (int number = 1; std::getline(lines, line); ++number) {
+    if (const size_t hash = line.find('#'); hash != std::string::npos) line.erase(hash);
+    std::istringstream words(line);
+    std::string word;
+    if (!(words >> word)) continue;
+    Host host{word, 1};
+    const std::string where = source + ":" + std::to_string(number);
+    while (words >> word) {
+      const size_t eq = word.find('=');
+      const std::string key = word.substr(0, eq);
+      const std::string value = eq == std::string::npos ? "" : word.substr(eq + 1);
+      if (key == "slots" || key == "max_slots") {
+        char* end = nullptr;
+        const long n = std::strtol(value.c_str(), &end, 10);
+        check(!value.empty() && *end == '\0' && n >= 1 && n <= 1 << 20,
+              where + ": \"" + word + "\" must give a positive whole number of slots");
+        if (key == "slots") host.slots = static_cast<int>(n);
+      } else {
+        throw Error(where + ": \"" + word + "\" is not understood (expected slots=N)");
+      }
+    }
+    hosts.push_back(host);
+  }
+  check(!hosts.empty(), source + " lists no hosts");
+  return hosts;
+}
+
+Outcome classify(int status, const std::string& output, const std::optional<Json>& hang_report) {
+  Outcome o;
+  if (status == 0) {
+    o.kind = Outcome::Kind::kFinished;
+    return o;
+  }
+  if (hang_report) {
+    o.kind = Outcome::Kind::kLost;
+    o.reason = "hung";
+    JsonReader r(*hang_report, "hang report");
+    o.lost_ranks = r.optional<std::vector<int>>("lost_ranks", {});
+    o.detail = r.optional<std::string>("message", "");
+    return o;
+  }
+  // Open MPI 4: "mpirun noticed that process rank 3 with PID 1234 on node n0 exited on signal 9
+  // (Killed)." A stop signal delivered twice kills too, but that was meant as a stop.
+  static const std::regex killed(
+      R"(process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+))");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), killed);
+       it != std::sregex_iterator(); ++it) {
+    const int rank = std::stoi((*it)[1]);
+    const int signal = std::stoi((*it)[4]);
+    if (signal == SIGTERM || signal == SIGINT || signal == SIGUSR1) continue;
+    if (std::find(o.lost_ranks.begin(), o.lost_ranks.end(), rank) == o.lost_ranks.end()) {
+      o.lost_ranks.push_back(rank);
+      o.detail += (o.detail.empty() ? "" : "; ") + it->str();
+    }
+  }
+  if (!o.lost_ranks.empty()) {
+    o.kind = Outcome::Kind::kLost;
+    o.reason = "killed";
+    return o;
+  }
+  if (status == 128 + SIGTERM || status == 128 + SIGINT || status == 128 + SIGUSR1) {
+    o.kind = Outcome::Kind::kStopped;
+    o.reason = "stopped (exit status " + std::to_string(status) + ")";
+    return o;
+  }
+  o.kind = Outcome::Kind::kFailed;
+  o.reason = "exit status " + std::to_string(status);
+  // The job's own error lines say more than the status.
+  std::istringstream lines(output);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("error:", 0) == 0 && o.detail.find(line) == std::string::npos) {
+      o.detail += (o.detail.empty() ? "" : "\n") + line;
+    }
+  }
+  return o;
+}
+
+int supervise(const LaunchOptions& o) {
+  check(!o.command.empty() && o.command.front() == "train",
+        "malleus launch runs `train`: give `-- train <arguments>`");
+  check(o.min_ranks >= 1, "--min-ranks must be at least 1");
+  check(o.max_restarts >= 0, "--max-restarts must not be negative");
+  Devices devices(o);
+  const Json config = resolved_config(o);
+  const fs::path run_dir = config.at("out_dir").get<std::string>();
+  const fs::path checkpoints = run_dir / "checkpoints";
+  ScratchDir scratch;
+  train::StopSignals stop_signals;
+
+  std::vector<std::string> command = o.command;
+  int restarts = 0;
+  std::optional<int64_t> restarted_from;  // the checkpoint step of the last restart
+  std::string last_reason;
+  double failed_job_ended = 0;  // when the last failed job ended (Unix time)
+  for (int attempt = 0;; ++attempt) {
+    const std::vector<std::string> ranks = devices.next_job();
+    const int n = static_cast<int>(ranks.size());
+    check(n >= o.min_ranks, "launch: " + std::to_string(n) + " device" + (n == 1 ? "" : "s") +
+                                " left, fewer than --min-ranks " + std::to_string(o.min_ranks) +
+                                ": not starting the job");
+    std::vector<std::string> argv = {o.mpirun};
+    if (!devices.hostfile().empty()) {
+      // The slots left on each host, in the hostfile's order (mpirun fills them in order, so
+      // rank r runs on ranks[r]).
+      std::map<std::string, int> slots;
+      std::vector<std::string> order;
+      for (const auto& host : ranks) {
+        if (slots[host]++ == 0) order.push_back(host);
+      }
+      std::string text;
+      for (const auto& host : order) text += host + " slots=" + std::to_string(slots[host]) + "\n";
+      const fs::path hostfile = scratch.path() / ("hosts." + std::to_string(attempt));
+      write_file_atomic(hostfile, text);
+      argv.insert(argv.end(), {"--hostfile", hostfile.string()});
+    }
+    argv.insert(argv.end(), {"-np", std::to_string(n)});
+    argv.insert(argv.end(), o.mpirun_args.begin(), o.mpirun_args.end());
+    argv.push_back(o.binary);
+    argv.insert(argv.end(), command.begin(), command.end());
+    std::printf("launch: %s\n", shell_words(argv).c_str());
+    std::fflush(stdout);
+
+    const Child child = spawn(argv);
+    bool first_step_seen = attempt == 0;
+    std::string line_start = "\n";  // the stdout seen so far ends here (for "step " at a line)
+    const Forwarded forwarded = forward(child, 1 << 20, [&](const std::string& chunk) {
+      if (first_step_seen) return;
+      const std::string text = line_start + chunk;
+      if (text.find("\nstep ") != std::string::npos) {
+        first_step_seen = true;
+        std::printf("launch: first step of restart %d, %.1f s after the failed job ended\n",
+                    restarts, unix_now() - failed_job_ended);
+        std::fflush(stdout);
+      }
+      line_start = text.substr(text.size() > 8 ? text.size() - 8 : 0);
+    });
+    const int status = wait_status(child.pid);
+    const double ended_at = unix_now();
+    failed_job_ended = ended_at;
+
+    // The watchdog's report, kept as hang-<restart>.json (the next job clears hang.json).
+    std::optional<Json> hang_report;
+    const fs::path hang_path = train::hang_report_path(run_dir);
+    if (fs::exists(hang_path)) {
+      try {
+        hang_report = parse_json(read_file(hang_path), hang_path.string());
+        std::error_code ec;
+        fs::rename(hang_path, run_dir / ("hang-" + std::to_string(restarts + 1) + ".json"), ec);
+      } catch (const Error& e) {
+        std::fprintf(stderr, "launch: warning: %s\n", e.what());
+      }
+    }
+    const Outcome outcome = classify(status, forwarded.tail, hang_report);
+    if (outcome.kind == Outcome::Kind::kFinished) {
+      std::printf("launch: the run finished%s\n", restarts == 0
+                                                      ? ""
+                                                      : (" after " + std::to_string(restarts) +
+                                                         " restart" + (restarts == 1 ? "" : "s"))
+                                                            .c_str());
+      return 0;
+    }
+    if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
+      std::printf(
+          "launch: the job was stopped (exit status %d); continue with: malleus launch "
+          "... -- %s\n",
+          status, shell_words(restart_command(o.command, run_dir, 0)).c_str());
+      return status == 0 ? 1 : status;
+    }
+    if (outcome.kind == Outcome::Kind::kFailed) {
+      // Its error lines were forwarded already.
+      std::fprintf(stderr, "launch: the job failed (%s) without losing a rank: not restarting it\n",
+                   outcome.reason.c_str());
+      return status;
+    }
+
+    // Ranks were lost.
+    std::vector<int> lost;
+    for (int r : outcome.lost_ranks) {
+      if (r >= 0 && r < n) lost.push_back(r);
+    }
+    const std::string who = lost.empty() ? std::string("no rank could be named")
+                                         : (lost.size() == 1 ? "rank " : "ranks ") +
+                                               joined(lost, ", ") + " " + outcome.reason;
+    const int64_t failed_at_step = last_logged_step(run_dir / "metrics.jsonl");
+    const auto latest = train::latest_checkpoint(checkpoints);
+    check(latest.has_value(),
+          "launch: " + who + " at step " + std::to_string(failed_at_step) +
+              ", before the run's first checkpoint: nothing to restart from (checkpoint more "
+              "often: --checkpoint-every)");
+    const int64_t from = checkpoint_step(*latest);
+    if (from >= config.at("steps").get<int64_t>()) {
+      // Lost after its last step was saved (while the job was ending): nothing is left to do.
+      std::printf("launch: %s after the run's last step (%lld) was saved: the run finished\n",
+                  who.c_str(), static_cast<long long>(from));
+      return 0;
+    }
+    check(!(restarted_from == from && last_reason == outcome.reason),
+          "launch: " + who + " again before the run checkpointed past step " +
+              std::to_string(from) + ": the same failure repeats, not restarting (" +
+              outcome.detail + ")");
+    check(restarts < o.max_restarts, "launch: " + who + " after " + std::to_string(restarts) +
+                                         " restart" + (restarts == 1 ? "" : "s") +
+                                         ", the most --max-restarts allows: not restarting");
+    for (int r : lost) devices.exclude(ranks[static_cast<size_t>(r)]);
+    devices.reread();
+    const int left = static_cast<int>(devices.next_job().size());
+    check(left >= o.min_ranks,
+          "launch: " + who + "; " + std::to_string(left) + " device" + (left == 1 ? "" : "s") +
+              " left, fewer than --min-ranks " + std::to_string(o.min_ranks) +
+              ": not restarting (the run can be continued from its checkpoint of step " +
+              std::to_string(from) + " with malleus launch ... -- train --resume " +
+              run_dir.string() + " once devices are back)");
+
+    ++restarts;
+    train::RestartRecord record;
+    record.step = from;
+    record.restart = restarts;
+    record.failed_at_step = failed_at_step;
+    record.steps_lost = std::max<int64_t>(0, failed_at_step - from);
+    record.reason = outcome.reason;
+    record.detail = outcome.detail;
+    for (int r : lost) record.lost_ranks.push_back(r);
+    record.ranks_before = n;
+    record.ranks_after = left;
+    record.failed_at = ended_at;
+    train::MetricsLog(run_dir / "metrics.jsonl").write(record);
+    std::printf(
+        "restart %d at step %lld: %s; resuming from the checkpoint of step %lld on %d rank%s "
+        "(%lld step%s lost)\n",
+        restarts, static_cast<long long>(failed_at_step), who.c_str(), static_cast<long long>(from),
+        left, left == 1 ? "" : "s", static_cast<long long>(record.steps_lost),
+        record.steps_lost == 1 ? "" : "s");
+    if (!outcome.detail.empty()) std::printf("  (%s)\n", outcome.detail.c_str());
+    std::fflush(stdout);
+    restarted_from = from;
+    last_reason = outcome.reason;
+    command = restart_command(o.command, run_dir.string(), restarts);
+  }
+}
+
+}  // namespace malleus::launch

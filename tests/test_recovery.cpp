@@ -1,0 +1,164 @@
+// Recovery from lost ranks: the watchdog's diagnosis (train/watchdog.h) and the supervisor's
+// reading of hostfiles and of how a job ended (launch/supervisor.h). The end-to-end runs under
+// `malleus launch` are in test_recovery_runs.cpp.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <thread>
+
+#include "common/files.h"
+#include "common/json.h"
+#include "launch/supervisor.h"
+#include "test_util.h"
+#include "train/watchdog.h"
+
+using namespace malleus;
+using malleus::testing::error_of;
+using malleus::testing::ScratchDir;
+
+namespace {
+
+train::Heartbeat beat(int rank, int64_t step, const std::string& phase, double at) {
+  train::Heartbeat h;
+  h.rank = rank;
+  h.pid = 1000 + rank;
+  h.host = "node0";
+  h.step = step;
+  h.phase = phase;
+  h.phase_since = at - 1;
+  h.beat = at;
+  return h;
+}
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+TEST(Watchdog, NamesTheRankWhoseHeartbeatStopped) {
+  const double now = 1000;
+  // Ranks 0, 1 and 3 wait in step 7, alive; rank 2 last beat 30 s ago.
+  const auto d = train::diagnose_hang({beat(0, 7, "step", now - 0.5), beat(1, 7, "step", now - 0.2),
+                                       beat(2, 7, "step", now - 30), beat(3, 7, "step", now - 0.4)},
+                                      now, 5);
+  EXPECT_EQ(d.lost_ranks, std::vector<int>{2});
+  EXPECT_NE(d.message.find("rank 2: no heartbeat for 30.0 s"), std::string::npos) << d.message;
+  EXPECT_EQ(d.ranks[2]["status"], "stale");
+  EXPECT_EQ(d.ranks[0]["status"], "waiting");
+}
+
+TEST(Watchdog, NamesRanksBehindTheOthersAndMissingOnes) {
+  const double now = 1000;
+  // Rank 1 is alive but still in step 6's checkpoint while the others are in step 7; rank 3
+  // never wrote a heartbeat.
+  const auto d = train::diagnose_hang({beat(0, 7, "step", now), beat(1, 6, "checkpoint", now),
+                                       beat(2, 7, "step", now), std::nullopt},
+                                      now, 5);
+  EXPECT_EQ(d.lost_ranks, (std::vector<int>{1, 3}));
+  EXPECT_NE(d.message.find("rank 1: still in the checkpoint of step 6"), std::string::npos)
+      << d.message;
+  EXPECT_NE(d.message.find("rank 3: no heartbeat"), std::string::npos) << d.message;
+  // Within a step, the phases are ordered: an evaluation comes before the checkpoint.
+  const auto e =
+      train::diagnose_hang({beat(0, 7, "checkpoint", now), beat(1, 7, "eval", now)}, now, 5);
+  EXPECT_EQ(e.lost_ranks, std::vector<int>{1});
+}
+
+TEST(Watchdog, NamesNobodyWhenEveryRankWaitsAtTheSamePoint) {
+  const double now = 1000;
+  const auto d =
+      train::diagnose_hang({beat(0, 3, "step", now), beat(1, 3, "step", now - 1)}, now, 5);
+  EXPECT_TRUE(d.lost_ranks.empty());
+  EXPECT_NE(d.message.find("no rank to blame"), std::string::npos) << d.message;
+}
+
+TEST(Watchdog, EndsTheProcessNamingTheStaleRank) {
+  ScratchDir dir;
+  const auto run = dir.path();
+  // Rank 1 of a 2-rank job beat once, long ago; this process is rank 0 in step 1.
+  std::filesystem::create_directories(train::heartbeat_dir(run));
+  write_file_atomic(train::heartbeat_dir(run) / "rank_00001.json",
+                    beat(1, 1, "step", unix_now() - 60).to_json().dump());
+  // The default ("fast") death test forks here, so the child writes into this very directory.
+  EXPECT_EXIT(
+      {
+        train::Watchdog watchdog(run, 0, 2,
+                                 {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+        watchdog.enter("step", 1);
+        std::this_thread::sleep_for(std::chrono::seconds(20));
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(train::kHangExitCode), "rank 1: no heartbeat for");
+  const Json report = read_json_file(train::hang_report_path(run).string());
+  EXPECT_EQ(report["lost_ranks"], Json::array({1}));
+  EXPECT_EQ(report["detected_by"], 0);
+  EXPECT_EQ(report["phase"], "step");
+  EXPECT_GE(report["waited_s"].get<double>(), 0.5);
+  EXPECT_LT(report["waited_s"].get<double>(), 10.0);
+}
+
+TEST(Watchdog, LeavesPhasesThatEndInTimeAlone) {
+  ScratchDir dir;
+  train::Watchdog watchdog(dir.path(), 0, 2,
+                           {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+  // Twenty steps of 0.1 s each, under a limit of max(0.5 s, 10 × median): no alarm.
+  for (int step = 1; step <= 20; ++step) {
+    watchdog.enter("step", step);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_GE(watchdog.limit_s("step"), 0.9);  // 10 × ~0.1 s
+  EXPECT_EQ(watchdog.limit_s("eval"), 0.5);  // never seen: the floor
+  EXPECT_FALSE(std::filesystem::exists(train::hang_report_path(dir.path())));
+  const Json own = read_json_file((train::heartbeat_dir(dir.path()) / "rank_00000.json").string());
+  EXPECT_EQ(own["step"], 20);
+  EXPECT_EQ(own["phase"], "step");
+}
+
+TEST(Launch, ReadsHostfiles) {
+  const auto hosts = launch::parse_hostfile(
+      "# cluster\nnode0 slots=2\n\nnode1 slots=4 max_slots=8  # big\nnode2\n", "hosts");
+  ASSERT_EQ(hosts.size(), 3u);
+  EXPECT_EQ(hosts[0].name, "node0");
+  EXPECT_EQ(hosts[0].slots, 2);
+  EXPECT_EQ(hosts[1].slots, 4);
+  EXPECT_EQ(hosts[2].slots, 1);
+  EXPECT_EQ(error_of([] { launch::parse_hostfile("node0 slots=x\n", "hosts"); }),
+            "hosts:1: \"slots=x\" must give a positive whole number of slots");
+  EXPECT_EQ(error_of([] { launch::parse_hostfile("node0 cpus=2\n", "hosts"); }),
+            "hosts:1: \"cpus=2\" is not understood (expected slots=N)");
+  EXPECT_EQ(error_of([] { launch::parse_hostfile("# nothing\n", "hosts"); }),
+            "hosts lists no hosts");
+}
+
+TEST(Launch, TellsLostRanksFromStopsAndErrors) {
+  using Kind = launch::Outcome::Kind;
+  EXPECT_EQ(launch::classify(0, "", std::nullopt).kind, Kind::kFinished);
+
+  // What Open MPI 4.1 prints when rank 3 is killed with SIGKILL.
+  const std::string killed =
+      "step     5/20 | loss 5.1\n"
+      "--------------------------------------------------------------------------\n"
+      "mpirun noticed that process rank 3 with PID 4242 on node box exited on signal 9 "
+      "(Killed).\n"
+      "--------------------------------------------------------------------------\n";
+  const auto k = launch::classify(137, killed, std::nullopt);
+  EXPECT_EQ(k.kind, Kind::kLost);
+  EXPECT_EQ(k.reason, "killed");
+  EXPECT_EQ(k.lost_ranks, std::vector<int>{3});
+
+  // The watchdog's report wins over mpirun's words about the rank that ended the job.
+  const Json hang = {{"lost_ranks", {2}}, {"message", "watchdog: ... rank 2: no heartbeat"}};
+  const auto h = launch::classify(train::kHangExitCode, "exited with status 87", hang);
+  EXPECT_EQ(h.kind, Kind::kLost);
+  EXPECT_EQ(h.reason, "hung");
+  EXPECT_EQ(h.lost_ranks, std::vector<int>{2});
+
+  EXPECT_EQ(launch::classify(128 + SIGUSR1, "stopped by SIGUSR1", std::nullopt).kind,
+            Kind::kStopped);
+  const auto e = launch::classify(1, "error: [rank 0] bad.json: no such file\n", std::nullopt);
+  EXPECT_EQ(e.kind, Kind::kFailed);
+  EXPECT_EQ(e.detail, "error: [rank 0] bad.json: no such file");
+}

@@ -1,0 +1,180 @@
+// `malleus launch` end to end: a 4-rank job loses a rank — killed with SIGKILL, or stopped with
+// SIGSTOP so that it hangs the others — and the supervisor finishes the run on the 3 ranks left,
+// with the losses of a run that lost nothing; too few devices left stops it with an error and no
+// restart. Every command runs under `timeout`, so a hang fails the test instead of blocking it.
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <fstream>
+#include <map>
+
+#include "common/files.h"
+#include "common/json.h"
+#include "test_util.h"
+#include "train/metrics.h"
+
+using namespace malleus;
+using malleus::testing::BackgroundCommand;
+using malleus::testing::run_command;
+using malleus::testing::ScratchDir;
+
+namespace {
+
+constexpr int kTimeoutS = 240;
+
+const std::string kMpiEnvironment =
+    "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 ";
+
+// The tiny model on the synthetic corpus, a checkpoint every 2 steps and a constant learning
+// rate. --no-replan: the plan must be the one the job starts with, whatever the timings. Rank 0
+// computes 100 times longer than it would (an injected straggler: timing only, the numerics are
+// untouched), so that a step takes a good part of a second and the test acts in mid-run.
+std::string tiny_flags(const ScratchDir& dir, const std::string& run, int steps) {
+  return "--model tiny --seq-len 16 --micro-batch 1 --global-batch 12 --threads 1 "
+         "--warmup-steps 1 --min-lr-ratio 1 --val-data '' --checkpoint-every 2 --no-replan "
+         "--straggler 0:100:1- "
+         "--steps " +
+         std::to_string(steps) + " --train-data '" + (dir / "data" / "train_*.bin").string() +
+         "' --out " + (dir / run).string();
+}
+
+std::string launch_command(int ranks, const std::string& launch_flags, const std::string& train) {
+  return kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_BINARY +
+         " launch --np " + std::to_string(ranks) + " --mpirun " + MALLEUS_MPIRUN +
+         " --mpirun-args=--oversubscribe " + launch_flags + " -- train " + train;
+}
+
+// The last loss logged for every step (a restarted job logs the steps after its checkpoint again)
+// and the restart records of a run's metrics.
+struct Metrics {
+  std::map<int64_t, double> losses;
+  std::vector<train::RestartRecord> restarts;
+};
+Metrics read_metrics(const fs::path& run) {
+  Metrics m;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto record = train::parse_record(parse_json(line, "metrics"), "metrics");
+    if (!record) continue;
+    if (const auto* s = std::get_if<train::StepRecord>(&*record)) m.losses[s->step] = s->loss;
+    if (const auto* r = std::get_if<train::RestartRecord>(&*record)) m.restarts.push_back(*r);
+  }
+  return m;
+}
+
+// The pid of `rank` from the run's ranks.json, once the job has written it.
+pid_t rank_pid(const fs::path& run, int rank) {
+  const Json ranks = read_json_file((run / "ranks.json").string());
+  return ranks["ranks"][static_cast<size_t>(rank)]["pid"].get<pid_t>();
+}
+
+// Waits until the run's metrics reach `step`; false if the job ended or time ran out first.
+bool wait_for_step(BackgroundCommand& job, int step) {
+  const std::string text = "step " + std::string(step < 10 ? "    " : "   ") + std::to_string(step);
+  return job.wait_for_output(text + "/", kTimeoutS);
+}
+
+// Losses of the same run never interrupted, on 4 ranks.
+std::map<int64_t, double> uninterrupted(const ScratchDir& dir, int steps) {
+  const auto r = run_command(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
+                             MALLEUS_MPIRUN + " --oversubscribe -np 4 " + MALLEUS_BINARY +
+                             " train " + tiny_flags(dir, "straight", steps));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return read_metrics(dir / "straight").losses;
+}
+
+void expect_same_losses(const std::map<int64_t, double>& run,
+                        const std::map<int64_t, double>& reference, int steps) {
+  ASSERT_EQ(run.size(), static_cast<size_t>(steps));
+  for (const auto& [step, loss] : reference) {
+    ASSERT_TRUE(run.count(step)) << "step " << step;
+    EXPECT_NEAR(run.at(step), loss, 2e-4) << "step " << step;
+  }
+}
+
+}  // namespace
+
+TEST(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  constexpr int kSteps = 40;
+  const fs::path run = dir / "run";
+  BackgroundCommand job(launch_command(4, "", tiny_flags(dir, "run", kSteps)), dir / "job.out");
+  ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
+  const pid_t victim = rank_pid(run, 3);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const std::string out = job.output();
+
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << out;
+  const train::RestartRecord& r = m.restarts.front();
+  EXPECT_EQ(r.reason, "killed");
+  EXPECT_EQ(r.lost_ranks, std::vector<int64_t>{3});
+  EXPECT_EQ(r.ranks_before, 4);
+  EXPECT_EQ(r.ranks_after, 3);
+  EXPECT_EQ(r.step % 2, 0);  // a checkpoint's step
+  EXPECT_EQ(r.steps_lost, r.failed_at_step - r.step);
+  EXPECT_NE(out.find("restart 1 at step"), std::string::npos) << out;
+  EXPECT_NE(out.find("plan on 3 ranks"), std::string::npos) << out;
+  EXPECT_NE(out.find("| restarts 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("launch: the run finished after 1 restart"), std::string::npos) << out;
+  expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST(RecoverySlow, StoppedRankIsNamedByTheWatchdogAndLeftOut) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  constexpr int kSteps = 40;
+  const fs::path run = dir / "run";
+  BackgroundCommand job(
+      launch_command(4, "", tiny_flags(dir, "run", kSteps) + " --watchdog-floor 5"),
+      dir / "job.out");
+  ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
+  const pid_t victim = rank_pid(run, 2);
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
+  const int status = job.wait(kTimeoutS);
+  ::kill(victim, SIGKILL);  // if anything left it stopped
+  ASSERT_EQ(status, 0) << job.output();
+  const std::string out = job.output();
+
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << out;
+  const train::RestartRecord& r = m.restarts.front();
+  EXPECT_EQ(r.reason, "hung");
+  EXPECT_EQ(r.lost_ranks, std::vector<int64_t>{2}) << r.detail;
+  EXPECT_EQ(r.ranks_after, 3);
+  EXPECT_NE(r.detail.find("rank 2: no heartbeat"), std::string::npos) << r.detail;
+  // The watchdog's report, kept by the supervisor: rank 2 was named once the step had waited its
+  // limit (5 s here: tiny steps take far less than a tenth of that), give or take a beat.
+  const Json report = read_json_file((run / "hang-1.json").string());
+  EXPECT_EQ(report["lost_ranks"], Json::array({2}));
+  EXPECT_GE(report["waited_s"].get<double>(), report["limit_s"].get<double>());
+  EXPECT_LT(report["waited_s"].get<double>(), report["limit_s"].get<double>() + 5);
+  expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const fs::path run = dir / "run";
+  BackgroundCommand job(launch_command(2, "--min-ranks 2", tiny_flags(dir, "run", 100000)),
+                        dir / "job.out");
+  ASSERT_TRUE(wait_for_step(job, 3)) << job.output();
+  ASSERT_EQ(::kill(rank_pid(run, 1), SIGKILL), 0);
+  const int status = job.wait(kTimeoutS);
+  const std::string out = job.output();
+  EXPECT_NE(status, 0) << out;
+  EXPECT_NE(status, 124) << "timed out\n" << out;
+  EXPECT_NE(out.find("error: launch: rank 1 killed; 1 device left, fewer than --min-ranks 2: "
+                     "not restarting"),
+            std::string::npos)
+      << out;
+  // One job was started, none after it.
+  size_t jobs = 0;
+  for (size_t at = out.find("launch: "); at != std::string::npos; at = out.find("launch: ", at + 1))
+    jobs += out.compare(at, 8 + std::strlen(MALLEUS_MPIRUN),
+                        "launch: " + std::string(MALLEUS_MPIRUN)) == 0;
+  EXPECT_EQ(jobs, 1u) << out;
+  EXPECT_TRUE(read_metrics(run).restarts.empty());
+}
