@@ -22,6 +22,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "layout/layout.h"
 #include "model/config.h"
 #include "model/parameters.h"
 #include "train/checkpoint.h"
@@ -332,9 +333,9 @@ TEST_F(CorruptCheckpoint, WrongFormatOrVersion) {
   EXPECT_CONTAINS(load_error(), "format is \"something-else\"");
   json = manifest();
   json["format"] = "malleus-checkpoint";
-  json["version"] = 3;
+  json["version"] = 4;
   write_manifest(json);
-  EXPECT_CONTAINS(load_error(), "version 3 is not supported");
+  EXPECT_CONTAINS(load_error(), "version 4 is not supported");
 }
 
 TEST_F(CorruptCheckpoint, ManifestMissingKey) {
@@ -481,6 +482,163 @@ TEST(Checkpoint, StaleTemporariesOfDeadProcessesAreCleaned) {
   EXPECT_EQ(load_checkpoint(root / "step_00000004").step, make_checkpoint(4).step);
   EXPECT_EQ(load_checkpoint(root / "step_00000006").step, make_checkpoint(6).step);
   EXPECT_TRUE(clean_stale_temporaries(tmp.path() / "no-such-dir").empty());
+}
+
+// ---- Sharded checkpoints ----
+
+// A tensor-parallel shard of the tiny model (4 heads in 2 KV groups, FFN 64, vocabulary 257):
+// heads [head, head + heads), FFN columns and vocabulary rows likewise.
+model::ShardSpec tp_shard(int head, int heads, int ffn, int ffns, int vocab, int vocabs) {
+  model::ShardSpec s;
+  s.layer_begin = 0;
+  s.layer_end = 2;
+  s.head_begin = head;
+  s.heads = heads;
+  s.ffn_begin = ffn;
+  s.ffn = ffns;
+  s.vocab_begin = vocab;
+  s.vocab = vocabs;
+  return s;
+}
+
+// Rank 0 holds the whole model; ranks 1 and 2 split it unevenly (tensor parallelism): every
+// piece is held twice, so ownership has a choice to make.
+layout::Layout three_rank_layout(const model::ModelConfig& model) {
+  layout::Layout l;
+  l.shards = {model::ShardSpec::full(model), tp_shard(0, 2, 0, 48, 0, 200),
+              tp_shard(2, 2, 48, 16, 200, 57)};
+  l.replica_group = {0, 1, 1};
+  return l;
+}
+
+// `local`'s part of a full-model buffer.
+std::vector<float> slice(const model::ParameterLayout& full, const std::vector<float>& buffer,
+                         const model::ParameterLayout& local) {
+  std::vector<float> out(static_cast<size_t>(local.total_size()), 0.0f);
+  for (const auto& t : local.tensors()) {
+    const auto& f = full.find(t.name);
+    const int index = static_cast<int>(&f - full.tensors().data());
+    const int64_t extent = t.shard_axis == model::ShardAxis::kColumns ? t.shape[1] : t.shape[0];
+    const layout::Piece piece{index, t.shard_begin, t.shard_begin + extent};
+    std::vector<float> packed(static_cast<size_t>(layout::piece_elements(full, piece)));
+    layout::pack_piece(buffer.data(), f, piece, packed.data());
+    layout::unpack_piece(packed.data(), t, piece, out.data());
+  }
+  return out;
+}
+
+// Writes `c` as a sharded checkpoint of `l` from one process, doing each rank's part in turn
+// (what train/checkpoint_writer.cpp does across ranks).
+void save_sharded(const fs::path& dir, const Checkpoint& c, const layout::Layout& l) {
+  const model::ParameterLayout full(c.model);
+  const auto refinement = layout::common_refinement(c.model, {&l});
+  const fs::path tmp = temporary_dir(dir, 1);
+  fs::create_directories(tmp);
+  std::vector<Json> shards;
+  const auto locals = layout::local_layouts(c.model, l);
+  for (int r = 0; r < l.world_size(); ++r) {
+    const auto& local = *locals[static_cast<size_t>(r)];
+    const auto p = slice(full, c.params, local), m = slice(full, c.adam_m, local),
+               v = slice(full, c.adam_v, local);
+    const ShardSnapshot snap = snapshot_shard(r, c.model, local, {p.data(), m.data(), v.data()},
+                                              owned_pieces(refinement, r));
+    shards.push_back(write_shard(tmp, snap));
+  }
+  commit_sharded_checkpoint(tmp, dir, c, shards, 3);
+}
+
+TEST(ShardedCheckpoint, EachElementIsStoredOnceAndLoadsWhole) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(7);
+  const layout::Layout l = three_rank_layout(c.model);
+  save_sharded(tmp / "ckpt", c, l);
+  EXPECT_TRUE(leftovers(tmp.path(), {"ckpt"}).empty());
+  // Parameters and two moments, 4 bytes each, every element exactly once over the three files.
+  int64_t bytes = 0;
+  for (int r = 0; r < 3; ++r) {
+    const fs::path file = tmp / "ckpt" / shard_file_name(r);
+    ASSERT_TRUE(fs::exists(file)) << file;
+    bytes += static_cast<int64_t>(fs::file_size(file));
+  }
+  EXPECT_EQ(bytes, 12 * model::ParameterLayout(c.model).num_parameters());
+  // Rank 0 holds everything, yet ranks 1 and 2 write about as much as it does.
+  const auto rank0 = static_cast<double>(fs::file_size(tmp / "ckpt" / shard_file_name(0)));
+  EXPECT_LT(rank0, 0.6 * static_cast<double>(bytes));
+  expect_same(c, load_checkpoint(tmp / "ckpt"), true);
+  expect_same(c, load_checkpoint(tmp / "ckpt", /*with_optimizer=*/false), false);
+  const CheckpointIndex index(tmp / "ckpt");
+  EXPECT_TRUE(index.sharded());
+  EXPECT_TRUE(index.has_optimizer());
+  EXPECT_EQ(index.header().step, c.step);
+}
+
+TEST(ShardedCheckpoint, ReadsAnyOtherShardFromThePiecesItNeeds) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(8);
+  save_sharded(tmp / "ckpt", c, three_rank_layout(c.model));
+  const model::ParameterLayout full(c.model);
+  const CheckpointIndex index(tmp / "ckpt");
+  // Cuts the saving layout never had: a middle part of the heads, FFN and vocabulary, one layer.
+  model::ShardSpec other = tp_shard(2, 2, 16, 40, 100, 150);
+  other.layer_begin = 1;
+  other.has_embedding = false;
+  const model::ParameterLayout local(c.model, other);
+  std::vector<float> p(static_cast<size_t>(local.total_size())), m(p.size()), v(p.size());
+  const int64_t read = index.read(local, {p.data(), m.data(), v.data()});
+  EXPECT_TRUE(bit_identical(p, slice(full, c.params, local)));
+  EXPECT_TRUE(bit_identical(m, slice(full, c.adam_m, local)));
+  EXPECT_TRUE(bit_identical(v, slice(full, c.adam_v, local)));
+  // Only pieces overlapping this shard were read: far less than the whole checkpoint.
+  EXPECT_LT(read, 12 * full.num_parameters() / 2);
+  std::vector<float> params_only(p.size());
+  index.read(local, {params_only.data()});
+  EXPECT_TRUE(bit_identical(params_only, p));
+}
+
+TEST(ShardedCheckpoint, DamageIsNamed) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(9);
+  const fs::path dir = tmp / "ckpt";
+  save_sharded(dir, c, three_rank_layout(c.model));
+  const fs::path file = dir / shard_file_name(1);
+  const std::string good = read_file(file);
+
+  flip_byte(file, good.size() / 2);
+  EXPECT_CONTAINS(error_of([&] { load_checkpoint(dir); }), "rank_00001.bin is corrupt");
+  write_file_atomic(file, good.substr(0, good.size() - 4));
+  EXPECT_CONTAINS(error_of([&] { load_checkpoint(dir); }), "rank_00001.bin is truncated");
+  fs::remove(file);
+  EXPECT_CONTAINS(error_of([&] { load_checkpoint(dir); }), "rank_00001.bin is missing");
+  write_file_atomic(file, good);
+
+  // A manifest that lost a piece (resealed, as a forger would) leaves part of a tensor unstored.
+  Json json = read_json_file((dir / "manifest.json").string());
+  Json& pieces = json["files"][shard_file_name(2)]["pieces"];
+  const std::string tensor = pieces.back()["tensor"];
+  const int64_t end_of_file = pieces.back()["offset"].get<int64_t>();
+  pieces.erase(pieces.size() - 1);
+  json["files"][shard_file_name(2)]["bytes"] = end_of_file;
+  json.erase("manifest_xxh3");
+  json["manifest_xxh3"] = manifest_checksum(json);
+  write_file_atomic(dir / "manifest.json", json.dump(2));
+  const std::string message = error_of([&] { CheckpointIndex{dir}; });
+  EXPECT_CONTAINS(message, tensor);
+  EXPECT_CONTAINS(message, "manifest.json");
+}
+
+TEST(ShardedCheckpoint, OverlappingPiecesAreRefused) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(10);
+  const fs::path dir = tmp / "ckpt";
+  save_sharded(dir, c, three_rank_layout(c.model));
+  Json json = read_json_file((dir / "manifest.json").string());
+  Json& first = json["files"][shard_file_name(1)]["pieces"][0];
+  first["begin"] = first["begin"].get<int64_t>() > 0 ? first["begin"].get<int64_t>() - 1 : 0;
+  first["end"] = first["end"].get<int64_t>() + 1;
+  json.erase("manifest_xxh3");
+  json["manifest_xxh3"] = manifest_checksum(json);
+  write_file_atomic(dir / "manifest.json", json.dump(2));
+  EXPECT_FALSE(error_of([&] { CheckpointIndex{dir}; }).empty());
 }
 
 TEST(Latest, DirectoryNamesAndLatestPointer) {

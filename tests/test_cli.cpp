@@ -122,8 +122,8 @@ TEST(Cli, CorruptCheckpointIsRefusedAndLeftAlone) {
   malleus::testing::write_synthetic_corpus(dir / "data");
   ASSERT_EQ(run_malleus("train " + tiny_flags(dir)).exit_code, 0);
   const auto ckpt = dir / "run" / "checkpoints" / "step_00000002";
-  // Flip one byte in the middle of the parameters.
-  const auto params = ckpt / "params.bin";
+  // Flip one byte in the middle of the one rank's file (parameters and moments of its pieces).
+  const auto params = ckpt / "rank_00000.bin";
   std::string bytes = read_file(params);
   bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x40);
   {
@@ -134,16 +134,16 @@ TEST(Cli, CorruptCheckpointIsRefusedAndLeftAlone) {
   fs::create_directories(dir / "hf");
   write_file_atomic(dir / "hf" / "model.safetensors", "previous export");
   expect_error(run_malleus("train --resume " + ckpt.string() + " --steps 3"),
-               {"params.bin", "corrupt"});
-  expect_error(run_malleus("eval --checkpoint " + ckpt.string()), {"params.bin"});
+               {"rank_00000.bin", "corrupt"});
+  expect_error(run_malleus("eval --checkpoint " + ckpt.string()), {"rank_00000.bin"});
   expect_error(
       run_malleus("export --checkpoint " + ckpt.string() + " --output " + (dir / "hf").string()),
-      {"params.bin"});
+      {"rank_00000.bin"});
   EXPECT_EQ(read_file(dir / "hf" / "model.safetensors"), "previous export");
   EXPECT_EQ(read_file(params), bytes);  // refused, not "repaired" or deleted
   // Truncation is reported as such.
   fs::resize_file(params, 100);
-  expect_error(run_malleus("eval --checkpoint " + ckpt.string()), {"params.bin", "truncated"});
+  expect_error(run_malleus("eval --checkpoint " + ckpt.string()), {"rank_00000.bin", "truncated"});
   expect_error(run_malleus("eval --checkpoint " + (dir / "nowhere").string()), {"nowhere"});
 }
 

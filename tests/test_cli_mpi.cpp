@@ -31,8 +31,11 @@ constexpr int kTimeoutS = 60;
 // `malleus <arguments>` on `ranks` MPI ranks. The environment is set on the command line so the
 // test works as root (containers) and with more ranks than cores; yield_when_idle keeps waiting
 // ranks from starving the computing ones on an oversubscribed machine.
-CommandResult run_mpi(int ranks, const std::string& arguments) {
-  std::string command = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+// `environment`: more VAR=value settings for the ranks.
+CommandResult run_mpi(int ranks, const std::string& arguments,
+                      const std::string& environment = "") {
+  std::string command =
+      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + environment;
   command += " OMPI_MCA_mpi_yield_when_idle=1 timeout ";
   command += std::to_string(kTimeoutS);
   command += " ";
@@ -328,5 +331,112 @@ TEST(CliMpi, SignalsToMpirunStopTheJobWithACheckpointSlow) {
       EXPECT_EQ(status, 128 + SIGUSR1) << out;
       EXPECT_EQ(stopped_step(out, "SIGUSR1"), last) << out;
     }
+  }
+}
+
+// ---- Sharded checkpoints: each rank writes its own pieces; any plan and world size reads them
+// ----
+
+namespace {
+
+// Four ranks: one pipeline of one tensor-parallel stage with uneven FFN and vocabulary shares,
+// and one of two pipeline stages.
+const char* kFourRankPlan = R"({
+  "world_size": 4, "micro_batch_size": 2,
+  "pipelines": [
+    {"micro_batches": 2, "stages": [
+      {"layers": [0, 2], "ranks": [0, 1], "heads": [2, 2], "ffn": [48, 16], "vocab": [200, 57]}]},
+    {"micro_batches": 2, "stages": [{"layers": [0, 1], "ranks": [2]}, {"layers": [1, 2], "ranks": [3]}]}]
+})";
+// Three ranks and other cuts: one rank holding the whole model, and a pipeline of two stages;
+// no tensor parallelism, so every rank reads whole tensors that four ranks wrote in parts.
+const char* kThreeRankPlan = R"({
+  "world_size": 3, "micro_batch_size": 2,
+  "pipelines": [
+    {"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]}]},
+    {"micro_batches": 2, "stages": [{"layers": [0, 1], "ranks": [1]}, {"layers": [1, 2], "ranks": [2]}]}]
+})";
+
+int64_t file_size_or_zero(const fs::path& path) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  return ec ? 0 : static_cast<int64_t>(size);
+}
+
+}  // namespace
+
+TEST(CliMpi, ShardedCheckpointFromFourRanksResumesOnThreeSlow) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const std::string four = write_plan(dir, "four.json", kFourRankPlan);
+  const std::string three = write_plan(dir, "three.json", kThreeRankPlan);
+  // Straight through 4 steps on 4 ranks, with a checkpoint at step 2.
+  const auto first = run_mpi(
+      4, "train " + tiny_flags(dir, "run", 4) + " --plan " + four + " --checkpoint-every 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto straight = step_losses(first.output);
+  ASSERT_EQ(straight.size(), 4u) << first.output;
+
+  // Every rank wrote its own file, and together they store each element once: parameters and
+  // both Adam moments of the tiny model, 4 bytes each.
+  const fs::path checkpoint = dir / "run" / "checkpoints" / checkpoint_name(2);
+  const Json manifest = read_json_file((checkpoint / "manifest.json").string());
+  EXPECT_EQ(manifest["version"], 3);
+  int64_t elements = 0;
+  for (const Json& t : manifest["tensors"]) {
+    int64_t n = 1;
+    for (const Json& d : t["shape"]) n *= d.get<int64_t>();
+    elements += n;
+  }
+  int64_t bytes = 0;
+  for (int r = 0; r < 4; ++r) {
+    char name[32];
+    std::snprintf(name, sizeof name, "rank_%05d.bin", r);
+    EXPECT_GT(file_size_or_zero(checkpoint / name), 0) << name;
+    bytes += file_size_or_zero(checkpoint / name);
+  }
+  EXPECT_EQ(bytes, 12 * elements);
+
+  // Resumed from step 2 on 3 ranks under another plan: the same losses, up to fp32 order.
+  const auto resumed = run_mpi(3, "train --resume " + checkpoint.string() + " --plan " + three +
+                                      " --steps 4 --out " + (dir / "resumed").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "at step 2")) << resumed.output;
+  const auto resumed_losses = step_losses(resumed.output);
+  ASSERT_EQ(resumed_losses.size(), 2u) << resumed.output;
+  for (int step : {3, 4}) {
+    ASSERT_TRUE(resumed_losses.count(step)) << step;
+    EXPECT_NEAR(resumed_losses.at(step), straight.at(step), 2e-4) << "step " << step;
+  }
+}
+
+TEST(CliMpi, RankKilledDuringASaveLeavesThePreviousCheckpointLatestSlow) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto first = run_mpi(4, "train " + tiny_flags(dir, "run", 2) + " --dp 4");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path checkpoints = dir / "run" / "checkpoints";
+  ASSERT_EQ(read_file(checkpoints / "latest"), checkpoint_name(2) + "\n");
+
+  // Rank 2 dies (SIGKILL, test hook) halfway through writing its part of step 4's checkpoint.
+  const auto killed = run_mpi(4, "train --resume " + (dir / "run").string() + " --steps 4",
+                              "MALLEUS_FAULT_DIE_IN_SAVE=2");
+  EXPECT_NE(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.exit_code, 124) << "the job hung\n" << killed.output;
+  EXPECT_TRUE(contains(killed.output, "step     4/4")) << killed.output;
+  EXPECT_FALSE(contains(killed.output, "saved checkpoint")) << killed.output;
+  EXPECT_EQ(read_file(checkpoints / "latest"), checkpoint_name(2) + "\n");
+  EXPECT_FALSE(fs::exists(checkpoints / checkpoint_name(4)));
+  // The previous checkpoint is whole: the next run resumes from it (on 2 ranks) and finishes,
+  // removing what the dead save left.
+  const auto resumed = run_mpi(2, "train --resume " + (dir / "run").string() + " --dp 2 --steps 4");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "at step 2")) << resumed.output;
+  EXPECT_EQ(read_file(checkpoints / "latest"), checkpoint_name(4) + "\n");
+  for (const auto& entry : fs::directory_iterator(checkpoints)) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos)
+        << entry.path() << "\n"
+        << killed.output << "\n"
+        << resumed.output;
   }
 }

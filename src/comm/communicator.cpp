@@ -296,6 +296,46 @@ void Communicator::broadcast(void* data, size_t bytes, int root) const {
   }
 }
 
+std::string Communicator::broadcast_text(const std::string& text, int root) const {
+  int64_t length = static_cast<int64_t>(text.size());
+  broadcast(&length, sizeof length, root);
+  std::string result = rank() == root ? text : std::string(static_cast<size_t>(length), '\0');
+  broadcast(result.data(), result.size(), root);
+  return result;
+}
+
+std::vector<std::string> Communicator::gather_text(const std::string& text, int root) const {
+  const State& s = live_state();
+  check(root >= 0 && root < s.size, "Communicator::gather_text: root " + std::to_string(root) +
+                                        " out of range for a communicator of size " +
+                                        std::to_string(s.size));
+  check(text.size() <= static_cast<size_t>(INT_MAX), "Communicator::gather_text: text of " +
+                                                         std::to_string(text.size()) +
+                                                         " bytes is over INT_MAX");
+  const int length = static_cast<int>(text.size());
+  const bool me_root = rank() == root;
+  std::vector<int> lengths(me_root ? static_cast<size_t>(s.size) : 0);
+  mpi_check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, s.comm),
+            "MPI_Gather");
+  std::vector<int> displacements(lengths.size(), 0);
+  int64_t total = 0;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    check(total + lengths[r] <= INT_MAX, "Communicator::gather_text: over INT_MAX bytes in all");
+    displacements[r] = static_cast<int>(total);
+    total += lengths[r];
+  }
+  std::string all(static_cast<size_t>(total), '\0');
+  mpi_check(MPI_Gatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(),
+                        displacements.data(), MPI_CHAR, root, s.comm),
+            "MPI_Gatherv");
+  std::vector<std::string> texts;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    texts.push_back(
+        all.substr(static_cast<size_t>(displacements[r]), static_cast<size_t>(lengths[r])));
+  }
+  return texts;
+}
+
 void Communicator::barrier() const {
   mpi_check(MPI_Barrier(live_state().comm), "MPI_Barrier");
 }

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -112,6 +113,10 @@ class Communicator {
   // Copies `bytes` bytes from rank `root`'s buffer into every other rank's buffer.
   void broadcast(void* data, size_t bytes, int root) const;
   void barrier() const;
+  // Variable-length text (manifests, JSON verdicts): `root`'s text on every rank, and every
+  // rank's text on `root` in rank order (empty elsewhere). At most INT_MAX bytes each (checked).
+  std::string broadcast_text(const std::string& text, int root) const;
+  std::vector<std::string> gather_text(const std::string& text, int root) const;
   // Ends every process of the job (MPI_Abort): for an error on one rank that the others, waiting
   // in a collective, would never hear about.
   [[noreturn]] void abort(int code) const;

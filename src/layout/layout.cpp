@@ -174,6 +174,48 @@ int64_t piece_elements(const model::ParameterLayout& full, const Piece& piece) {
   return length * (t.shard_axis == model::ShardAxis::kColumns ? t.full_shape[0] : t.full_shape[1]);
 }
 
+model::TensorSpec piece_tensor(const model::TensorSpec& full, const Piece& piece, int64_t offset) {
+  model::TensorSpec spec = full;
+  const int64_t length = piece.end - piece.begin;
+  if (full.full_shape.size() == 1) {
+    spec.shape = {length};
+  } else if (full.shard_axis == model::ShardAxis::kColumns) {
+    spec.shape = {full.full_shape[0], length};
+  } else {
+    spec.shape = {length, full.full_shape[1]};
+  }
+  spec.shard_begin = piece.begin;
+  spec.offset = offset;
+  spec.size = length *
+              (spec.shape.size() > 1
+                   ? (full.shard_axis == model::ShardAxis::kColumns ? spec.shape[0] : spec.shape[1])
+                   : 1);
+  return spec;
+}
+
+std::optional<Piece> overlap(const Piece& piece, const model::TensorSpec& local) {
+  const int64_t begin = std::max(piece.begin, local.shard_begin);
+  const int64_t end = std::min(piece.end, local.shard_begin + local_extent(local));
+  if (begin >= end) return std::nullopt;
+  return Piece{piece.tensor, begin, end};
+}
+
+std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces) {
+  std::map<int, int64_t> given;  // elements per rank so far
+  std::vector<int> owners;
+  owners.reserve(pieces.size());
+  for (const RefinedPiece& p : pieces) {
+    check(!p.holders.empty() && !p.holders[0].empty(), "balanced_owners: a piece nobody holds");
+    int best = p.holders[0].front().rank;
+    for (const Holder& h : p.holders[0]) {
+      if (given[h.rank] < given[best]) best = h.rank;  // holders are sorted by rank
+    }
+    given[best] += p.elements;
+    owners.push_back(best);
+  }
+  return owners;
+}
+
 template <typename T>
 void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out) {
   const T* base = local_buffer + local.offset;

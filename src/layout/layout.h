@@ -68,6 +68,20 @@ std::vector<std::optional<model::ParameterLayout>> local_layouts(const model::Mo
 // Elements of a piece.
 int64_t piece_elements(const model::ParameterLayout& full, const Piece& piece);
 
+// A buffer holding exactly `piece` of tensor `full` (as pack_piece writes it) described as a
+// tensor of its own, at `offset` in that buffer: pieces cut out of pieces (a checkpoint's stored
+// pieces read into a rank's shard under another plan) use the same pack_piece / unpack_piece.
+model::TensorSpec piece_tensor(const model::TensorSpec& full, const Piece& piece,
+                               int64_t offset = 0);
+// The part of `piece` that `local` (a tensor of some rank's layout, the same full tensor) holds,
+// if any.
+std::optional<Piece> overlap(const Piece& piece, const model::TensorSpec& local);
+
+// One owner for every piece of a one-layout refinement (holders[0]): the holder with the fewest
+// elements given so far, lowest rank on ties, so that every holder of replicated state gets
+// about the same share. What a sharded checkpoint has each rank write.
+std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces);
+
 // Copies a piece between a rank's flat buffer (laid out by `local`) and a contiguous buffer.
 template <typename T>
 void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out);

@@ -99,6 +99,12 @@ class Engine {
   // the rest travel once, batched per pair of ranks. This engine is left without use.
   std::unique_ptr<Engine> migrate(const plan::Plan& plan, MigrationStats* stats = nullptr);
 
+  // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
+  // between plans and to and from checkpoints (each rank writing and reading its own part).
+  layout::LocalState<float> local_state();
+  // The optimizer steps done, after the state was set from a checkpoint.
+  void set_steps_done(int64_t steps);
+
  private:
   void zero_grads();
   void sync_gradients();
@@ -116,10 +122,6 @@ class Engine {
   void receive_input(int slot, int micro_batch);
   // The stage output to every rank of the next stage; only the group's first rank sends.
   void send_output(int slot, int micro_batch, std::vector<comm::Request>* sends);
-  // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
-  // between plans and to and from checkpoints.
-  layout::LocalState<float> local_state();
-  void set_steps_done(int64_t steps);
   // This rank's local tensor holding a piece of the gradient-sync refinement (it must hold it).
   const model::TensorSpec& my_part(const layout::RefinedPiece& piece) const;
 

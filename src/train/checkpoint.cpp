@@ -16,6 +16,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "model/parameters.h"
+#include "train/checkpoint_detail.h"
 
 namespace malleus::train {
 
@@ -25,36 +26,10 @@ namespace {
 static_assert(std::endian::native == std::endian::little,
               "checkpoint files are little-endian float32; a big-endian host needs byte swapping");
 
-constexpr const char* kFormat = "malleus-checkpoint";
-// Version 2 added the manifest's own checksum.
-constexpr int64_t kVersion = 2;
-constexpr const char* kManifestChecksum = "manifest_xxh3";
-constexpr const char* kManifest = "manifest.json";
+using namespace detail;
+
 constexpr const char* kParams = "params.bin";
 constexpr const char* kOptimizer = "optimizer.bin";
-
-// "a/step_1/" must give the siblings "a/step_1.tmp.<pid>", not entries inside "a/step_1".
-fs::path normalized(const fs::path& dir) {
-  fs::path p = dir.lexically_normal();
-  if (!p.has_filename() && p.has_parent_path()) p = p.parent_path();
-  return p;
-}
-
-fs::path with_suffix(const fs::path& path, const std::string& suffix) {
-  fs::path p = path;
-  p += suffix;
-  return p;
-}
-
-fs::path parent_of(const fs::path& path) {
-  return path.has_parent_path() ? path.parent_path() : fs::path(".");
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
 
 int64_t tensor_bytes(const model::TensorSpec& tensor) {
   return tensor.size * static_cast<int64_t>(sizeof(float));
@@ -63,26 +38,6 @@ int64_t tensor_bytes(const model::TensorSpec& tensor) {
 struct FileEntry {
   int64_t bytes = 0;
   std::string xxh3;
-};
-
-// Removes the half-written temporary directory unless the save got to the final rename, so a
-// failed save leaves nothing behind but the previous checkpoint.
-class TempDirGuard {
- public:
-  explicit TempDirGuard(fs::path dir) : dir_(std::move(dir)) {}
-  ~TempDirGuard() {
-    if (!dismissed_) {
-      std::error_code ignored;
-      fs::remove_all(dir_, ignored);
-    }
-  }
-  TempDirGuard(const TempDirGuard&) = delete;
-  TempDirGuard& operator=(const TempDirGuard&) = delete;
-  void dismiss() { dismissed_ = true; }
-
- private:
-  fs::path dir_;
-  bool dismissed_ = false;
 };
 
 // Writes every tensor of each buffer in turn (unpadded), hashing the bytes as they go out so the
@@ -190,7 +145,6 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
 
   const std::string pid = std::to_string(::getpid());
   const fs::path tmp = with_suffix(dir, ".tmp." + pid);
-  const fs::path old = with_suffix(dir, ".old." + pid);
   // Only this process uses this name, so whatever is there is left over from a crashed save.
   fs::remove_all(tmp, ec);
   check(!ec, where + ": cannot remove stale " + tmp.string() + ": " + ec.message());
@@ -221,36 +175,13 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
                          {"consumed_samples", checkpoint.consumed_samples},
                          {"tensors", tensors},
                          {"files", files}};
-  std::string text;
-  try {
-    Json sealed = manifest;
-    sealed[kManifestChecksum] = manifest_checksum(manifest);
-    text = sealed.dump(2) + "\n";
-  } catch (const nlohmann::json::exception& e) {
-    // e.g. a train_config string that is not valid UTF-8
-    throw Error(where + ": cannot write manifest.json: " + e.what());
-  }
+  const std::string text = sealed_manifest_text(manifest, where);
   if (checkpoint.tokenizer) tokenizer::save_tokenizer(*checkpoint.tokenizer, tmp);
   // Written last: a directory with a manifest is a complete checkpoint.
   write_file_atomic(tmp / kManifest, text);
 
-  // Two renames rather than one: rename(2) cannot replace a non-empty directory.
-  const bool replacing = fs::exists(dir, ec);
-  if (replacing) {
-    fs::rename(dir, old, ec);
-    check(!ec, where + ": cannot move the previous checkpoint aside to " + old.string() + ": " +
-                   ec.message());
-  }
-  fs::rename(tmp, dir, ec);
-  if (ec) {
-    const std::string reason = ec.message();
-    if (replacing) fs::rename(old, dir, ec);
-    throw Error(where + ": cannot rename " + tmp.string() + " into place: " + reason);
-  }
+  move_into_place(tmp, dir, where);
   guard.dismiss();
-  sync_directory(parent);
-  // The new checkpoint is complete and durable; a leftover old copy only wastes space.
-  if (replacing) fs::remove_all(old, ec);
 }
 
 Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
@@ -261,24 +192,34 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
   check(fs::is_regular_file(dir / kManifest, ec), where + ": not a checkpoint: no manifest.json");
 
   const std::string source = where + ": manifest.json";
-  const Json manifest = parse_json(read_file(dir / kManifest), source);
+  int64_t version = 0;
+  const std::string text = read_file(dir / kManifest);
+  const Json manifest = verified_manifest(text, source, &version);
+  if (version == kShardedVersion) {
+    // The whole model on this process: the sharded reader with the full layout as the shard.
+    const CheckpointIndex index(dir, text);
+    Checkpoint checkpoint = index.header();
+    check(!with_optimizer || index.has_optimizer(),
+          where + ": has no optimizer state (its pieces hold parameters only)");
+    const model::ParameterLayout full(checkpoint.model);
+    const auto total = static_cast<size_t>(full.total_size());
+    checkpoint.params.assign(total, 0.0f);
+    std::vector<float*> buffers{checkpoint.params.data()};
+    if (with_optimizer) {
+      checkpoint.adam_m.assign(total, 0.0f);
+      checkpoint.adam_v.assign(total, 0.0f);
+      buffers.push_back(checkpoint.adam_m.data());
+      buffers.push_back(checkpoint.adam_v.data());
+    }
+    index.read(full, buffers);
+    checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
+    return checkpoint;
+  }
   JsonReader reader(manifest, source);
-  // Checked before anything else so that some other JSON file reports what it is not.
-  const auto format = reader.optional<std::string>("format", "");
-  check(format == kFormat,
-        source + ": format is \"" + format + "\", expected \"" + std::string(kFormat) + "\"");
-  const auto version = reader.required<int64_t>("version");
-  check(version == kVersion, source + ": version " + std::to_string(version) +
-                                 " is not supported (this build reads version " +
-                                 std::to_string(kVersion) + ")");
-  // Before any value is used: an edited step, data position or model would otherwise resume
-  // silently into another schedule, data order or model.
-  const auto recorded = reader.required<std::string>(kManifestChecksum);
-  Json content = manifest;
-  content.erase(kManifestChecksum);
-  const std::string actual = manifest_checksum(content);
-  check(recorded == actual, source + " is corrupt or was edited: its content hashes to " + actual +
-                                ", but \"" + kManifestChecksum + "\" says " + recorded);
+  // Checked by verified_manifest.
+  reader.required<std::string>("format");
+  reader.required<int64_t>("version");
+  reader.required<std::string>(kManifestChecksum);
 
   Checkpoint checkpoint;
   checkpoint.model =
@@ -332,12 +273,87 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
   return checkpoint;
 }
 
+namespace detail {
+
+Json verified_manifest(const std::string& text, const std::string& source, int64_t* version) {
+  const Json manifest = parse_json(text, source);
+  JsonReader reader(manifest, source);
+  // Checked before anything else so that some other JSON file reports what it is not.
+  const auto format = reader.optional<std::string>("format", "");
+  check(format == kFormat,
+        source + ": format is \"" + format + "\", expected \"" + std::string(kFormat) + "\"");
+  *version = reader.required<int64_t>("version");
+  check(*version == kVersion || *version == kShardedVersion,
+        source + ": version " + std::to_string(*version) +
+            " is not supported (this build reads versions " + std::to_string(kVersion) + " and " +
+            std::to_string(kShardedVersion) + ")");
+  // Before any value is used: an edited step, data position or model would otherwise resume
+  // silently into another schedule, data order or model.
+  const auto recorded = reader.required<std::string>(kManifestChecksum);
+  Json content = manifest;
+  content.erase(kManifestChecksum);
+  const std::string actual = manifest_checksum(content);
+  check(recorded == actual, source + " is corrupt or was edited: its content hashes to " + actual +
+                                ", but \"" + kManifestChecksum + "\" says " + recorded);
+  return manifest;
+}
+
+std::string sealed_manifest_text(const Json& manifest, const std::string& where) {
+  try {
+    Json sealed = manifest;
+    sealed[kManifestChecksum] = manifest_checksum(manifest);
+    return sealed.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& e) {
+    // e.g. a train_config string that is not valid UTF-8
+    throw Error(where + ": cannot write manifest.json: " + e.what());
+  }
+}
+
+void move_into_place(const fs::path& tmp, const fs::path& dir, const std::string& where) {
+  std::error_code ec;
+  const fs::path old = with_suffix(dir, ".old." + std::to_string(::getpid()));
+  // Two renames rather than one: rename(2) cannot replace a non-empty directory.
+  const bool replacing = fs::exists(dir, ec);
+  if (replacing) {
+    fs::rename(dir, old, ec);
+    check(!ec, where + ": cannot move the previous checkpoint aside to " + old.string() + ": " +
+                   ec.message());
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    const std::string reason = ec.message();
+    if (replacing) fs::rename(old, dir, ec);
+    throw Error(where + ": cannot rename " + tmp.string() + " into place: " + reason);
+  }
+  sync_directory(parent_of(dir));
+  // The new checkpoint is complete and durable; a leftover old copy only wastes space.
+  if (replacing) fs::remove_all(old, ec);
+}
+
+}  // namespace detail
+
 std::string manifest_checksum(const Json& manifest) {
   // dump() is canonical: keys sorted, no spaces, numbers in their shortest round-trip form, so
   // the text parsed back from manifest.json dumps to the same bytes.
   const std::string canonical = manifest.dump();
   return checksum_hex(canonical.data(), canonical.size());
 }
+
+namespace {
+
+// Whether a process runs: it exists and is not a zombie. A rank killed with its job may stay a
+// zombie for good where nothing reaps orphans (pid 1 of a container often does not), and its
+// half-written checkpoint must still be cleaned up.
+bool still_running(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno != EPERM) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc: trust kill()
+  const size_t close = line.rfind(')');        // the command name may hold spaces
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+}
+
+}  // namespace
 
 std::vector<std::string> clean_stale_temporaries(const fs::path& root) {
   std::vector<std::string> done;
@@ -357,7 +373,7 @@ std::vector<std::string> clean_stale_temporaries(const fs::path& root) {
       continue;
     }
     const auto pid = static_cast<pid_t>(std::stol(pid_text));
-    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno == EPERM) continue;  // still running
+    if (pid == ::getpid() || still_running(pid)) continue;
     const fs::path base = root / name.substr(0, dot - 4);
     if (kind == ".old." && !fs::exists(base, ec)) {
       // The process died between moving the old checkpoint aside and renaming the new one into

@@ -8,20 +8,28 @@
 //
 // Saving is atomic: everything is written into "<dir>.tmp.<pid>" and renamed to <dir> only when
 // complete; an older checkpoint with the same name is replaced only then.
+//
+// That single-file form (format version 2) is what one process writes (import, tests); runs on
+// several ranks write sharded checkpoints (version 3, below). load_checkpoint reads both.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/json.h"
+#include "layout/layout.h"
 #include "model/config.h"
+#include "model/parameters.h"
 #include "tokenizer/tokenizer.h"
 
 namespace malleus::train {
+
+class CheckpointIndex;
 
 struct Checkpoint {
   model::ModelConfig model;
@@ -33,6 +41,9 @@ struct Checkpoint {
   std::vector<float> adam_m;  // empty when saved/loaded without optimizer state
   std::vector<float> adam_v;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;  // null: not known
+  // A sharded checkpoint read by every rank for itself (load_checkpoint_index): the buffers
+  // above stay empty and each rank reads its own part through this index.
+  std::shared_ptr<const CheckpointIndex> sharded;
 };
 
 void save_checkpoint(const std::filesystem::path& dir, const Checkpoint& checkpoint);
@@ -68,5 +79,110 @@ inline std::filesystem::path resolve_checkpoint(const std::filesystem::path& giv
 void mark_latest(const std::filesystem::path& root, const std::filesystem::path& dir);
 // The checkpoint named by <root>/latest, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+
+// ---- Sharded checkpoints (format version 3) ----
+//
+// Each rank writes only the pieces of the model state it owns, into one file of its own,
+// rank_NNNNN.bin; manifest.json describes where every piece lies. The pieces are those of the
+// common refinement of the run's layout (layout::common_refinement), each given to one of its
+// holders (layout::balanced_owners), so every element is written exactly once and replicated
+// state is spread over its holders. One file per rank rather than per piece: a rank writes one
+// sequential stream (what a disk is fastest at) and the checkpoint has as many files as ranks,
+// not thousands (a 70B model has ~10^4 pieces under tensor parallelism); the manifest gives every
+// piece's byte offset, so a reader still seeks straight to the pieces it needs.
+//
+// A piece is stored as its parameters, then (with optimizer state) its Adam first and second
+// moments, each packed as layout::pack_piece writes it, each with its own XXH3 in the manifest:
+// a reader checks exactly the bytes it reads.
+//
+// Commit across ranks (train/sharded_save.h): every rank writes its file into the same temporary
+// directory "<dir>.tmp.<pid of rank 0>"; once all report success, rank 0 writes manifest.json
+// last, renames the directory into place and only then updates `latest`. A rank that dies while
+// writing leaves only the temporary directory (removed by clean_stale_temporaries) and the
+// previous checkpoint `latest`.
+
+// A piece of model state a rank writes: `piece` of the full model, found in the rank's own local
+// tensor `local_tensor`.
+struct OwnedPiece {
+  layout::Piece piece;
+  int local_tensor = 0;
+};
+
+// The pieces a rank owns, copied out of its live buffers: what the writer of an asynchronous
+// save works from while training goes on (the copy is all the training step waits for).
+struct ShardSnapshot {
+  int rank = 0;
+  int buffers = 0;  // 1 (parameters) or 3 (parameters, Adam first and second moments)
+  std::vector<layout::Piece> pieces;
+  std::vector<int64_t> elements;  // per piece
+  std::vector<float> data;        // per piece in order: each buffer's copy of it in turn
+};
+
+// `buffers` are laid out by `local` (the rank's ParameterLayout): params[, adam_m, adam_v].
+ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
+                             const model::ParameterLayout& local,
+                             const std::vector<const float*>& buffers,
+                             const std::vector<OwnedPiece>& pieces);
+
+// The pieces `rank` owns in a sharded checkpoint of `layout`'s state: `refinement` is the
+// common refinement of that one layout (ParallelState::grad_sync().pieces).
+std::vector<OwnedPiece> owned_pieces(const std::vector<layout::RefinedPiece>& refinement, int rank);
+
+// The file a rank writes: "rank_00003.bin".
+std::string shard_file_name(int rank);
+
+// Writes <dir>/shard_file_name(rank) from a snapshot (fsynced before it returns) and returns its
+// manifest entry: its size and, for each piece, where it lies and each buffer's checksum.
+Json write_shard(const std::filesystem::path& dir, const ShardSnapshot& snapshot);
+
+// The temporary directory a save of `dir` writes into before the commit: "<dir>.tmp.<pid>",
+// `pid` being the committing process's.
+std::filesystem::path temporary_dir(const std::filesystem::path& dir, int64_t pid);
+
+// Rank 0's half of the commit, once every rank's write_shard returned: checks that the files'
+// pieces cover every tensor exactly once, writes the tokenizer and manifest.json into `tmp`
+// (manifest last) and moves `tmp` to `dir` (an older checkpoint of that name is replaced only
+// then). `header` gives the model, config and progress (its buffers are not used).
+void commit_sharded_checkpoint(const std::filesystem::path& tmp, const std::filesystem::path& dir,
+                               const Checkpoint& header, const std::vector<Json>& shards,
+                               int buffers);
+
+// A checkpoint's manifest, parsed and verified (its own checksum, the model's tensors, and for a
+// sharded one that its pieces tile every tensor exactly once), without reading any data.
+class CheckpointIndex {
+ public:
+  explicit CheckpointIndex(const std::filesystem::path& dir);
+  // From manifest.json's text as another rank read it (every rank then verifies it itself).
+  CheckpointIndex(const std::filesystem::path& dir, const std::string& manifest_text);
+
+  const std::filesystem::path& dir() const { return dir_; }
+  const std::string& manifest_text() const { return text_; }
+  bool sharded() const { return version_ >= 3; }
+  bool has_optimizer() const { return has_optimizer_; }
+  // Model, training config and progress; no buffers, no tokenizer.
+  const Checkpoint& header() const { return header_; }
+
+  // Sharded checkpoints: fills `buffers` (parameters, then both Adam moments if three are given),
+  // laid out by `local`, with what `local` holds, reading only the stored pieces that overlap it,
+  // each checked against its checksum. Returns the bytes read. Throws Error naming the file at
+  // fault if one is missing, truncated or corrupt.
+  int64_t read(const model::ParameterLayout& local, const std::vector<float*>& buffers) const;
+
+ private:
+  struct StoredPiece {
+    std::string file;
+    layout::Piece piece;
+    int64_t offset = 0;             // bytes into the file
+    std::vector<std::string> xxh3;  // per buffer
+  };
+  std::filesystem::path dir_;
+  std::string text_;
+  int64_t version_ = 0;
+  bool has_optimizer_ = false;
+  Checkpoint header_;
+  Json manifest_;
+  std::vector<std::vector<StoredPiece>> pieces_;  // per full-model tensor, in axis order
+  std::map<std::string, int64_t> file_bytes_;
+};
 
 }  // namespace malleus::train

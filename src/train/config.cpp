@@ -165,6 +165,9 @@ std::vector<ConfigField> make_fields() {
             "Validation sequences per evaluation", positive<int>()),
       field(&C::checkpoint_every, "checkpoint_every", "--checkpoint-every", P::kHonoured,
             "Checkpoint every N steps (0: only at the end)", not_negative<int64_t>()),
+      field(&C::async_checkpoints, "async_checkpoints", "--async-checkpoints", P::kHonoured,
+            "Write checkpoints in the background; the step waits only for a copy in memory "
+            "(--no-async-checkpoints: the step waits for the files)"),
       field(&C::out_dir, "out_dir", "--out", P::kHonoured,
             "Run directory: metrics.jsonl and checkpoints/ (resuming: the resumed run's)",
             non_empty()),

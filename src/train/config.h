@@ -83,7 +83,10 @@ struct TrainConfig {
 
   int64_t eval_every = 100;  // steps; 0 disables periodic evaluation
   int eval_samples = 64;     // validation sequences per evaluation (capped at the split's size)
-  int64_t checkpoint_every = 100;     // steps; 0: only at the end
+  int64_t checkpoint_every = 100;  // steps; 0: only at the end
+  // Write checkpoints in the background: the saving step waits only for the copy of each rank's
+  // pieces to host memory (train/checkpoint_writer.h).
+  bool async_checkpoints = true;
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
 

@@ -71,17 +71,25 @@ std::string gib(double bytes) {
 
 // Refuses, before anything is allocated, a plan whose model state cannot fit this rank's share
 // of the machine's memory: parameters, gradients and both Adam moments of the shard it holds
-// (fp32, 16 bytes per element), and on rank 0 also the whole state gathered for a checkpoint
-// (12 bytes per parameter). Activations come on top, so passing is necessary, not sufficient.
+// (fp32, 16 bytes per element), and the host copy of the pieces it owns in a checkpoint (12 bytes
+// per element: parameters and moments, train/checkpoint_writer.h). Activations come on top, so
+// passing is necessary, not sufficient.
 void check_memory(const model::ModelConfig& model, const plan::Plan& plan, int rank,
                   int ranks_here) {
   const int64_t available = available_memory_bytes();
   if (available <= 0) return;  // unknown: nothing to check against
-  const auto local = layout::local_layouts(model, layout::plan_layout(plan, model));
+  const layout::Layout layout = layout::plan_layout(plan, model);
+  const auto local = layout::local_layouts(model, layout);
   const auto& mine = local[static_cast<size_t>(rank)];
   const double held = mine ? static_cast<double>(mine->total_size()) : 0.0;
-  double need = 16.0 * held;
-  if (rank == 0) need += 12.0 * static_cast<double>(model::ParameterLayout(model).total_size());
+  double owned = 0;
+  if (mine) {
+    const model::ParameterLayout full(model);
+    for (const OwnedPiece& p : owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
+      owned += static_cast<double>(layout::piece_elements(full, p.piece));
+    }
+  }
+  const double need = 16.0 * held + 12.0 * owned;
   const double share = static_cast<double>(available) / std::max(1, ranks_here);
   check(need <= share,
         "model \"" + model.name + "\" (" +
@@ -90,9 +98,9 @@ void check_memory(const model::ModelConfig& model, const plan::Plan& plan, int r
             format_count(held) +
             " parameter elements, whose parameters, gradients "
             "and Adam moments take " +
-            gib(16.0 * held) +
-            (rank == 0 ? " (plus " + gib(need - 16.0 * held) + " to gather a checkpoint)" : "") +
-            ", but this machine has " + gib(static_cast<double>(available)) + " available" +
+            gib(16.0 * held) + " (plus " + gib(12.0 * owned) +
+            " for its part of a checkpoint), but this machine has " +
+            gib(static_cast<double>(available)) + " available" +
             (ranks_here > 1
                  ? ", " + gib(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
                  : "") +
@@ -200,7 +208,8 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
       stragglers_(injected_stragglers(config, world_.size())),
       monitor_(world_.size(), elastic::MonitorOptions{.window = config.monitor_window}),
       train_data_(config.train_data, model_config_.vocab_size),
-      sampler_(train_data_, config.seq_len, config.seed) {
+      sampler_(train_data_, config.seq_len, config.seed),
+      writer_(world_) {
   const model::ModelConfig& model_config = model_config_;
   if (is_root() && tokenizer_ && requested_model.vocab_size != model_config.vocab_size) {
     std::printf("model vocab_size %d -> %d for the training data's %s\n",
@@ -264,13 +273,35 @@ void Trainer::restore(const Checkpoint& checkpoint) {
   check(checkpoint.model.to_json() == expected.to_json(),
         "checkpoint model " + checkpoint.model.to_json().dump() +
             " differs from the configured model " + expected.to_json().dump());
-  runtime::FullState full;
-  if (is_root()) {
-    full.params = checkpoint.params;
-    full.adam_m = checkpoint.adam_m;
-    full.adam_v = checkpoint.adam_v;
+  if (checkpoint.sharded) {
+    // Every rank reads the pieces its own shard needs under this plan, whatever the plan and
+    // world size that wrote them; nothing goes through rank 0.
+    const layout::LocalState<float> state = engine_->local_state();
+    std::string error;
+    try {
+      if (state.layout != nullptr) checkpoint.sharded->read(*state.layout, state.buffers);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    // One rank's damaged or missing file stops every rank with its message.
+    const int64_t failed = world_.all_reduce_sum(int64_t{error.empty() ? 0 : 1});
+    if (failed > 0) {
+      std::string first;
+      for (const std::string& e : world_.gather_text(error, 0)) {
+        if (first.empty()) first = e;
+      }
+      throw Error(world_.broadcast_text(first, 0));
+    }
+    engine_->set_steps_done(checkpoint.step);
+  } else {
+    runtime::FullState full;
+    if (is_root()) {
+      full.params = checkpoint.params;
+      full.adam_m = checkpoint.adam_m;
+      full.adam_v = checkpoint.adam_v;
+    }
+    engine_->scatter(full, checkpoint.step);
   }
-  engine_->scatter(full, checkpoint.step);
   step_ = checkpoint.step;
   consumed_samples_ = checkpoint.consumed_samples;
 }
@@ -368,15 +399,35 @@ double Trainer::evaluate(const std::string& pattern, int max_samples) {
 }
 
 void Trainer::save(const std::filesystem::path& root) {
-  const auto start = Clock::now();
-  Checkpoint checkpoint = snapshot();
-  if (!is_root()) return;
-  const auto dir = checkpoint_dir(root, step_);
-  std::filesystem::create_directories(root);
-  save_checkpoint(dir, checkpoint);
-  mark_latest(root, dir);
-  std::printf("saved checkpoint %s (%s)\n", dir.c_str(),
-              format_duration(seconds_since(start)).c_str());
+  Checkpoint header;
+  header.model = model_config_;
+  header.train_config = config_.to_json();
+  header.step = step_;
+  header.consumed_samples = consumed_samples_;
+  header.tokenizer = tokenizer_;
+  const layout::LocalState<float> state = engine_->local_state();
+  writer_.begin(root, header, state.layout, {state.buffers.begin(), state.buffers.end()},
+                engine_->state().grad_sync().pieces, config_.async_checkpoints);
+  report_saved();
+}
+
+void Trainer::poll_checkpoint() {
+  if (writer_.poll()) report_saved();
+}
+
+void Trainer::finish_checkpoint() {
+  if (!writer_.in_flight()) return;
+  writer_.wait();
+  report_saved();
+}
+
+void Trainer::report_saved() {
+  if (writer_.in_flight() || !writer_.last() || !is_root()) return;
+  const SaveStats& s = *writer_.last();
+  std::printf("saved checkpoint %s (%sB; step held %s, written in %s)\n", s.dir.c_str(),
+              format_count(static_cast<double>(s.bytes)).c_str(),
+              format_duration(s.stall_s).c_str(), format_duration(s.total_s).c_str());
+  std::fflush(stdout);
 }
 
 void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics) {
@@ -473,6 +524,7 @@ int Trainer::run() {
   while (step_ < config_.steps) {
     watch("step", step_ + 1);
     const StepStats s = train_step();
+    poll_checkpoint();  // commits a background save once every rank has written its part
     recent_step_time =
         recent_step_time == 0 ? s.step_time_s : 0.9 * recent_step_time + 0.1 * s.step_time_s;
     const double eta = recent_step_time * static_cast<double>(config_.steps - step_);
@@ -505,6 +557,7 @@ int Trainer::run() {
         watch("checkpoint", step_);
         save(checkpoints);
       }
+      finish_checkpoint();
       if (is_root()) {
         std::printf(
             "stopped by %s after step %lld of %lld; continue with: malleus train "
@@ -519,6 +572,7 @@ int Trainer::run() {
       return signal;
     }
   }
+  finish_checkpoint();
   return 0;
 }
 
@@ -528,34 +582,43 @@ int Trainer::agreed_stop_signal() {
 
 Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
                                    bool with_optimizer) {
-  Checkpoint checkpoint;
-  std::string header;  // rank 0's verdict and the checkpoint's small fields, as JSON
+  // Rank 0 reads the manifest and sends its text: no rank opens a checkpoint's files before
+  // rank 0 has found it complete. A single-file checkpoint is then read on rank 0 whole; a
+  // sharded one by every rank for itself (Trainer::restore).
+  std::string text, error;
   if (world.rank() == 0) {
     try {
-      checkpoint = load_checkpoint(dir, with_optimizer);
-      header = Json{{"model", checkpoint.model.to_json()},
-                    {"train_config", checkpoint.train_config},
-                    {"step", checkpoint.step},
-                    {"consumed_samples", checkpoint.consumed_samples}}
-                   .dump();
+      text = CheckpointIndex(dir).manifest_text();
     } catch (const Error& e) {
-      header = Json{{"error", e.what()}}.dump();
+      error = e.what();
     }
   }
   if (world.size() > 1) {
-    int64_t length = static_cast<int64_t>(header.size());
-    world.broadcast(&length, sizeof length, 0);
-    header.resize(static_cast<size_t>(length));
-    world.broadcast(header.data(), header.size(), 0);
+    error = world.broadcast_text(error, 0);
+    if (error.empty()) text = world.broadcast_text(text, 0);
   }
-  const Json j = Json::parse(header);
-  if (j.contains("error")) throw Error(j["error"].get<std::string>());
-  if (world.rank() != 0) {
-    checkpoint.model = model::ModelConfig::from_json(j["model"], dir.string());
-    checkpoint.train_config = j["train_config"];
-    checkpoint.step = j["step"].get<int64_t>();
-    checkpoint.consumed_samples = j["consumed_samples"].get<int64_t>();
+  if (!error.empty()) throw Error(error);
+  auto index = std::make_shared<const CheckpointIndex>(dir, text);
+  Checkpoint checkpoint;
+  error.clear();
+  if (world.rank() == 0) {
+    try {
+      if (index->sharded()) {
+        check(!with_optimizer || index->has_optimizer(),
+              "checkpoint " + dir.string() + ": has no optimizer state");
+        checkpoint = index->header();
+        checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
+      } else {
+        checkpoint = load_checkpoint(dir, with_optimizer);
+      }
+    } catch (const Error& e) {
+      error = e.what();
+    }
   }
+  if (world.size() > 1) error = world.broadcast_text(error, 0);
+  if (!error.empty()) throw Error(error);
+  if (world.rank() != 0) checkpoint = index->header();
+  if (index->sharded()) checkpoint.sharded = index;
   return checkpoint;
 }
 

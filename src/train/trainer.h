@@ -1,8 +1,8 @@
 // The training loop over any parallel plan: each step samples the global batch (the same
 // sequences whatever the plan), runs the runtime engine (1F1B, tensor and data parallelism,
 // gradient sync, clipping, AdamW), and on schedule evaluates, logs (rank 0) and checkpoints
-// (gathered to rank 0). Resuming from a checkpoint — under the same plan or another — continues
-// exactly where it stopped.
+// (sharded: each rank writes the pieces it owns, in the background; train/checkpoint_writer.h).
+// Resuming from a checkpoint — under the same plan or another — continues exactly where it stopped.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include "runtime/core_lease.h"
 #include "runtime/engine.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_writer.h"
 #include "train/config.h"
 #include "train/metrics.h"
 #include "train/schedule.h"
@@ -77,7 +78,14 @@ class Trainer {
   bool is_root() const { return world_.rank() == 0; }
 
  private:
+  // Collective: starts a sharded checkpoint of this step (in the background unless
+  // config.async_checkpoints is off); poll_checkpoint commits it once every rank has written its
+  // part, finish_checkpoint waits for that.
   void save(const std::filesystem::path& root);
+  void poll_checkpoint();
+  void finish_checkpoint();
+  // "saved checkpoint ..." on rank 0 after a commit.
+  void report_saved();
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
@@ -99,10 +107,13 @@ class Trainer {
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
   int restarts_ = 0;
+  CheckpointWriter writer_;
 };
 
-// Rank 0 reads the checkpoint (verifying it); the other ranks receive its config and progress but
-// no buffers. Throws the same Error on every rank if the checkpoint is bad. Collective.
+// Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and
+// sends its text). A single-file checkpoint's buffers are read on rank 0 only (restore scatters
+// them); a sharded checkpoint's on restore, by each rank for itself (Checkpoint::sharded). Throws
+// the same Error on every rank if the checkpoint is bad. Collective.
 Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
                                    bool with_optimizer = true);
 

@@ -1,0 +1,146 @@
+#include "train/checkpoint_writer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+
+#include "common/error.h"
+#include "common/json.h"
+
+namespace malleus::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Rank `root`'s verdict on every rank: throws its error everywhere, so that no rank goes on (or
+// waits in a collective) after another failed.
+void agree(const comm::Communicator& world, const std::string& error, int root = 0) {
+  const std::string verdict = world.broadcast_text(error, root);
+  if (!verdict.empty()) throw Error(verdict);
+}
+
+}  // namespace
+
+CheckpointWriter::~CheckpointWriter() {
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
+                             const model::ParameterLayout* local,
+                             const std::vector<const float*>& buffers,
+                             const std::vector<layout::RefinedPiece>& refinement, bool background) {
+  wait();
+  const double started = now_s();
+  const fs::path dir = checkpoint_dir(root, header.step);
+  // Rank 0 names and makes the directory every rank writes into; its pid marks it as this
+  // process's, so clean_stale_temporaries removes it once the job is gone.
+  std::string tmp_text, error;
+  if (world_.rank() == 0) {
+    try {
+      const fs::path tmp = temporary_dir(dir, ::getpid());
+      std::error_code ec;
+      fs::create_directories(root, ec);
+      check(!ec, "checkpoint " + dir.string() + ": cannot create " + root.string() + ": " +
+                     ec.message());
+      fs::remove_all(tmp, ec);
+      fs::create_directory(tmp, ec);
+      check(!ec,
+            "checkpoint " + dir.string() + ": cannot create " + tmp.string() + ": " + ec.message());
+      tmp_text = tmp.string();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  agree(world_, error);
+  tmp_text = world_.broadcast_text(tmp_text, 0);
+
+  Pending& p = pending_.emplace();
+  p.root = root;
+  p.dir = dir;
+  p.tmp = tmp_text;
+  p.header = header;
+  p.header.params.clear();
+  p.header.adam_m.clear();
+  p.header.adam_v.clear();
+  p.buffers = buffers.empty() ? 0 : static_cast<int>(buffers.size());
+  p.started = started;
+  p.background = background;
+  if (local != nullptr) {
+    p.snapshot = std::make_unique<ShardSnapshot>(snapshot_shard(
+        world_.rank(), header.model, *local, buffers, owned_pieces(refinement, world_.rank())));
+  }
+  p.thread = std::thread([&p] {
+    try {
+      p.entry = p.snapshot && !p.snapshot->pieces.empty()
+                    ? write_shard(p.tmp, *p.snapshot).dump()
+                    : Json::object().dump();  // nothing owned here, no file
+    } catch (const std::exception& e) {
+      p.entry = Json{{"error", e.what()}}.dump();
+    }
+    p.snapshot.reset();  // the copy is on disk: give its memory back now
+    p.done = true;
+  });
+  p.stall_s = now_s() - started;
+  if (!background) wait();
+}
+
+bool CheckpointWriter::poll() {
+  if (!pending_) return false;
+  const int64_t finished = world_.all_reduce_sum(int64_t{pending_->done ? 1 : 0});
+  if (finished < world_.size()) return false;
+  commit();
+  return true;
+}
+
+void CheckpointWriter::wait() {
+  if (!pending_) return;
+  pending_->thread.join();
+  commit();
+}
+
+void CheckpointWriter::commit() {
+  Pending& p = *pending_;
+  if (p.thread.joinable()) p.thread.join();
+  const std::vector<std::string> entries = world_.gather_text(p.entry, 0);
+  // Every rank agrees on how many buffers were saved (ranks holding nothing pass none).
+  const int buffers = static_cast<int>(world_.all_reduce_max(static_cast<double>(p.buffers)));
+  std::string error;
+  SaveStats stats;
+  if (world_.rank() == 0) {
+    try {
+      std::vector<Json> shards;
+      for (size_t r = 0; r < entries.size(); ++r) {
+        Json entry = Json::parse(entries[r]);
+        if (entry.contains("error")) {
+          throw Error("checkpoint " + p.dir.string() + ": rank " + std::to_string(r) +
+                      " could not write its part: " + entry["error"].get<std::string>());
+        }
+        if (!entry.contains("file")) continue;
+        stats.bytes += entry["bytes"].get<int64_t>();
+        shards.push_back(std::move(entry));
+      }
+      commit_sharded_checkpoint(p.tmp, p.dir, p.header, shards, buffers);
+      // `latest` moves only once the checkpoint it names is complete and in place.
+      mark_latest(p.root, p.dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+      std::error_code ignored;
+      fs::remove_all(p.tmp, ignored);
+    }
+  }
+  stats.dir = p.dir;
+  stats.total_s = now_s() - p.started;
+  stats.stall_s = p.background ? p.stall_s : stats.total_s;
+  pending_.reset();
+  agree(world_, error);
+  last_ = stats;
+}
+
+}  // namespace malleus::train

@@ -1,0 +1,85 @@
+// Saving sharded checkpoints from a run on several ranks, synchronously or in the background.
+//
+// A save starts collectively: rank 0 makes the temporary directory every rank writes into, and
+// each rank copies the pieces it owns (train/checkpoint.h) out of its live state into host
+// memory. That copy is all the training step waits for: a background thread then writes the
+// rank's file while training goes on. The commit is collective too, and happens at the first
+// poll() after every rank's file is on disk (or at wait()): rank 0 writes the manifest, renames
+// the directory into place, and only then points `latest` at it; every rank learns the verdict
+// before it returns, so no rank ever looks for a file of a checkpoint not yet committed.
+//
+// The writer thread does no MPI (the job's MPI is single-threaded): the agreement that all files
+// are written is an all-reduce on the training thread, at poll().
+#pragma once
+
+#include <atomic>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "layout/layout.h"
+#include "model/parameters.h"
+#include "train/checkpoint.h"
+
+namespace malleus::train {
+
+// What one finished save took, as rank 0 saw it.
+struct SaveStats {
+  std::filesystem::path dir;
+  double stall_s = 0;  // the saving step's wait: the copy to host memory (and for a
+                       // synchronous save, the writing and the commit)
+  double total_s = 0;  // from the start of the save to its commit
+  int64_t bytes = 0;   // written by all ranks
+};
+
+class CheckpointWriter {
+ public:
+  explicit CheckpointWriter(comm::Communicator world) : world_(std::move(world)) {}
+  // Waits for a writer thread still running; an uncommitted save is left as its temporary
+  // directory (clean_stale_temporaries removes it), the previous checkpoint stays `latest`.
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Collective. Starts saving `header` (model, config, progress, tokenizer: its buffers are not
+  // used) and this rank's state into <root>/step_N: `local` lays out `buffers` (parameters, and
+  // both Adam moments when saved), `refinement` is the common refinement of the run's layout
+  // (every rank passes its own view of the same one); null `local` on a rank holding nothing.
+  // A save still in flight is committed first. With `background` false the save is committed
+  // before it returns. Throws Error on every rank if any rank failed.
+  void begin(const std::filesystem::path& root, const Checkpoint& header,
+             const model::ParameterLayout* local, const std::vector<const float*>& buffers,
+             const std::vector<layout::RefinedPiece>& refinement, bool background);
+  // Collective. Commits the save in flight if every rank has written its file; returns whether
+  // it did. No communication when nothing is in flight.
+  bool poll();
+  // Collective. Waits for the save in flight (if any) and commits it.
+  void wait();
+  bool in_flight() const { return pending_.has_value(); }
+  // The last committed save (rank 0's figures).
+  const std::optional<SaveStats>& last() const { return last_; }
+
+ private:
+  struct Pending {
+    std::filesystem::path root, dir, tmp;
+    Checkpoint header;
+    int buffers = 0;
+    bool background = true;
+    double started = 0, stall_s = 0;
+    std::unique_ptr<ShardSnapshot> snapshot;
+    std::thread thread;
+    std::atomic<bool> done{false};
+    std::string entry;  // write_shard's result, or {"error": ...}, as JSON text
+  };
+  void commit();
+
+  comm::Communicator world_;
+  std::optional<Pending> pending_;
+  std::optional<SaveStats> last_;
+};
+
+}  // namespace malleus::train

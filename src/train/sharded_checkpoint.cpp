@@ -1,0 +1,352 @@
+// Sharded checkpoints (format version 3): one file per rank holding the pieces it owns, and the
+// manifest that says where each piece lies (train/checkpoint.h describes the format).
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <unordered_map>
+
+#include "common/checksum.h"
+#include "common/error.h"
+#include "common/files.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_detail.h"
+
+namespace malleus::train {
+
+using namespace detail;
+
+namespace {
+
+const std::vector<std::string> kBufferNames{"params", "adam_m", "adam_v"};
+
+int64_t axis_extent(const model::TensorSpec& full) {
+  return full.shard_axis == model::ShardAxis::kColumns ? full.full_shape[1] : full.full_shape[0];
+}
+
+std::string piece_text(const std::string& tensor, const layout::Piece& piece) {
+  return "tensor \"" + tensor + "\" [" + std::to_string(piece.begin) + ", " +
+         std::to_string(piece.end) + ")";
+}
+
+// A test hook standing for a rank that dies while writing (tests/test_cli_mpi.cpp): with
+// MALLEUS_FAULT_DIE_IN_SAVE=<rank>, that rank kills itself (SIGKILL, no clean-up of any kind)
+// halfway through writing its file. The commit must then leave the previous checkpoint `latest`.
+bool dies_in_save(int rank) {
+  const char* value = std::getenv("MALLEUS_FAULT_DIE_IN_SAVE");
+  return value != nullptr && *value != '\0' && std::to_string(rank) == value;
+}
+
+}  // namespace
+
+std::string shard_file_name(int rank) {
+  char name[32];
+  std::snprintf(name, sizeof name, "rank_%05d.bin", rank);
+  return name;
+}
+
+fs::path temporary_dir(const fs::path& dir, int64_t pid) {
+  return with_suffix(normalized(dir), ".tmp." + std::to_string(pid));
+}
+
+std::vector<OwnedPiece> owned_pieces(const std::vector<layout::RefinedPiece>& refinement,
+                                     int rank) {
+  const std::vector<int> owners = layout::balanced_owners(refinement);
+  std::vector<OwnedPiece> mine;
+  for (size_t i = 0; i < refinement.size(); ++i) {
+    if (owners[i] != rank) continue;
+    mine.push_back(
+        {refinement[i].piece, layout::find_holder(refinement[i].holders[0], rank)->local_tensor});
+  }
+  return mine;
+}
+
+ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
+                             const model::ParameterLayout& local,
+                             const std::vector<const float*>& buffers,
+                             const std::vector<OwnedPiece>& pieces) {
+  check(buffers.size() == 1 || buffers.size() == 3,
+        "snapshot_shard: expected parameters, or parameters and both Adam moments");
+  const model::ParameterLayout full(model);
+  ShardSnapshot snapshot;
+  snapshot.rank = rank;
+  snapshot.buffers = static_cast<int>(buffers.size());
+  int64_t total = 0;
+  for (const OwnedPiece& p : pieces) {
+    snapshot.pieces.push_back(p.piece);
+    snapshot.elements.push_back(layout::piece_elements(full, p.piece));
+    total += snapshot.elements.back();
+  }
+  snapshot.data.resize(static_cast<size_t>(total) * buffers.size());
+  float* cursor = snapshot.data.data();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    for (const float* buffer : buffers) {
+      layout::pack_piece(buffer, local.tensor(pieces[i].local_tensor), pieces[i].piece, cursor);
+      cursor += snapshot.elements[i];
+    }
+  }
+  return snapshot;
+}
+
+Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
+  const std::string name = shard_file_name(snapshot.rank);
+  const bool die = dies_in_save(snapshot.rank);
+  AtomicFile file(dir / name);
+  Json pieces = Json::array();
+  int64_t offset = 0;
+  const float* cursor = snapshot.data.data();
+  for (size_t i = 0; i < snapshot.pieces.size(); ++i) {
+    if (die && i == snapshot.pieces.size() / 2) ::raise(SIGKILL);
+    Json sums = Json::array();
+    const auto bytes = static_cast<size_t>(snapshot.elements[i]) * sizeof(float);
+    for (int b = 0; b < snapshot.buffers; ++b) {
+      file.write(cursor, bytes);
+      sums.push_back(checksum_hex(cursor, bytes));
+      cursor += snapshot.elements[i];
+    }
+    pieces.push_back({{"tensor", snapshot.pieces[i].tensor},
+                      {"begin", snapshot.pieces[i].begin},
+                      {"end", snapshot.pieces[i].end},
+                      {"offset", offset},
+                      {"xxh3", sums}});
+    offset += static_cast<int64_t>(bytes) * snapshot.buffers;
+  }
+  if (die) ::raise(SIGKILL);
+  file.commit();
+  return Json{{"file", name}, {"bytes", offset}, {"pieces", pieces}};
+}
+
+void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
+                               const Checkpoint& header, const std::vector<Json>& shards,
+                               int buffers) {
+  const fs::path dir = normalized(dir_arg);
+  const std::string where = "checkpoint " + dir.string();
+  check(buffers == 1 || buffers == 3,
+        where + ": 1 or 3 buffers per piece, not " + std::to_string(buffers));
+  const model::ParameterLayout full(header.model);
+  Json tensors = Json::array();
+  for (const auto& t : full.tensors())
+    tensors.push_back({{"name", t.name}, {"shape", t.full_shape}});
+  Json files = Json::object();
+  for (const Json& shard : shards) {
+    Json pieces = shard.at("pieces");
+    // Tensor indices become names: the manifest describes itself without the model's order.
+    for (Json& p : pieces) p["tensor"] = full.tensor(p["tensor"].get<int>()).name;
+    files[shard.at("file").get<std::string>()] = {{"bytes", shard.at("bytes")}, {"pieces", pieces}};
+  }
+  const Json manifest = {
+      {"format", kFormat},
+      {"version", kShardedVersion},
+      {"model", header.model.to_json()},
+      {"train_config", header.train_config},
+      {"step", header.step},
+      {"consumed_samples", header.consumed_samples},
+      {"tensors", tensors},
+      {"buffers", std::vector<std::string>(kBufferNames.begin(), kBufferNames.begin() + buffers)},
+      {"files", files}};
+  const std::string text = sealed_manifest_text(manifest, where);
+  // Refuses a layout with a gap or an overlap before it becomes a checkpoint.
+  const CheckpointIndex verified(tmp, text);
+  if (header.tokenizer) tokenizer::save_tokenizer(*header.tokenizer, tmp);
+  // Written last: a directory with a manifest is a complete checkpoint.
+  write_file_atomic(tmp / kManifest, text);
+  move_into_place(tmp, dir, where);
+}
+
+CheckpointIndex::CheckpointIndex(const fs::path& dir)
+    : CheckpointIndex(dir, [&] {
+        const fs::path d = normalized(dir);
+        std::error_code ec;
+        check(fs::is_regular_file(d / kManifest, ec),
+              "checkpoint " + d.string() + ": not a checkpoint: no manifest.json");
+        return read_file(d / kManifest);
+      }()) {}
+
+CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifest_text)
+    : dir_(normalized(dir)), text_(manifest_text) {
+  const std::string where = "checkpoint " + dir_.string();
+  const std::string source = where + ": manifest.json";
+  manifest_ = verified_manifest(text_, source, &version_);
+  JsonReader reader(manifest_, source);
+  reader.required<std::string>("format");
+  reader.required<int64_t>("version");
+  reader.required<std::string>(kManifestChecksum);
+  header_.model = model::ModelConfig::from_json(reader.required<Json>("model"), source + " model");
+  header_.train_config = reader.required<Json>("train_config");
+  header_.step = reader.required<int64_t>("step");
+  header_.consumed_samples = reader.required<int64_t>("consumed_samples");
+  check(header_.step >= 0 && header_.consumed_samples >= 0,
+        source + ": step and consumed_samples must not be negative");
+  const Json files = reader.required<Json>("files");
+  const Json tensors = reader.required<Json>("tensors");
+  if (!sharded()) {
+    // The single-file form: load_checkpoint checks and reads the rest.
+    has_optimizer_ = files.is_object() && files.contains("optimizer.bin");
+    return;
+  }
+  const auto buffers = reader.required<std::vector<std::string>>("buffers");
+  reader.finish();
+  check(buffers.size() == 1 || buffers.size() == 3, source + ": \"buffers\" lists " +
+                                                        std::to_string(buffers.size()) +
+                                                        " buffers, expected 1 or 3");
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    check(buffers[b] == kBufferNames[b], source + ": buffer " + std::to_string(b) + " is \"" +
+                                             buffers[b] + "\", expected \"" + kBufferNames[b] +
+                                             "\"");
+  }
+  has_optimizer_ = buffers.size() == 3;
+
+  const model::ParameterLayout full(header_.model);
+  check(tensors.is_array() && tensors.size() == full.tensors().size(),
+        source + ": \"tensors\" must list the model's " + std::to_string(full.tensors().size()) +
+            " tensors");
+  std::unordered_map<std::string, int> index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) {
+    const auto& spec = full.tensors()[i];
+    JsonReader entry(tensors[i], source + " tensors[" + std::to_string(i) + "]");
+    const auto name = entry.required<std::string>("name");
+    const auto shape = entry.required<std::vector<int64_t>>("shape");
+    entry.finish();
+    check(name == spec.name && shape == spec.full_shape,
+          source + ": tensor " + std::to_string(i) + " is \"" + name + "\" " + shape_text(shape) +
+              ", but the model config expects \"" + spec.name + "\" " +
+              shape_text(spec.full_shape));
+    index[spec.name] = static_cast<int>(i);
+  }
+
+  pieces_.assign(full.tensors().size(), {});
+  check(files.is_object() && !files.empty(), source + ": \"files\" must be a non-empty object");
+  for (const auto& [file, entry_json] : files.items()) {
+    const std::string file_source = source + " files \"" + file + "\"";
+    check(file.size() == shard_file_name(0).size() && file.rfind("rank_", 0) == 0 &&
+              file.find('/') == std::string::npos,
+          file_source + ": not a shard file name (rank_NNNNN.bin)");
+    JsonReader entry(entry_json, file_source);
+    const auto bytes = entry.required<int64_t>("bytes");
+    const Json pieces = entry.required<Json>("pieces");
+    entry.finish();
+    check(pieces.is_array(), file_source + ": \"pieces\" must be an array");
+    int64_t offset = 0;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      JsonReader p(pieces[i], file_source + " pieces[" + std::to_string(i) + "]");
+      StoredPiece stored;
+      stored.file = file;
+      const auto tensor = p.required<std::string>("tensor");
+      stored.piece.begin = p.required<int64_t>("begin");
+      stored.piece.end = p.required<int64_t>("end");
+      stored.offset = p.required<int64_t>("offset");
+      stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
+      p.finish();
+      const auto found = index.find(tensor);
+      check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
+      stored.piece.tensor = found->second;
+      const auto& spec = full.tensor(stored.piece.tensor);
+      check(0 <= stored.piece.begin && stored.piece.begin < stored.piece.end &&
+                stored.piece.end <= axis_extent(spec),
+            p.source() + ": " + piece_text(tensor, stored.piece) + " is outside the tensor");
+      check(stored.offset == offset, p.source() + ": at byte offset " +
+                                         std::to_string(stored.offset) + ", expected " +
+                                         std::to_string(offset));
+      check(stored.xxh3.size() == buffers.size(),
+            p.source() + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
+                std::to_string(buffers.size()) + " buffers");
+      offset += layout::piece_elements(full, stored.piece) * int64_t{sizeof(float)} *
+                static_cast<int64_t>(buffers.size());
+      pieces_[static_cast<size_t>(stored.piece.tensor)].push_back(std::move(stored));
+    }
+    check(offset == bytes, file_source + ": its pieces take " + std::to_string(offset) +
+                               " bytes, but \"bytes\" says " + std::to_string(bytes));
+    file_bytes_[file] = bytes;
+  }
+  // Every element stored exactly once: each tensor's pieces, in axis order, tile it.
+  for (size_t t = 0; t < pieces_.size(); ++t) {
+    auto& list = pieces_[t];
+    std::sort(list.begin(), list.end(), [](const StoredPiece& a, const StoredPiece& b) {
+      return a.piece.begin < b.piece.begin;
+    });
+    int64_t next = 0;
+    for (const StoredPiece& p : list) {
+      check(p.piece.begin == next,
+            source + ": " + piece_text(full.tensor(static_cast<int>(t)).name, p.piece) + " (" +
+                p.file + ") " + (p.piece.begin < next ? "overlaps" : "leaves a gap before") +
+                " the piece before it");
+      next = p.piece.end;
+    }
+    check(next == axis_extent(full.tensor(static_cast<int>(t))),
+          source + ": tensor \"" + full.tensor(static_cast<int>(t)).name +
+              "\" is stored only up to " + std::to_string(next) + " of " +
+              std::to_string(axis_extent(full.tensor(static_cast<int>(t)))));
+  }
+}
+
+int64_t CheckpointIndex::read(const model::ParameterLayout& local,
+                              const std::vector<float*>& buffers) const {
+  const std::string where = "checkpoint " + dir_.string();
+  check(sharded(), where + ": CheckpointIndex::read reads sharded checkpoints only");
+  check(buffers.size() == 1 || buffers.size() == 3,
+        where + ": read parameters, or parameters and both Adam moments");
+  check(buffers.size() == 1 || has_optimizer_,
+        where + ": has no optimizer state (its pieces hold parameters only)");
+  const model::ParameterLayout full(header_.model);
+  std::unordered_map<std::string, int> index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) index[full.tensors()[i].name] = int(i);
+
+  std::map<std::string, std::ifstream> open_files;
+  auto stream = [&](const std::string& name) -> std::ifstream& {
+    auto it = open_files.find(name);
+    if (it != open_files.end()) return it->second;
+    const fs::path path = dir_ / name;
+    std::error_code ec;
+    check(fs::is_regular_file(path, ec), where + ": " + name + " is missing");
+    const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+    check(!ec, where + ": cannot stat " + name + ": " + ec.message());
+    const int64_t expected = file_bytes_.at(name);
+    check(size >= expected, where + ": " + name + " is truncated: " + std::to_string(size) +
+                                " bytes, manifest says " + std::to_string(expected));
+    check(size == expected, where + ": " + name + " has trailing data: " + std::to_string(size) +
+                                " bytes, manifest says " + std::to_string(expected));
+    std::ifstream& in = open_files[name];
+    in.open(path, std::ios::binary);
+    check(in.good(), where + ": cannot open " + name);
+    return in;
+  };
+
+  int64_t bytes_read = 0;
+  std::vector<float> stored, cut;
+  for (const auto& local_spec : local.tensors()) {
+    const auto& full_spec = full.tensor(index.at(local_spec.name));
+    for (const StoredPiece& p : pieces_[static_cast<size_t>(index.at(local_spec.name))]) {
+      const std::optional<layout::Piece> part = layout::overlap(p.piece, local_spec);
+      if (!part) continue;
+      const int64_t elements = layout::piece_elements(full, p.piece);
+      const auto bytes = elements * int64_t{sizeof(float)};
+      const model::TensorSpec as_stored = layout::piece_tensor(full_spec, p.piece);
+      std::ifstream& in = stream(p.file);
+      stored.resize(static_cast<size_t>(elements));
+      for (size_t b = 0; b < buffers.size(); ++b) {
+        in.seekg(p.offset + static_cast<int64_t>(b) * bytes);
+        in.read(reinterpret_cast<char*>(stored.data()), bytes);
+        check(in.gcount() == bytes,
+              where + ": cannot read " + p.file + " (it shrank while reading)");
+        bytes_read += bytes;
+        const std::string actual = checksum_hex(stored.data(), static_cast<size_t>(bytes));
+        check(actual == p.xxh3[b], where + ": " + p.file +
+                                       " is corrupt: " + piece_text(full_spec.name, p.piece) +
+                                       " (" + kBufferNames[b] + ") has checksum " + actual +
+                                       ", expected " + p.xxh3[b] + " (from manifest.json)");
+        if (part->begin == p.piece.begin && part->end == p.piece.end) {
+          layout::unpack_piece(stored.data(), local_spec, *part, buffers[b]);
+        } else {
+          // Only part of the stored piece is held here (another plan's cuts): cut it out.
+          cut.resize(static_cast<size_t>(layout::piece_elements(full, *part)));
+          layout::pack_piece(stored.data(), as_stored, *part, cut.data());
+          layout::unpack_piece(cut.data(), local_spec, *part, buffers[b]);
+        }
+      }
+    }
+  }
+  return bytes_read;
+}
+
+}  // namespace malleus::train
