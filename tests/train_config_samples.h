@@ -31,6 +31,7 @@ inline Json every_field_changed() {
               {"eval_every", 9},
               {"eval_samples", 16},
               {"checkpoint_every", 11},
+              {"async_checkpoints", false},
               {"out_dir", "runs/other"},
               {"threads", 1},
               {"plan", "p.json"},
