@@ -122,25 +122,45 @@ TEST(CostModel, MemoryAndStageAwareRecomputation) {
   const auto m = cost.model();
   const double h = m.hidden_size;
   const double layer_params = 2 * h * h + 2 * h * m.kv_dim() + 3 * h * m.ffn_hidden_size;
-  EXPECT_NEAR(g.memory.state_per_layer, (layer_params / 8 + 2 * h) * 16, 1.0);
-  EXPECT_NEAR(g.memory.activations_per_layer, 34.0 * 4096 * h / 8, 1.0);
+  const double state_per_layer =
+      g.memory.params_per_layer *
+      (g.memory.parameter_bytes + g.memory.gradient_bytes + g.memory.optimizer_bytes);
+  EXPECT_NEAR(state_per_layer, (layer_params / 8 + 2 * h) * 16, 1.0);
+  // With flash attention and sequence parallelism (the GPU presets), about Korthikanti et al.'s
+  // 34·s·h/t bytes per layer and sequence at 2-byte activations.
+  EXPECT_NEAR(g.memory.layer_kept[0], 34.0 * 4096 * h / 8, 0.05 * 34.0 * 4096 * h / 8);
+  using model::RecomputeMode;
+  EXPECT_LT(g.memory.layer_kept[int(RecomputeMode::kSelective)], g.memory.layer_kept[0]);
+  EXPECT_LT(g.memory.layer_kept[int(RecomputeMode::kFull)],
+            g.memory.layer_kept[int(RecomputeMode::kSelective)]);
   // Few layers and few micro-batches in flight: no recomputation.
   const auto light = cost.stage_cost(g, 10, false, false, 1);
   EXPECT_TRUE(light.fits);
-  EXPECT_EQ(light.recompute_layers, 0);
-  // 20 layers: the first of 4 stages (4 in flight) recomputes more than the third (2 in flight).
-  const auto first = cost.stage_cost(g, 20, true, false, 4);
-  const auto third = cost.stage_cost(g, 20, false, false, 2);
+  EXPECT_EQ(light.recompute, model::Recompute{});
+  // 30 layers: the first of 8 stages (8 in flight) must recompute, the seventh (2 in flight)
+  // need not.
+  const auto first = cost.stage_cost(g, 30, true, false, 8);
+  const auto third = cost.stage_cost(g, 30, false, false, 2);
+  EXPECT_EQ(third.recompute, model::Recompute{});
   EXPECT_TRUE(first.fits);
-  EXPECT_GE(first.recompute_layers, third.recompute_layers);
-  EXPECT_LE(first.memory_bytes, cost.cluster().usable_memory());
-  // Recomputing a layer costs one more forward of it.
-  const auto none = cost.stage_cost(g, 20, false, false, 1);
-  if (first.recompute_layers > 0) {
-    const double layer_fwd = g.layer_forward + 2 * g.layer_comm;
-    EXPECT_NEAR(first.backward - none.backward, first.recompute_layers * layer_fwd,
-                1e-9 * first.backward);
+  EXPECT_NE(first.recompute.mode, RecomputeMode::kNone);
+  EXPECT_GE(first.recompute.mode, third.recompute.mode);
+  if (first.recompute.mode == third.recompute.mode) {
+    EXPECT_GE(first.recompute.layers, third.recompute.layers);
   }
+  EXPECT_LE(first.memory_bytes, cost.cluster().usable_memory());
+  // Recomputing a layer fully costs one more forward of it and one all-reduce.
+  const auto none = cost.stage_cost(g, 20, false, false, 1);
+  const auto full = cost.stage_cost(g, 20, false, false, 1, {RecomputeMode::kFull, 5});
+  EXPECT_NEAR(full.backward - none.backward, 5 * (g.layer_forward + g.layer_comm),
+              1e-9 * full.backward);
+  const auto selective = cost.stage_cost(g, 20, false, false, 1, {RecomputeMode::kSelective, 5});
+  EXPECT_NEAR(selective.backward - none.backward, 5 * g.attention_core_forward,
+              1e-9 * selective.backward);
+  EXPECT_LT(full.memory_bytes, selective.memory_bytes);
+  EXPECT_LT(selective.memory_bytes, none.memory_bytes);
+  // A planned recomputation is kept as it is, even where none is needed.
+  EXPECT_EQ(full.recompute, (model::Recompute{RecomputeMode::kFull, 5}));
   // Far too many layers for one group even with recomputation.
   EXPECT_FALSE(cost.stage_cost(g, 80, true, true, 8).fits);
 

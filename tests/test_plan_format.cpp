@@ -131,6 +131,8 @@ TEST(PlanFormat, RecomputationIsPerStageAndChecked) {
   EXPECT_EQ(plan::Plan::from_json(plan.to_json(), model, "again").pipelines[0].stages[0].recompute,
             (model::Recompute{model::RecomputeMode::kFull, 1}));
 
+  EXPECT_EQ(plan.summary(), "2 pipelines: [pp2 tp2,1 m3 rc f1,-] [pp1 tp1 m1] idle 4");
+
   first["recompute_layers"] = 4;
   EXPECT_EQ(error_of(json),
             "p.json: pipeline 0 stage 0: \"recompute_layers\" is 4, the stage has 3 layers");

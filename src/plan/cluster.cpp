@@ -66,6 +66,8 @@ ClusterSpec ClusterSpec::from_json(const Json& json, const std::string& source) 
   c.state_bytes_per_param = r.optional<double>("state_bytes_per_param", c.state_bytes_per_param);
   c.grad_bytes = r.optional<double>("grad_bytes", c.grad_bytes);
   c.activation_bytes = r.optional<double>("activation_bytes", c.activation_bytes);
+  c.flash_attention = r.optional<bool>("flash_attention", c.flash_attention);
+  c.sequence_parallel = r.optional<bool>("sequence_parallel", c.sequence_parallel);
   c.usable_memory_fraction = r.optional<double>("usable_memory_fraction", c.usable_memory_fraction);
   c.restart_seconds = r.optional<double>("restart_s", c.restart_seconds);
   if (r.has("comment")) r.optional<std::string>("comment", "");
@@ -89,6 +91,8 @@ Json ClusterSpec::to_json() const {
               {"state_bytes_per_param", state_bytes_per_param},
               {"grad_bytes", grad_bytes},
               {"activation_bytes", activation_bytes},
+              {"flash_attention", flash_attention},
+              {"sequence_parallel", sequence_parallel},
               {"usable_memory_fraction", usable_memory_fraction},
               {"restart_s", restart_seconds}};
 }

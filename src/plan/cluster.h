@@ -28,6 +28,12 @@ struct ClusterSpec {
   double state_bytes_per_param = 16;
   double grad_bytes = 2;
   double activation_bytes = 2;
+  // What the training runtime keeps of activations (the cost model's memory formula follows it):
+  // fused attention keeps no b·heads·s² scores (flash attention, as on GPUs); sequence
+  // parallelism splits the norms' and residuals' activations over the TP group (Megatron-LM).
+  // malleus's CPU runtime does neither: its presets set both false.
+  bool flash_attention = true;
+  bool sequence_parallel = true;
   double usable_memory_fraction = 0.9;  // the rest is allocator slack, workspace, the runtime
   double restart_seconds = 300;         // a full stop-and-restart (elastic baselines)
 

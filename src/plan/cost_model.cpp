@@ -106,23 +106,45 @@ double shard_training_flops(const model::ModelConfig& model, int sequences, int 
 }
 
 void MemoryFootprint::include(const MemoryFootprint& o) {
-  state_per_layer = std::max(state_per_layer, o.state_per_layer);
-  embedding_state = std::max(embedding_state, o.embedding_state);
-  head_state = std::max(head_state, o.head_state);
-  activations_per_layer = std::max(activations_per_layer, o.activations_per_layer);
-  checkpoint_per_layer = std::max(checkpoint_per_layer, o.checkpoint_per_layer);
-  logits = std::max(logits, o.logits);
+  auto raise = [](double& x, double y) { x = std::max(x, y); };
+  raise(params_per_layer, o.params_per_layer);
+  raise(embedding_params, o.embedding_params);
+  raise(head_params, o.head_params);
+  raise(largest_layer_tensor, o.largest_layer_tensor);
+  raise(vocabulary_tensor, o.vocabulary_tensor);
+  raise(parameter_bytes, o.parameter_bytes);
+  raise(gradient_bytes, o.gradient_bytes);
+  raise(optimizer_bytes, o.optimizer_bytes);
+  for (int m = 0; m < 3; ++m) {
+    raise(layer_kept[m], o.layer_kept[m]);
+    raise(recompute_scratch[m], o.recompute_scratch[m]);
+  }
+  raise(stage_output, o.stage_output);
+  raise(embedding_inputs, o.embedding_inputs);
+  raise(head_kept, o.head_kept);
+  raise(layer_workspace, o.layer_workspace);
+  raise(head_workspace, o.head_workspace);
 }
 
 MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
-                     int recomputed) {
+                     const model::Recompute& recompute, bool synced) {
   MemoryUse use;
-  use.state =
-      layers * f.state_per_layer + (first ? f.embedding_state : 0) + (last ? f.head_state : 0);
-  use.activations = in_flight * ((layers - recomputed) * f.activations_per_layer +
-                                 recomputed * f.checkpoint_per_layer) +
-                    (recomputed > 0 ? f.activations_per_layer : 0);
-  use.logits = last ? f.logits : 0;
+  const double params =
+      layers * f.params_per_layer + (first ? f.embedding_params : 0) + (last ? f.head_params : 0);
+  use.parameters = params * f.parameter_bytes;
+  use.gradients = params * f.gradient_bytes;
+  use.optimizer = params * f.optimizer_bytes;
+  const auto mode = static_cast<size_t>(recompute.mode);
+  const int recomputed =
+      recompute.mode == model::RecomputeMode::kNone ? 0 : std::clamp(recompute.layers, 0, layers);
+  const double per_micro_batch = (layers - recomputed) * f.layer_kept[0] +
+                                 recomputed * f.layer_kept[mode] + f.stage_output +
+                                 (first ? f.embedding_inputs : 0) + (last ? f.head_kept : 0);
+  use.activations = in_flight * per_micro_batch + (recomputed > 0 ? f.recompute_scratch[mode] : 0);
+  use.workspace = f.layer_workspace + (last ? f.head_workspace : 0);
+  // The runtime packs gradients in fp32 (gradient_bytes per element).
+  const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
+  use.communication = (synced ? params : largest) * f.gradient_bytes;
   return use;
 }
 
@@ -208,21 +230,47 @@ double CostModel::layer_parameters(const Shares& shares) const {
 
 MemoryFootprint CostModel::footprint(const Stage& stage, size_t member) const {
   const Shares shares = Shares::of(stage, member, model_);
-  const double h = model_.hidden_size, V = model_.vocab_size;
+  const double h = model_.hidden_size, V = model_.vocab_size, F = model_.ffn_hidden_size;
+  const double heads = model_.num_heads * shares.heads;
+  const double q = h * shares.heads, kv = model_.kv_dim() * shares.heads, f = F * shares.ffn;
+  const double v = V * shares.vocab;
   const double tokens = double(batch_.micro_batch) * batch_.seq_len;
-  const double bytes = cluster_.state_bytes_per_param;
-  // The rank's fraction of a layer's matmul work, which its activations follow.
-  const double share = (attention_params_ * shares.heads + ffn_params_ * shares.ffn) /
-                       (attention_params_ + ffn_params_);
-  const double activation = tokens * h * (cluster_.activation_bytes / 2.0) * share;
-  MemoryFootprint f;
-  f.state_per_layer = layer_parameters(shares) * bytes;
-  f.embedding_state = V * h * shares.vocab * bytes;
-  f.head_state = (V * h * shares.vocab + h) * bytes;
-  f.activations_per_layer = 34 * activation;
-  f.checkpoint_per_layer = 2 * activation;
-  f.logits = 2 * tokens * V * shares.vocab * 4.0;
-  return f;
+  const double a = cluster_.activation_bytes;
+  constexpr double kTokenBytes = 4;  // int32 token ids
+  // Tensors of h values per token that every rank of the group holds whole, unless sequence
+  // parallelism splits them (norm outputs, residuals).
+  const double replicated = cluster_.sequence_parallel ? 1.0 / stage.tp() : 1.0;
+  MemoryFootprint fp;
+  fp.params_per_layer = layer_parameters(shares);
+  fp.embedding_params = V * h * shares.vocab;
+  fp.head_params = V * h * shares.vocab + h;
+  fp.largest_layer_tensor = std::max(h * f, h * q);
+  fp.vocabulary_tensor = v * h;
+  fp.gradient_bytes = cluster_.grad_bytes;
+  fp.parameter_bytes = cluster_.activation_bytes;  // weights in the training precision
+  fp.optimizer_bytes =
+      std::max(0.0, cluster_.state_bytes_per_param - fp.parameter_bytes - fp.gradient_bytes);
+  // Per token of one micro-batch through one layer: the input; the outputs of the norms, the
+  // matmuls and the MLP (what selective recomputation keeps); the attention core (scores, unless
+  // fused, and the attention output).
+  const double input = h * replicated;
+  const double outputs = (3 * h + 2) * replicated + q + 2 * kv + 3 * f;
+  const double core = q + (cluster_.flash_attention ? 0.0 : heads * batch_.seq_len);
+  using model::RecomputeMode;
+  auto index = [](RecomputeMode m) { return static_cast<size_t>(m); };
+  fp.layer_kept[index(RecomputeMode::kNone)] = tokens * (input + outputs + core) * a;
+  fp.layer_kept[index(RecomputeMode::kSelective)] = tokens * (input + outputs) * a;
+  fp.layer_kept[index(RecomputeMode::kFull)] = tokens * input * a;
+  fp.recompute_scratch[index(RecomputeMode::kSelective)] = tokens * core * a;
+  fp.recompute_scratch[index(RecomputeMode::kFull)] = tokens * (outputs + core) * a;
+  fp.stage_output = tokens * h * replicated * a;
+  fp.embedding_inputs = tokens * kTokenBytes;
+  // Targets; final norm output and its rstd; logits; losses, row maxima, two softmax sums.
+  fp.head_kept = tokens * kTokenBytes + tokens * ((h + 1) * replicated + v + 4) * a;
+  // Backward scratch: four of h, two of q, two of kv, three of f per token; the logits' gradient.
+  fp.layer_workspace = tokens * (4 * h + 2 * q + 2 * kv + 3 * f) * a;
+  fp.head_workspace = tokens * v * a;
+  return fp;
 }
 
 double CostModel::activation_message_bytes() const {
@@ -270,12 +318,18 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
     g.layer_backward =
         std::max(g.layer_backward, kBackwardPerForward * layer / layer_flops_per_s_bwd_ * rate);
     g.head_forward = std::max(g.head_forward, head / head_flops_per_s_ * rate);
+    const double core = double(b) * s * 2.0 * model_.hidden_size * s * shares.heads;
+    g.attention_core_forward =
+        std::max(g.attention_core_forward, core / layer_flops_per_s_fwd_ * rate);
     g.head_backward =
         std::max(g.head_backward, kBackwardPerForward * head / head_flops_per_s_ * rate);
     g.memory.include(footprint(stage, i));
   }
   g.layer_comm = allreduce_time(stage.ranks, activation_message_bytes());
-  if (g.gone) g.layer_forward = g.layer_backward = g.head_forward = g.head_backward = kInf;
+  if (g.gone) {
+    g.layer_forward = g.layer_backward = g.head_forward = g.head_backward = kInf;
+    g.attention_core_forward = kInf;
+  }
   return g;
 }
 
@@ -293,32 +347,47 @@ std::vector<double> CostModel::member_load(const Stage& stage, const Rates& rate
 }
 
 StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
-                                int in_flight) const {
+                                int in_flight, const model::Recompute& planned,
+                                bool choose_recompute, bool synced) const {
+  using model::RecomputeMode;
   StageCost c;
   const double l = layers;
   const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
-  auto memory = [&](int k) { return memory_use(g.memory, layers, first, last, n, k).total(); };
-  int k = 0;
-  if (memory(0) > cap) {
-    const double saved_per_layer =
-        n * (g.memory.activations_per_layer - g.memory.checkpoint_per_layer);
-    k = saved_per_layer > 0
-            ? static_cast<int>(
-                  std::ceil((memory(0) + g.memory.activations_per_layer - cap) / saved_per_layer))
-            : layers;
-    k = std::clamp(k, 1, std::max(layers, 1));
-    while (k > 1 && memory(k - 1) <= cap) --k;
-    while (k < layers && memory(k) > cap) ++k;
-    c.fits = memory(k) <= cap;
+  auto memory = [&](const model::Recompute& r) {
+    return memory_use(g.memory, layers, first, last, n, r, synced).total();
+  };
+  // What recomputing one layer adds to the backward: the attention core's forward (selective),
+  // or the layer's forward up to the MLP output with the attention all-reduce (full).
+  auto extra_time = [&](const model::Recompute& r) {
+    if (r.mode == RecomputeMode::kNone) return 0.0;
+    return r.layers * (r.mode == RecomputeMode::kSelective ? g.attention_core_forward
+                                                           : g.layer_forward + g.layer_comm);
+  };
+  model::Recompute chosen = planned;
+  if (planned.mode == RecomputeMode::kNone && choose_recompute && recompute_allowed_ &&
+      memory({}) > cap) {
+    // Stage-aware: of selective or full on the first k layers, the cheapest that fits; the most
+    // memory saved when none does.
+    chosen = {RecomputeMode::kFull, layers};
+    double best = kInf;
+    for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+      for (int k = 1; k <= layers; ++k) {
+        const model::Recompute r{mode, k};
+        if (memory(r) <= cap && extra_time(r) < best) best = extra_time(r), chosen = r;
+      }
+    }
   }
-  c.recompute_layers = k;
-  c.memory_bytes = memory(k);
+  if (chosen.mode == RecomputeMode::kNone) chosen.layers = 0;
+  c.recompute = chosen;
+  c.memory_bytes = memory(chosen);
+  c.fits = c.memory_bytes <= cap;
   const double layer_fwd = g.layer_forward + 2 * g.layer_comm;
   c.forward = l * layer_fwd + (first ? g.layer_comm : 0) + (last ? g.head_forward : 0);
   c.backward = l * (g.layer_backward + 2 * g.layer_comm) +
-               (last ? g.head_backward + g.layer_comm : 0) + (k > 0 ? k * layer_fwd : 0.0);
-  c.comm = (4 * l + (first ? 1 : 0) + (last ? 1 : 0) + 2 * k) * g.layer_comm;
+               (last ? g.head_backward + g.layer_comm : 0) + extra_time(chosen);
+  const int recomputed_comm = chosen.mode == RecomputeMode::kFull ? chosen.layers : 0;
+  c.comm = (4 * l + (first ? 1 : 0) + (last ? 1 : 0) + recomputed_comm) * g.layer_comm;
   return c;
 }
 
@@ -349,7 +418,7 @@ double CostModel::owned_parameters(const Stage& stage, size_t member, bool first
   return params;
 }
 
-Prediction CostModel::predict(const Plan& plan, const Rates& rates) const {
+Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_recompute) const {
   Prediction out;
   out.memory_bytes.assign(static_cast<size_t>(plan.world_size), 0.0);
   const double cap = cluster_.usable_memory();
@@ -387,13 +456,16 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates) const {
       }
       StagePrediction sp;
       const int in_flight = std::min(S - j, p.micro_batches);
-      sp.cost = stage_cost(g, s.num_layers(), first, last, in_flight);
+      sp.cost = stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute,
+                           P > 1);
       if (!sp.cost.fits && out.fits) {
         out.fits = false;
         if (out.problem.empty()) {
           out.problem = "stage with ranks starting at " + std::to_string(s.ranks[0]) + " needs " +
                         std::to_string(sp.cost.memory_bytes / 1e9) + " GB, more than the usable " +
-                        std::to_string(cap / 1e9) + " GB even with every layer recomputed";
+                        std::to_string(cap / 1e9) + " GB with recomputation " +
+                        model::recompute_mode_name(sp.cost.recompute.mode) + " of " +
+                        std::to_string(sp.cost.recompute.layers) + " layers";
         }
       }
       if (!last) sp.p2p_next = p2p_time(s, p.stages[static_cast<size_t>(j + 1)]);
@@ -403,8 +475,8 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates) const {
         const int r = s.ranks[i];
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
-            memory_use(footprint(s, i), s.num_layers(), first, last, in_flight,
-                       sp.cost.recompute_layers)
+            memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
+                       P > 1)
                 .total();
       }
     }
@@ -438,6 +510,34 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates) const {
   }
   // A gone device in the plan makes its stage's times infinite, and so the iteration.
   out.iteration_time = out.pipeline_time + out.grad_sync_time + out.optimizer_time;
+  return out;
+}
+
+void CostModel::write_recompute(Plan& plan, const Prediction& prediction) {
+  for (size_t p = 0; p < plan.pipelines.size() && p < prediction.pipelines.size(); ++p) {
+    auto& stages = plan.pipelines[p].stages;
+    for (size_t j = 0; j < stages.size() && j < prediction.pipelines[p].stages.size(); ++j) {
+      stages[j].recompute = prediction.pipelines[p].stages[j].cost.recompute;
+    }
+  }
+}
+
+std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
+  std::vector<MemoryUse> out(static_cast<size_t>(plan.world_size));
+  const bool synced = plan.pipelines.size() > 1;
+  for (const auto& p : plan.pipelines) {
+    const int S = static_cast<int>(p.stages.size());
+    for (int j = 0; j < S; ++j) {
+      const Stage& s = p.stages[static_cast<size_t>(j)];
+      const int in_flight = std::min(S - j, p.micro_batches);
+      for (size_t i = 0; i < s.ranks.size(); ++i) {
+        const int r = s.ranks[i];
+        if (r < 0 || r >= plan.world_size) continue;
+        out[static_cast<size_t>(r)] = memory_use(footprint(s, i), s.num_layers(), j == 0,
+                                                 j == S - 1, in_flight, s.recompute, synced);
+      }
+    }
+  }
   return out;
 }
 

@@ -18,14 +18,19 @@
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
 //
-// Memory per rank (MemoryFootprint, memory_use): owned parameters × state bytes (weights, grads,
-// optimizer) + activations of the micro-batches in flight under 1F1B (stage s of S holds
-// min(S − s, m)). Activations per layer and micro-batch are 34·b·s·h·(activation_bytes/2) × the
-// rank's share of the layer (Korthikanti et al. 2022 with sequence parallelism and flash
-// attention, so no s² term); a layer recomputed in backward keeps only its input,
-// 2·b·s·h·(activation_bytes/2) × share, and one full layer's activations are live while it is
-// recomputed. Each stage recomputes the fewest layers that make it fit (stage-aware, as Merak),
-// paying one more forward for each.
+// Memory per rank (MemoryFootprint, memory_use), kind by kind what the runtime allocates
+// (backend/memory.h): parameters, gradients and optimizer state of the rank's shard (precision
+// from the cluster); activations: per micro-batch in flight under 1F1B (stage s of S holds
+// min(S − s, m)) each layer's kept tensors (its input, norm outputs, q/k/v, attention
+// scores unless the cluster has flash attention, attention output, MLP intermediates, shares of
+// the TP group; norm and residual tensors split over the group only with sequence parallelism)
+// and the stage output, the tokens on the first stage and the logits and loss statistics on the
+// last; the backward workspace shared by all micro-batches; the gradient-sync packing buffer.
+// Recomputation (model/recompute.h) keeps less per layer: selective drops the attention scores
+// and output, full keeps only the layer's input; what is recomputed lives in one scratch layer
+// per stage. Each stage that does not fit gets the cheapest recomputation that makes it fit
+// (stage-aware, as Merak): selective costs the attention core's forward per layer, full the
+// layer's forward and one all-reduce.
 #pragma once
 
 #include <optional>
@@ -61,31 +66,40 @@ double shard_training_flops(const model::ModelConfig& model, int sequences, int 
                             bool last_stage, const Shares& shares = {});
 
 // ---- memory: the one formula, used for the planner's memory limits and for a prediction's
-// per-device memory. New kinds of state (a sharded optimizer, other recomputation modes) are new
-// components here; callers only ask for memory_use(...).total(). ------------------------------
+// per-device memory, and held against the runtime's own account of its allocations. New kinds
+// of state are new components here; callers only ask for memory_use(...). -----------------------
 
-// Bytes one rank of a stage needs, by component, before the stage's layer count, position and
-// micro-batches in flight are known.
+// Bytes one rank of a stage needs, by component, before the stage's layer count, position,
+// micro-batches in flight and recomputation are known.
 struct MemoryFootprint {
-  double state_per_layer = 0;                  // weights + grads + optimizer of one layer's shard
-  double embedding_state = 0, head_state = 0;  // first stage / last stage (head and final norm)
-  double activations_per_layer = 0;            // one micro-batch, activations kept for backward
-  double checkpoint_per_layer = 0;             // one micro-batch, a recomputed layer's input only
-  double logits = 0;  // last stage: fp32 logits and their gradient of one micro-batch
+  double params_per_layer = 0, embedding_params = 0, head_params = 0;   // elements
+  double largest_layer_tensor = 0, vocabulary_tensor = 0;               // elements
+  double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;  // per parameter
+  // One micro-batch through one layer: what it keeps until its backward, by RecomputeMode, and
+  // what is live while a layer of that mode is recomputed (once per stage).
+  double layer_kept[3] = {0, 0, 0}, recompute_scratch[3] = {0, 0, 0};
+  double stage_output = 0;                         // one micro-batch
+  double embedding_inputs = 0, head_kept = 0;      // one micro-batch, first / last stage
+  double layer_workspace = 0, head_workspace = 0;  // backward scratch, once per stage
   // Component-wise maximum: the footprint of a group's fullest rank.
   void include(const MemoryFootprint& other);
 };
 
+// Bytes by kind, as backend::MemoryKind names them.
 struct MemoryUse {
-  double state = 0, activations = 0, logits = 0;
-  double total() const { return state + activations + logits; }
+  double parameters = 0, gradients = 0, optimizer = 0, activations = 0, workspace = 0,
+         communication = 0;
+  double total() const {
+    return parameters + gradients + optimizer + activations + workspace + communication;
+  }
 };
 
 // A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
-// `recomputed` of its layers recomputed in backward (one full layer's activations are live while
-// one is recomputed).
+// `recompute` applied to its first layers; `synced`: the plan has more than one pipeline, so the
+// rank packs all its gradients for the sync (otherwise the pack buffer only ever holds one
+// tensor, for the gradient norm).
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
-                     int in_flight, int recomputed);
+                     int in_flight, const model::Recompute& recompute, bool synced);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step
@@ -115,6 +129,7 @@ struct GroupCost {
   int tp = 1;
   double layer_forward = 0, layer_backward = 0;  // compute, slowest member, rates applied
   double layer_comm = 0;                         // one all-reduce of b·s·h activations
+  double attention_core_forward = 0;             // scores and weighted values: selective recompute
   double head_forward = 0, head_backward = 0;    // last stage
   MemoryFootprint memory;                        // of the fullest member
   bool gone = false;                             // a member has rate ∞
@@ -123,8 +138,8 @@ struct GroupCost {
 struct StageCost {
   double forward = 0, backward = 0;  // per micro-batch, TP communication and recomputation in
   double comm = 0;                   // the part of forward + backward spent in TP all-reduces
-  int recompute_layers = 0;
-  double memory_bytes = 0;  // the fullest rank
+  model::Recompute recompute;        // as planned, or chosen to fit
+  double memory_bytes = 0;           // the fullest rank
   bool fits = true;
 };
 
@@ -156,6 +171,10 @@ class CostModel {
 
   const model::ModelConfig& model() const { return model_; }
   const ClusterSpec& cluster() const { return cluster_; }
+  // Whether the model may choose recomputation for stages that do not fit (default); off, a
+  // stage recomputes only what its plan says (the experiments' "without recomputation").
+  void allow_recompute(bool allowed) { recompute_allowed_ = allowed; }
+  bool recompute_allowed() const { return recompute_allowed_; }
   const BatchConfig& batch() const { return batch_; }
 
   // FLOPs of one micro-batch on a whole (unsharded) layer / LM head, forward only.
@@ -174,14 +193,23 @@ class CostModel {
   // Each member's compute time relative to the group's slowest member (1 for the slowest): the
   // share of a stage's compute time the member is actually busy.
   std::vector<double> member_load(const Stage& stage, const Rates& rates) const;
-  // `in_flight`: micro-batches whose activations the stage holds at once.
-  StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last,
-                       int in_flight) const;
+  // `in_flight`: micro-batches whose activations the stage holds at once. `planned`: the stage's
+  // recomputation; when none and `choose_recompute`, the cheapest one that makes it fit.
+  StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last, int in_flight,
+                       const model::Recompute& planned = {}, bool choose_recompute = true,
+                       bool synced = false) const;
 
   // 1F1B closed form from per-stage F, B and P2P times (see the header comment).
   static PipelinePrediction pipeline_time(std::vector<StagePrediction> stages, int micro_batches);
 
-  Prediction predict(const Plan& plan, const Rates& rates) const;
+  // `choose_recompute`: stages whose plan says no recomputation get the cheapest one that makes
+  // them fit (the planner's search; write_recompute puts the choice into the plan); false
+  // predicts exactly the plan's recomputation (what the runtime will run).
+  Prediction predict(const Plan& plan, const Rates& rates, bool choose_recompute = true) const;
+  // The recomputation `prediction` (of `plan`) chose for each stage, written into the plan.
+  static void write_recompute(Plan& plan, const Prediction& prediction);
+  // Per device, bytes by kind (zero for idle devices), for the plan's recomputation.
+  std::vector<MemoryUse> memory_by_kind(const Plan& plan) const;
 
   // Shares of heads (whole KV groups), FFN columns and vocabulary rows that minimise the
   // slowest member's time for the given member rates (HAP-style uneven sharding); every rank
@@ -201,6 +229,7 @@ class CostModel {
   ClusterSpec cluster_;
   BatchConfig batch_;
   std::optional<Profile> profile_;
+  bool recompute_allowed_ = true;
   double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
   double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
 };

@@ -79,6 +79,22 @@ std::string Plan::summary() const {
     }
     text += " m";
     text += std::to_string(p.micro_batches);
+    // Recomputation, when any stage has some: per stage "-", "s<layers>" or "f<layers>".
+    bool recomputes = false;
+    for (const auto& s : p.stages) recomputes = recomputes || s.recompute.layers > 0;
+    if (recomputes) {
+      text += " rc ";
+      for (size_t s = 0; s < p.stages.size(); ++s) {
+        const model::Recompute& r = p.stages[s].recompute;
+        text += s > 0 ? "," : "";
+        if (r.mode == model::RecomputeMode::kNone || r.layers == 0) {
+          text += "-";
+        } else {
+          text += r.mode == model::RecomputeMode::kFull ? "f" : "s";
+          text += std::to_string(r.layers);
+        }
+      }
+    }
     text += "]";
   }
   const auto idle = idle_ranks();

@@ -55,7 +55,8 @@ struct Plan {
   int global_batch() const;
   // Ranks that appear in no stage.
   std::vector<int> idle_ranks() const;
-  // Compact description, e.g. "2 pipelines: [pp2 tp2,1 m6] [pp1 tp1 m2] idle 4-7".
+  // Compact description, e.g. "2 pipelines: [pp2 tp2,1 m6] [pp1 tp1 m2] idle 4-7"; a pipeline
+  // with recomputation adds it per stage: "[pp2 tp1,1 m8 rc f2,-]" (full on 2 layers, none).
   std::string summary() const;
 
   Json to_json() const;

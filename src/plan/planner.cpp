@@ -75,6 +75,9 @@ PlanResult finish(std::string name, const CostModel& cost, Plan plan, const Rate
   PlanResult r;
   r.strategy = std::move(name);
   r.prediction = cost.predict(plan, rates);
+  // The recomputation each stage needs to fit, chosen by the cost model, travels with the plan
+  // to the runtime.
+  CostModel::write_recompute(plan, r.prediction);
   r.plan = std::move(plan);
   r.planning_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!r.prediction.fits) r.note = r.prediction.problem;

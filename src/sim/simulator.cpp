@@ -108,10 +108,11 @@ double simulate_pipeline(const std::vector<double>& forward, const std::vector<d
   return done_b[0][static_cast<size_t>(m - 1)];
 }
 
-SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const plan::Rates& rates) {
+SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const plan::Rates& rates,
+                   bool choose_recompute) {
   SimResult out;
   // The cost model supplies durations, gradient sync, optimizer and memory.
-  const plan::Prediction pred = cost.predict(plan, rates);
+  const plan::Prediction pred = cost.predict(plan, rates, choose_recompute);
   out.fits = pred.fits;
   out.problem = pred.problem;
   out.grad_sync_time = pred.grad_sync_time;

@@ -31,7 +31,10 @@ struct SimResult {
   double mean_utilisation() const;  // busy / iteration over used devices
 };
 
-SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const plan::Rates& rates);
+// `choose_recompute` as CostModel::predict: false runs the plan's recomputation exactly as written
+// (what `malleus simulate --plan` and the runtime do).
+SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const plan::Rates& rates,
+                   bool choose_recompute = true);
 
 // Finish time of one pipeline under 1F1B from per-stage forward, backward and transfer times
 // (transfer[s]: between stage s and s + 1, each way). Also fills each stage's busy time and the
