@@ -144,7 +144,8 @@ MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last
   use.workspace = f.layer_workspace + (last ? f.head_workspace : 0);
   // The runtime packs gradients in fp32 (gradient_bytes per element).
   const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
-  use.communication = (synced ? params : largest) * f.gradient_bytes;
+  use.communication =
+      std::max(largest, synced ? std::min(params, kGradSyncChunkElements) : 0.0) * f.gradient_bytes;
   return use;
 }
 

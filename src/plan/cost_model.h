@@ -85,6 +85,10 @@ struct MemoryFootprint {
   void include(const MemoryFootprint& other);
 };
 
+// The runtime sums gradients across pipelines in packed chunks of at most this many elements (a
+// larger single piece alone), which bounds its packing buffer.
+inline constexpr double kGradSyncChunkElements = 16.0 * 1024 * 1024;
+
 // Bytes by kind, as backend::MemoryKind names them.
 struct MemoryUse {
   double parameters = 0, gradients = 0, optimizer = 0, activations = 0, workspace = 0,
@@ -96,8 +100,8 @@ struct MemoryUse {
 
 // A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
 // `recompute` applied to its first layers; `synced`: the plan has more than one pipeline, so the
-// rank packs all its gradients for the sync (otherwise the pack buffer only ever holds one
-// tensor, for the gradient norm).
+// rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise the pack
+// buffer only ever holds one tensor, for the gradient norm).
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
                      int in_flight, const model::Recompute& recompute, bool synced);
 

@@ -291,22 +291,33 @@ void Engine::sync_gradients() {
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
-    float* cursor = pack_buffer(static_cast<size_t>(group.elements));
-    for (int p : group.pieces) {
-      const auto& piece = sync.pieces[static_cast<size_t>(p)];
-      if (layout::contributes(piece, me)) {
-        layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
-      } else {
-        std::fill_n(cursor, piece.elements, 0.0f);
+    // In chunks of at most plan::kGradSyncChunkElements (a piece larger than that alone), so the
+    // packing buffer stays bounded however much the rank holds.
+    const auto& ids = group.pieces;
+    for (size_t begin = 0, end = 0; begin < ids.size(); begin = end) {
+      int64_t elements = 0;
+      for (end = begin; end < ids.size(); ++end) {
+        const int64_t next = sync.pieces[static_cast<size_t>(ids[end])].elements;
+        if (end > begin && double(elements + next) > plan::kGradSyncChunkElements) break;
+        elements += next;
       }
-      cursor += piece.elements;
-    }
-    all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
-    cursor = pack_buffer_.data();
-    for (int p : group.pieces) {
-      const auto& piece = sync.pieces[static_cast<size_t>(p)];
-      layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
-      cursor += piece.elements;
+      float* cursor = pack_buffer(static_cast<size_t>(elements));
+      for (size_t i = begin; i < end; ++i) {
+        const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
+        if (layout::contributes(piece, me)) {
+          layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
+        } else {
+          std::fill_n(cursor, piece.elements, 0.0f);
+        }
+        cursor += piece.elements;
+      }
+      all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
+      cursor = pack_buffer_.data();
+      for (size_t i = begin; i < end; ++i) {
+        const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
+        layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
+        cursor += piece.elements;
+      }
     }
   }
 }
