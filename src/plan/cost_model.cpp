@@ -370,12 +370,17 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
       memory({}) > cap) {
     // Stage-aware: of selective or full on the first k layers, the cheapest that fits; the most
     // memory saved when none does.
+    // Memory falls and time grows with k, so per mode the fewest layers that fit is its best.
     chosen = {RecomputeMode::kFull, layers};
-    double best = kInf;
-    for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
-      for (int k = 1; k <= layers; ++k) {
-        const model::Recompute r{mode, k};
-        if (memory(r) <= cap && extra_time(r) < best) best = extra_time(r), chosen = r;
+    if (memory(chosen) <= cap) {
+      double best = kInf;
+      for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+        for (int k = 1; k <= layers; ++k) {
+          const model::Recompute r{mode, k};
+          if (memory(r) > cap) continue;
+          if (extra_time(r) < best) best = extra_time(r), chosen = r;
+          break;
+        }
       }
     }
   }
