@@ -115,14 +115,19 @@ struct ShardSnapshot {
   int buffers = 0;  // 1 (parameters) or 3 (parameters, Adam first and second moments)
   std::vector<layout::Piece> pieces;
   std::vector<int64_t> elements;  // per piece
-  std::vector<float> data;        // per piece in order: each buffer's copy of it in turn
+  // Per piece in order: each buffer's copy of it in turn. Not a std::vector: zero-filling
+  // gigabytes only to overwrite them would lengthen the step's stall.
+  std::unique_ptr<float[]> data;
+  size_t capacity = 0;  // floats allocated at `data`
 };
 
 // `buffers` are laid out by `local` (the rank's ParameterLayout): params[, adam_m, adam_v].
+// `reuse`: an earlier snapshot whose memory is taken over when large enough (a save after the
+// first then faults in no fresh pages while the step waits).
 ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
                              const model::ParameterLayout& local,
                              const std::vector<const float*>& buffers,
-                             const std::vector<OwnedPiece>& pieces);
+                             const std::vector<OwnedPiece>& pieces, ShardSnapshot reuse = {});
 
 // The pieces `rank` owns in a sharded checkpoint of `layout`'s state: `refinement` is the
 // common refinement of that one layout (ParallelState::grad_sync().pieces).

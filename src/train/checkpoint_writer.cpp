@@ -74,7 +74,9 @@ void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
   p.background = background;
   if (local != nullptr) {
     p.snapshot = std::make_unique<ShardSnapshot>(snapshot_shard(
-        world_.rank(), header.model, *local, buffers, owned_pieces(refinement, world_.rank())));
+        world_.rank(), header.model, *local, buffers, owned_pieces(refinement, world_.rank()),
+        spare_ ? std::move(*spare_) : ShardSnapshot{}));
+    spare_.reset();
   }
   p.thread = std::thread([&p] {
     try {
@@ -84,7 +86,6 @@ void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
     } catch (const std::exception& e) {
       p.entry = Json{{"error", e.what()}}.dump();
     }
-    p.snapshot.reset();  // the copy is on disk: give its memory back now
     p.done = true;
   });
   p.stall_s = now_s() - started;
@@ -135,6 +136,7 @@ void CheckpointWriter::commit() {
       fs::remove_all(p.tmp, ignored);
     }
   }
+  spare_ = std::move(p.snapshot);  // written: its memory serves the next save
   stats.dir = p.dir;
   stats.total_s = now_s() - p.started;
   stats.stall_s = p.background ? p.stall_s : stats.total_s;

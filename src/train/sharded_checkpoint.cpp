@@ -65,7 +65,7 @@ std::vector<OwnedPiece> owned_pieces(const std::vector<layout::RefinedPiece>& re
 ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
                              const model::ParameterLayout& local,
                              const std::vector<const float*>& buffers,
-                             const std::vector<OwnedPiece>& pieces) {
+                             const std::vector<OwnedPiece>& pieces, ShardSnapshot reuse) {
   check(buffers.size() == 1 || buffers.size() == 3,
         "snapshot_shard: expected parameters, or parameters and both Adam moments");
   const model::ParameterLayout full(model);
@@ -78,8 +78,15 @@ ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
     snapshot.elements.push_back(layout::piece_elements(full, p.piece));
     total += snapshot.elements.back();
   }
-  snapshot.data.resize(static_cast<size_t>(total) * buffers.size());
-  float* cursor = snapshot.data.data();
+  const size_t needed = static_cast<size_t>(total) * buffers.size();
+  if (reuse.data && reuse.capacity >= needed) {
+    snapshot.data = std::move(reuse.data);
+    snapshot.capacity = reuse.capacity;
+  } else {
+    snapshot.data.reset(new float[needed]);
+    snapshot.capacity = needed;
+  }
+  float* cursor = snapshot.data.get();
   for (size_t i = 0; i < pieces.size(); ++i) {
     for (const float* buffer : buffers) {
       layout::pack_piece(buffer, local.tensor(pieces[i].local_tensor), pieces[i].piece, cursor);
@@ -95,7 +102,7 @@ Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
   AtomicFile file(dir / name);
   Json pieces = Json::array();
   int64_t offset = 0;
-  const float* cursor = snapshot.data.data();
+  const float* cursor = snapshot.data.get();
   for (size_t i = 0; i < snapshot.pieces.size(); ++i) {
     if (die && i == snapshot.pieces.size() / 2) ::raise(SIGKILL);
     Json sums = Json::array();

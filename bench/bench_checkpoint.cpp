@@ -1,0 +1,240 @@
+// Checkpoint I/O against the disk it runs on, in one run (scripts/bench_checkpoint.sh):
+//
+// - the disk's own sequential speed: every rank writes (and fsyncs) a plain file as large as its
+//   part of a checkpoint, all at once, then reads it back with the page cache dropped for it;
+// - sharded saves of a 106M-parameter model (parameters and both Adam moments, 1.27 GB) under the
+//   data-parallel plan of the job (every rank holds the whole model and writes the half, third...
+//   it owns), synchronous: bytes over the time from the start of the save to its commit;
+// - loads of that checkpoint under a pipeline plan (each rank reads the pieces of its own stage,
+//   page cache dropped first): bytes read over time;
+// - the stall of an asynchronous save (the copy to host memory the step waits for) against the
+//   whole time of a synchronous one.
+//
+// Figures are medians over ROUNDS rounds with their range; run it under mpirun:
+//   mpirun -np 2 build/bench/bench_checkpoint [ROUNDS] [DIR]
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "bench_args.h"
+#include "comm/communicator.h"
+#include "comm/mpi_session.h"
+#include "common/error.h"
+#include "common/json.h"
+#include "common/stats.h"
+#include "layout/layout.h"
+#include "model/config.h"
+#include "model/parameters.h"
+#include "plan/plan.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_writer.h"
+
+using namespace malleus;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// LLaMA-shaped, 8 layers of hidden 768 and a 32000-token vocabulary: 106M parameters.
+model::ModelConfig bench_model() {
+  return model::ModelConfig::from_json(Json{{"name", "bench-106m"},
+                                            {"vocab_size", 32000},
+                                            {"hidden_size", 768},
+                                            {"num_layers", 8},
+                                            {"num_heads", 12},
+                                            {"num_kv_heads", 12},
+                                            {"ffn_hidden_size", 2048},
+                                            {"max_seq_len", 256}},
+                                       "bench model");
+}
+
+// Drops a file's pages from the page cache (after an fsync they are clean), so the next read
+// comes from the disk.
+void evict(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  check(fd >= 0, "cannot open " + path.string());
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+void evict_tree(const fs::path& dir) {
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) evict(e.path());
+  }
+}
+
+// The disk's sequential write and read of `bytes` on this rank (all ranks at once), in seconds.
+std::pair<double, double> raw_disk(const fs::path& path, const std::vector<char>& block,
+                                   int64_t bytes, const comm::Communicator& world) {
+  world.barrier();
+  auto start = Clock::now();
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    check(fd >= 0, "cannot create " + path.string());
+    for (int64_t done = 0; done < bytes;) {
+      const auto n = static_cast<size_t>(std::min<int64_t>(block.size(), bytes - done));
+      check(::write(fd, block.data(), n) == static_cast<ssize_t>(n), "write failed");
+      done += static_cast<int64_t>(n);
+    }
+    ::fsync(fd);
+    ::close(fd);
+  }
+  world.barrier();
+  const double write_s = world.all_reduce_max(since(start));
+  evict(path);
+  world.barrier();
+  start = Clock::now();
+  {
+    std::vector<char> in(block.size());
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    while (::read(fd, in.data(), in.size()) > 0) {
+    }
+    ::close(fd);
+  }
+  world.barrier();
+  const double read_s = world.all_reduce_max(since(start));
+  fs::remove(path);
+  return {write_s, read_s};
+}
+
+std::string range(const std::vector<double>& values, double scale, const char* format) {
+  const Summary s = summarize(values);
+  char text[96];
+  std::snprintf(text, sizeof text, format, s.median * scale, s.min * scale, s.max * scale);
+  return text;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  comm::MpiSession session(&argc, &argv);
+  comm::Communicator world = comm::Communicator::world();
+  const int rounds = bench::positive_arg(argc, argv, 1, 3);
+  const fs::path dir = argc > 2 ? fs::path(argv[2]) : fs::path("bench-checkpoint");
+  const int me = world.rank(), ranks = world.size();
+  const model::ModelConfig model = bench_model();
+  const model::ParameterLayout full(model);
+
+  // Saving plan: data parallel, every rank holds everything. Loading plan: one pipeline, a
+  // stage per rank.
+  layout::Layout saving;
+  saving.shards.assign(static_cast<size_t>(ranks), model::ShardSpec::full(model));
+  saving.replica_group.resize(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) saving.replica_group[static_cast<size_t>(r)] = r;
+  const plan::Plan loading = plan::uniform_plan(model, 1, 1, ranks, 2 * ranks, 1);
+  const layout::Layout loading_layout = layout::plan_layout(loading, model);
+  const model::ParameterLayout stage(model, *loading_layout.shards[static_cast<size_t>(me)]);
+
+  const auto total = static_cast<size_t>(full.total_size());
+  std::vector<float> params(total), adam_m(total), adam_v(total);
+  for (size_t i = 0; i < total; ++i) {
+    params[i] = static_cast<float>(i % 1021) * 1e-3f;
+    adam_m[i] = static_cast<float>(i % 977) * 1e-5f;
+    adam_v[i] = static_cast<float>(i % 911) * 1e-7f;
+  }
+  const auto refinement = layout::common_refinement(model, {&saving});
+  int64_t owned = 0;
+  for (const auto& p : train::owned_pieces(refinement, me)) {
+    owned += layout::piece_elements(full, p.piece) * 12;
+  }
+  const int64_t checkpoint_bytes = 12 * full.num_parameters();
+
+  if (me == 0) {
+    fs::create_directories(dir);
+    std::printf(
+        "model %s: %.1fM parameters, checkpoint %.2f GB (parameters + Adam moments, fp32)\n"
+        "%d ranks; saved under dp%d (each rank writes %.0f MB), loaded under pp%d; %d "
+        "rounds, medians [min, max]\n",
+        model.name.c_str(), static_cast<double>(full.num_parameters()) / 1e6,
+        static_cast<double>(checkpoint_bytes) / 1e9, ranks, ranks, static_cast<double>(owned) / 1e6,
+        ranks, rounds);
+    std::fflush(stdout);
+  }
+  world.barrier();
+
+  const std::vector<char> block(size_t{8} << 20, 'x');
+  std::vector<double> disk_write, disk_read, save, load, sync_stall, async_stall, async_total;
+  train::Checkpoint header;
+  header.model = model;
+  header.train_config = Json::object();
+  train::CheckpointWriter writer(world);
+  std::vector<float> p(static_cast<size_t>(stage.total_size())), m(p.size()), v(p.size());
+  int64_t step = 0;
+  for (int round = 0; round < rounds; ++round) {
+    // The disk alone: each rank writes what it writes in a save.
+    const auto [w, r] = raw_disk(dir / ("raw_" + std::to_string(me)), block, owned, world);
+    disk_write.push_back(static_cast<double>(checkpoint_bytes) / w);
+    disk_read.push_back(static_cast<double>(checkpoint_bytes) / r);
+
+    // A synchronous save.
+    header.step = ++step;
+    world.barrier();
+    auto start = Clock::now();
+    writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
+                 /*background=*/false);
+    const double sync_s = world.all_reduce_max(since(start));
+    save.push_back(static_cast<double>(checkpoint_bytes) / sync_s);
+    sync_stall.push_back(sync_s);
+
+    // Loading it under the pipeline plan, from the disk.
+    const fs::path saved = train::checkpoint_dir(dir, step);
+    if (me == 0) evict_tree(saved);
+    world.barrier();
+    start = Clock::now();
+    const train::CheckpointIndex index(saved);
+    const int64_t read = index.read(stage, {p.data(), m.data(), v.data()});
+    const double load_s = world.all_reduce_max(since(start));
+    load.push_back(static_cast<double>(world.all_reduce_sum(read)) / load_s);
+
+    // An asynchronous save: the step waits for the copy only.
+    header.step = ++step;
+    world.barrier();
+    start = Clock::now();
+    writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
+                 /*background=*/true);
+    async_stall.push_back(world.all_reduce_max(since(start)));
+    writer.wait();
+    async_total.push_back(world.all_reduce_max(since(start)));
+    if (me == 0) {
+      fs::remove_all(train::checkpoint_dir(dir, step - 1));
+      fs::remove_all(train::checkpoint_dir(dir, step));
+    }
+    world.barrier();
+  }
+  if (me == 0) {
+    fs::remove_all(dir);
+    const double write_ratio = summarize(save).median / summarize(disk_write).median;
+    const double read_ratio = summarize(load).median / summarize(disk_read).median;
+    const double stall_ratio = summarize(async_stall).median / summarize(sync_stall).median;
+    std::printf("| figure | median [min, max] |\n|---|---|\n");
+    std::printf("| disk sequential write, all ranks at once | %s |\n",
+                range(disk_write, 1e-6, "%.0f [%.0f, %.0f] MB/s").c_str());
+    std::printf("| sharded save (synchronous, to commit) | %s (%.0f %% of the disk) |\n",
+                range(save, 1e-6, "%.0f [%.0f, %.0f] MB/s").c_str(), 100 * write_ratio);
+    std::printf("| disk sequential read, page cache dropped | %s |\n",
+                range(disk_read, 1e-6, "%.0f [%.0f, %.0f] MB/s").c_str());
+    std::printf("| load under pp%d (each rank its stage's pieces) | %s (%.0f %% of the disk) |\n",
+                ranks, range(load, 1e-6, "%.0f [%.0f, %.0f] MB/s").c_str(), 100 * read_ratio);
+    std::printf("| step stall, synchronous save | %s |\n",
+                range(sync_stall, 1.0, "%.2f [%.2f, %.2f] s").c_str());
+    std::printf(
+        "| step stall, asynchronous save (copy to host memory) | %s (%.1f %% of "
+        "synchronous) |\n",
+        range(async_stall, 1.0, "%.3f [%.3f, %.3f] s").c_str(), 100 * stall_ratio);
+    std::printf("| asynchronous save, start to commit | %s |\n",
+                range(async_total, 1.0, "%.2f [%.2f, %.2f] s").c_str());
+  }
+  return 0;
+}
