@@ -38,10 +38,11 @@ std::string tiny_flags(const ScratchDir& dir, const std::string& run, int steps)
          "' --out " + (dir / run).string();
 }
 
+// `malleus launch` on `ranks` ranks (0: the hostfile's slots, given in `launch_flags`).
 std::string launch_command(int ranks, const std::string& launch_flags, const std::string& train) {
   return kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_BINARY +
-         " launch --np " + std::to_string(ranks) + " --mpirun " + MALLEUS_MPIRUN +
-         " --mpirun-args=--oversubscribe " + launch_flags + " -- train " + train;
+         " launch" + (ranks > 0 ? " --np " + std::to_string(ranks) : "") + " --mpirun " +
+         MALLEUS_MPIRUN + " --mpirun-args=--oversubscribe " + launch_flags + " -- train " + train;
 }
 
 // The last loss logged for every step (a restarted job logs the steps after its checkpoint again)
@@ -119,6 +120,42 @@ TEST(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
   EXPECT_NE(out.find("plan on 3 ranks"), std::string::npos) << out;
   EXPECT_NE(out.find("| restarts 1"), std::string::npos) << out;
   EXPECT_NE(out.find("launch: the run finished after 1 restart"), std::string::npos) << out;
+  expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST(RecoverySlow, HostfileSlotsAreLeftOutAndComeBackWhenListedAgain) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  constexpr int kSteps = 40;
+  const fs::path run = dir / "run";
+  const fs::path hosts = dir / "hosts";
+  write_file_atomic(hosts, "localhost slots=4\n");
+  BackgroundCommand job(
+      launch_command(0, "--hostfile " + hosts.string(), tiny_flags(dir, "run", kSteps)),
+      dir / "job.out");
+  ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
+  ASSERT_EQ(::kill(rank_pid(run, 3), SIGKILL), 0);
+  // The job restarted on the 3 slots left; then the operator lists the host's 4 slots again.
+  ASSERT_TRUE(job.wait_for_output("plan on 3 ranks", kTimeoutS)) << job.output();
+  ASSERT_TRUE(job.wait_for_output("| restarts 1", kTimeoutS)) << job.output();
+  write_file_atomic(hosts, "localhost slots=4  # repaired\n");
+  const auto first = read_metrics(run).restarts;
+  ASSERT_EQ(first.size(), 1u);
+  // Killed again once the restarted job is past the step the first one failed at, and has
+  // checkpointed past the first restart's checkpoint (else the failure would count as repeating).
+  ASSERT_TRUE(wait_for_step(job, static_cast<int>(first.front().failed_at_step) + 4))
+      << job.output();
+  ASSERT_EQ(::kill(rank_pid(run, 1), SIGKILL), 0);
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const std::string out = job.output();
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 2u) << out;
+  EXPECT_EQ(m.restarts[0].ranks_after, 3);
+  // 4 slots listed, 1 just lost: 3, where keeping the first exclusion would have left 2.
+  EXPECT_EQ(m.restarts[1].ranks_before, 3);
+  EXPECT_EQ(m.restarts[1].ranks_after, 3) << out;
+  EXPECT_NE(out.find("changed: every host it lists is used again"), std::string::npos) << out;
+  EXPECT_NE(out.find("| restarts 2"), std::string::npos) << out;
   expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
 }
 

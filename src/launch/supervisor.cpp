@@ -487,8 +487,10 @@ int supervise(const LaunchOptions& o) {
     check(restarts < o.max_restarts, "launch: " + who + " after " + std::to_string(restarts) +
                                          " restart" + (restarts == 1 ? "" : "s") +
                                          ", the most --max-restarts allows: not restarting");
-    for (int r : lost) devices.exclude(ranks[static_cast<size_t>(r)]);
+    // A hostfile changed since the last exclusions brings those devices back; the ones just lost
+    // are out either way.
     devices.reread();
+    for (int r : lost) devices.exclude(ranks[static_cast<size_t>(r)]);
     const int left = static_cast<int>(devices.next_job().size());
     check(left >= o.min_ranks,
           "launch: " + who + "; " + std::to_string(left) + " device" + (left == 1 ? "" : "s") +

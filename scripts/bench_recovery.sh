@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The recovery benchmark: a 2-rank job under `malleus launch` (one rank per core) loses rank 1 to
+# SIGKILL in mid-run; the supervisor restarts it from the latest checkpoint on the one rank left.
+# Measured per run:
+#   recovery  from the kill to the first step line of the restarted job (what training lost in
+#             wall time, besides the steps it does again)
+#   ended     from the kill to the end of the failed job (mpirun noticing and ending the others)
+#   restart   from the end of the failed job to the first step of the new one (mpirun start, the
+#             checkpoint read and scattered, the first step)
+#   steps lost  steps done again: those after the checkpoint the job restarted from
+# and the median (min–max) over the runs, for each model:
+#   demo  3.5 M parameters, seq 128, global batch 8, a checkpoint every 4 steps, killed after step 6
+#   100m  99 M parameters (hidden 768, 14 layers, 12 heads, FFN 2048, byte vocabulary), seq 64,
+#         global batch 4, a checkpoint every 3 steps, killed after step 4
+#
+# Usage: scripts/bench_recovery.sh [models, comma-separated (demo,100m)] [runs (3)]
+# Results go to runs/bench-recovery/<model>/run<i>/ (BENCH_OUT overrides).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+models=${1:-demo,100m}
+runs=${2:-3}
+[[ -x build/malleus ]] || scripts/build.sh
+compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
+out=${BENCH_OUT:-runs/bench-recovery}
+mkdir -p "$out"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+cat > "$out/model-100m.json" << 'EOF'
+{"name": "m100", "vocab_size": 257, "hidden_size": 768, "num_layers": 14, "num_heads": 12,
+ "num_kv_heads": 12, "ffn_hidden_size": 2048, "max_seq_len": 256}
+EOF
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+job=""
+trap '[[ -n $job ]] && kill $job 2> /dev/null; true' EXIT
+
+# run MODEL DIR: one run; prints "recovery ended restart steps_lost".
+run() {
+  local model=$1 dir=$2 flags kill_after
+  case $model in
+    demo) flags=(--model demo --seq-len 128 --global-batch 8 --steps 12 --checkpoint-every 4)
+          kill_after=6 ;;
+    100m) flags=(--model "$out/model-100m.json" --seq-len 64 --global-batch 4 --steps 8
+                 --checkpoint-every 3)
+          kill_after=4 ;;
+    *) echo "unknown model $model (demo, 100m)" >&2; exit 2 ;;
+  esac
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  # Every output line with the time it arrived.
+  timeout 1200 build/malleus launch --np 2 --mpirun-args="--bind-to core --map-by core" -- \
+    train "${flags[@]}" --micro-batch 1 --threads 1 --val-data "" --eval-every 0 --no-replan \
+    --warmup-steps 2 --out "$dir/run" 2>&1 |
+    python3 -u -c 'import sys, time
+for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' > "$dir/out.log" &
+  job=$!
+  local step_line
+  step_line=$(printf 'step %5d/' "$kill_after")
+  until grep -q " $step_line" "$dir/out.log"; do
+    kill -0 $job 2> /dev/null || { echo "the job ended before step $kill_after" >&2; exit 1; }
+    sleep 0.05
+  done
+  local victim killed_at
+  # Rank 1's pid, without starting an interpreter (seconds on a loaded machine).
+  victim=$(grep -o '"pid": [0-9]*' "$dir/run/ranks.json" | sed -n 2p | grep -o '[0-9]*$')
+  killed_at=$(date +%s.%N)
+  kill -KILL "$victim"
+  wait $job
+  job=""
+  python3 - "$dir" "$killed_at" << 'EOF'
+import json, sys
+dir, killed_at = sys.argv[1], float(sys.argv[2])
+restart = None
+for line in open(f"{dir}/run/metrics.jsonl"):
+    record = json.loads(line)
+    if record.get("event") == "restart":
+        restart = record
+assert restart is not None, "no restart recorded"
+first = None
+seen_restart = False
+for line in open(f"{dir}/out.log"):
+    at, _, text = line.partition(" ")
+    seen_restart |= text.startswith("restart 1 ")
+    if seen_restart and text.startswith("step "):
+        first = float(at)
+        break
+assert first is not None, "no step after the restart"
+print(f"{first - killed_at:.2f} {restart['failed_at'] - killed_at:.2f} "
+      f"{first - restart['failed_at']:.2f} {restart['steps_lost']}")
+EOF
+}
+
+for model in ${models//,/ }; do
+  results=()
+  for ((i = 1; i <= runs; i++)); do
+    result=$(run "$model" "$out/$model/run$i")
+    echo "$model run $i: recovery ended restart steps_lost = $result"
+    results+=("$result")
+  done
+  printf '%s\n' "${results[@]}" | python3 -c '
+import statistics, sys
+rows = [list(map(float, line.split())) for line in sys.stdin]
+names = ["recovery (s)", "ended (s)", "restart (s)", "steps lost"]
+print(sys.argv[1] + ": " + "; ".join(
+    f"{name} {statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f})"
+    for name, c in zip(names, zip(*rows))) + f" over {len(rows)} runs")' "$model"
+done
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
