@@ -3,11 +3,19 @@
 // message (a pipeline hand-off), as medians of repeated timings. Run it under mpirun with the
 // rank count and placement of the jobs it should describe, e.g.
 //   mpirun --oversubscribe -np 4 build/bench/bench_comm
-// (configs/clusters/cpu-local.json quotes its numbers).
+// (configs/clusters/cpu-local.json quotes its numbers). Pairs are (r, r xor 1) — neighbours,
+// inside one host when ranks fill hosts in order — and, with 4 or more ranks, also
+// (r, r xor size/2), which crosses hosts on 2 hosts (scripts/hosts.sh mpirun -np 4
+// build/bench/bench_comm gives both figures of configs/clusters/cpu-bed-2x2.json). Each table
+// says whether its pairs share a host (MPI's processor name) and fits latency + bytes / bandwidth
+// to the one-way times of its smallest and largest message.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <vector>
+
+#include <mpi.h>
 
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
@@ -29,18 +37,28 @@ double median_seconds(int repeats, F&& f) {
   return median(t);
 }
 
-}  // namespace
+std::string processor_name() {
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  MPI_Get_processor_name(name, &length);
+  return std::string(name, static_cast<size_t>(length));
+}
 
-int main(int argc, char** argv) {
-  comm::MpiSession session(&argc, &argv);
-  comm::Communicator world = comm::Communicator::world();
-  if (world.size() < 2 || world.size() % 2 != 0) {
-    if (world.rank() == 0) std::fprintf(stderr, "run with an even number of ranks\n");
-    return 1;
-  }
-  const int me = world.rank(), peer = me ^ 1;
+// Times every rank's pair with rank `me xor distance`; rank 0 prints its pair's figures.
+void measure_pairs(const comm::Communicator& world, int distance) {
+  const int me = world.rank(), peer = me ^ distance;
   comm::Communicator pair = world.subgroup({std::min(me, peer), std::max(me, peer)});
-  if (me == 0) std::printf("%d ranks, pairs (0,1) (2,3) ...; medians of 50\n", world.size());
+  // Whether rank 0's pair shares a host: the higher rank of each pair sends the lower its name.
+  std::string name = processor_name();
+  name.resize(MPI_MAX_PROCESSOR_NAME, '\0');
+  std::string peer_name = name;
+  pair.broadcast(peer_name.data(), peer_name.size(), 1);
+  const bool same_host = peer_name == name;
+  if (me == 0) {
+    std::printf("pairs (r, r xor %d), %s; medians of 50\n", distance,
+                same_host ? "inside one host" : "across hosts");
+  }
+  std::vector<double> sizes, one_ways;
   for (size_t floats : {size_t(256), size_t(1) << 16, size_t(1) << 20}) {
     std::vector<float> data(floats, 1.0f);
     for (int i = 0; i < 5; ++i) pair.all_reduce_sum(data.data(), data.size());
@@ -61,10 +79,32 @@ int main(int argc, char** argv) {
                          }
                        }) /
         2;
+    sizes.push_back(static_cast<double>(floats * sizeof(float)));
+    one_ways.push_back(one_way);
     if (me == 0) {
       std::printf("  %8zu bytes: pair all-reduce %8.1f us, one-way message %8.1f us\n",
                   floats * sizeof(float), all_reduce * 1e6, one_way * 1e6);
     }
+  }
+  if (me == 0) {
+    const double bandwidth = (sizes.back() - sizes.front()) / (one_ways.back() - one_ways.front());
+    std::printf("  one-way fit: latency %.1f us, bandwidth %.3f GB/s\n", one_ways.front() * 1e6,
+                bandwidth / 1e9);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  comm::MpiSession session(&argc, &argv);
+  comm::Communicator world = comm::Communicator::world();
+  if (world.size() < 2 || world.size() % 2 != 0) {
+    if (world.rank() == 0) std::fprintf(stderr, "run with an even number of ranks\n");
+    return 1;
+  }
+  measure_pairs(world, 1);
+  if (world.size() >= 4 && (world.size() & (world.size() - 1)) == 0) {
+    measure_pairs(world, world.size() / 2);
   }
   return 0;
 }

@@ -13,6 +13,7 @@ packages=(
   python3 python3-numpy  # the independent Hugging Face reference used by the export test
   clang-format
   cpulimit  # slows a rank from outside malleus in straggler experiments (scripts/slow_rank.sh)
+  iproute2  # network namespaces, veth links and tc shaping of the multi-host test bed (scripts/hosts.sh)
 )
 
 missing=()
