@@ -246,3 +246,36 @@ TEST(CostModel, ProfileReplacesPeakThroughput) {
     EXPECT_NE(std::string(e.what()).find("head_flops_per_s"), std::string::npos);
   }
 }
+
+// A slow link (ClusterSpec::link_rates) divides the inter-node bandwidth of the transfers through
+// it, and nothing else: intra-node traffic and compute keep their times.
+TEST(CostModel, SlowLinksSlowOnlyTheTransfersThroughThem) {
+  const auto model = model::load_model_config("demo");
+  plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
+  cluster.nodes = 2;
+  cluster.devices_per_node = 2;
+  cluster.inter_node_bandwidth = 0.25e9;
+  const CostModel healthy(model, cluster, plan::BatchConfig{16, 1, 128});
+  const CostModel slowed = healthy.with_link_rates({1.0, 10.0});
+  EXPECT_DOUBLE_EQ(slowed.cluster().bandwidth(0, 2), 0.025e9);
+  EXPECT_DOUBLE_EQ(slowed.cluster().bandwidth(2, 3), cluster.intra_node_bandwidth);
+  EXPECT_DOUBLE_EQ(slowed.cluster().bandwidth(0, 1), cluster.intra_node_bandwidth);
+  // Data parallelism over both nodes: the gradient sync crosses the slow link.
+  const plan::Plan dp4 = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
+  const plan::Rates rates(4, 1.0);
+  const plan::Prediction dp_healthy = healthy.predict(dp4, rates);
+  const plan::Prediction dp_slowed = slowed.predict(dp4, rates);
+  EXPECT_DOUBLE_EQ(dp_slowed.pipeline_time, dp_healthy.pipeline_time);
+  const double latency_part = 2 * (4 - 1) * cluster.inter_node_latency;
+  EXPECT_NEAR(dp_slowed.grad_sync_time - latency_part,
+              10 * (dp_healthy.grad_sync_time - latency_part), 1e-9);
+  // Pipelines inside nodes, data parallelism across: the same; each pipeline stays inside a node,
+  // so its hand-offs keep their time.
+  const plan::Plan pp2 = plan::uniform_plan(model, 2, 1, 2, 16, 1, 4);
+  EXPECT_DOUBLE_EQ(slowed.predict(pp2, rates).pipeline_time,
+                   healthy.predict(pp2, rates).pipeline_time);
+  EXPECT_GT(slowed.predict(pp2, rates).grad_sync_time, healthy.predict(pp2, rates).grad_sync_time);
+  // Rates below 1 or for more nodes than the cluster has are errors naming the link rates.
+  EXPECT_THROW(healthy.with_link_rates({1.0, 0.5}), Error);
+  EXPECT_THROW(healthy.with_link_rates({1.0, 1.0, 1.0}), Error);
+}

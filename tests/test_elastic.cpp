@@ -291,3 +291,66 @@ TEST(SwitchRule, GainOverTheHorizonAgainstTheSwitchCost) {
   EXPECT_FALSE(replan::weigh_switch(q).take);
   EXPECT_EQ(replan::weigh_switch(q).reason, "the current plan is still the best");
 }
+
+// The link monitor rates each node's link against its own healthy time per byte, apart from the
+// compute rates: a link ten times slower from step 6 shows within the window (3 steps) on both
+// nodes of the one link, a slow device's compute does not move it, and recovery shows too.
+TEST(LinkMonitor, ASlowLinkShowsWithinTheWindowAndRecovers) {
+  elastic::LinkMonitor links({0, 0, 1, 1}, elastic::MonitorOptions{.window = 3});
+  const std::vector<std::string> geometries(4, "sync 2x1000");
+  auto step = [&](double seconds_per_mb) {
+    std::vector<double> m(8, 1e6);  // (seconds, bytes) per rank
+    for (size_t r = 0; r < 4; ++r) m[2 * r] = seconds_per_mb;
+    return links.observe(m, geometries);
+  };
+  for (int s = 1; s <= 5; ++s) step(0.004);
+  EXPECT_EQ(links.node_rates(), (std::vector<double>{1.0, 1.0}));
+  int seen = 0;
+  for (int s = 6; s <= 12; ++s) {
+    const auto& rates = step(0.04);
+    if (seen == 0 && rates[0] > 5 && rates[1] > 5) seen = s;
+  }
+  EXPECT_GE(seen, 6);
+  EXPECT_LE(seen, 8);  // within 3 steps of the change
+  EXPECT_NEAR(links.node_rates()[1], 10.0, 1e-9);
+  for (int s = 13; s <= 16; ++s) step(0.004);
+  EXPECT_NEAR(links.node_rates()[1], 1.0, 1e-9);
+  // Ranks that move nothing between hosts (geometry "none", 0 s) leave their node's rate alone.
+  const std::vector<double> nothing(8, 0.0);
+  links.observe(nothing, std::vector<std::string>(4, "none"));
+  EXPECT_NEAR(links.node_rates()[1], 1.0, 1e-9);
+}
+
+TEST(LinkMonitor, GeometriesNameOnlyCollectivesBetweenHosts) {
+  layout::GradSyncPlan sync;
+  sync.groups.push_back({{0, 2}, {}, 1000});  // across hosts 0 and 1
+  sync.groups.push_back({{1, 3}, {}, 500});   // across
+  sync.groups.push_back({{0, 1}, {}, 700});   // inside host 0
+  const auto g = elastic::link_geometries(sync, {0, 0, 1, 1});
+  EXPECT_EQ(g,
+            (std::vector<std::string>{"sync 2x1000", "sync 2x500", "sync 2x1000", "sync 2x500"}));
+  EXPECT_EQ(elastic::link_geometries(sync, {0, 0, 0, 0}), std::vector<std::string>(4, "none"));
+}
+
+// The controller plans for the measured link rates with the same switch rule: a slow link under
+// data parallelism across the nodes is worth a switch to pipelines whose hand-offs cross it.
+TEST(Controller, ReplansAroundASlowLinkWithTheSharedSwitchRule) {
+  const auto model = model::load_model_config("demo");
+  plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
+  cluster.nodes = 2;
+  cluster.devices_per_node = 2;
+  cluster.inter_node_bandwidth = 0.25e9;
+  cluster.inter_node_latency = 50e-6;
+  const plan::CostModel cost(model, cluster, plan::BatchConfig{16, 1, 128});
+  elastic::Controller controller(cost, elastic::ControllerOptions{});
+  const auto current = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
+  const std::vector<double> healthy(4, 1.0);
+  const elastic::Decision calm = controller.propose(current, healthy, 10, 90, {1.0, 1.1});
+  EXPECT_EQ(calm.link_rates, (std::vector<double>{1.0, 1.0}));  // 1.1 counts as healthy
+  const elastic::Decision d = controller.propose(current, healthy, 10, 90, {10.0, 10.0});
+  EXPECT_EQ(replan::weigh_switch(d.question), d.verdict);
+  EXPECT_DOUBLE_EQ(d.question.current_step_s,
+                   cost.with_link_rates({10.0, 10.0}).predict(current, healthy).iteration_time);
+  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;
+  EXPECT_LT(d.question.proposed_step_s, 0.9 * d.question.current_step_s) << d.new_plan;
+}

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
 #include <random>
+#include <set>
 
 #include "common/error.h"
 #include "model/config.h"
@@ -394,4 +396,46 @@ TEST(Planner, BaselinesBehaveAsDocumented) {
   for (int r : drop.plan.idle_ranks()) EXPECT_NE(r, 0);
   const auto idle = drop.plan.idle_ranks();
   EXPECT_NE(std::find(idle.begin(), idle.end(), 5), idle.end());
+}
+
+// With one node's link ten times slower, the planner moves the gradient sync (every parameter)
+// off the link and puts pipeline hand-offs (one activation) on it: pipelines whose stages span
+// the nodes, the same stage of every pipeline on one node. Tensor parallelism stays inside nodes.
+TEST(Planner, SlowLinksCarryPipelineHandOffsNotGradientSync) {
+  const auto model = model::load_model_config("demo");
+  plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
+  cluster.nodes = 2;  // links as fast across nodes as inside them: data parallelism when healthy
+  cluster.devices_per_node = 2;
+  const CostModel healthy(model, cluster, plan::BatchConfig{16, 1, 128});
+  const CostModel slowed = healthy.with_link_rates({1.0, 10.0});
+  const auto strategy = plan::make_strategy("malleus");
+  plan::PlanRequest request;
+  request.rates = plan::Rates(4, 1.0);
+  const plan::PlanResult on_healthy = strategy->plan(healthy, request);
+  const plan::PlanResult on_slowed = strategy->plan(slowed, request);
+  const plan::Prediction chosen = slowed.predict(on_slowed.plan, request.rates);
+  // Better on the slow link than the healthy cluster's plan, by the cost model.
+  EXPECT_LT(chosen.iteration_time,
+            slowed.predict(on_healthy.plan, request.rates).iteration_time * 0.95)
+      << on_healthy.plan.summary() << " vs " << on_slowed.plan.summary();
+  // No tensor-parallel group spans the nodes, and the gradient sync stays inside them: every
+  // stage's ranks of one layer range sit on one node across all pipelines.
+  std::map<std::pair<int, int>, std::set<int>> nodes_of_layers;
+  for (const auto& p : on_slowed.plan.pipelines) {
+    for (const auto& s : p.stages) {
+      std::set<int> group_nodes;
+      for (int r : s.ranks) group_nodes.insert(cluster.node_of(r));
+      EXPECT_EQ(group_nodes.size(), 1u) << on_slowed.plan.summary();
+      nodes_of_layers[{s.layer_begin, s.layer_end}].insert(group_nodes.begin(), group_nodes.end());
+    }
+  }
+  for (const auto& [layers, nodes] : nodes_of_layers) {
+    EXPECT_EQ(nodes.size(), 1u) << "layers " << layers.first << "-" << layers.second
+                                << " sync across nodes in " << on_slowed.plan.summary();
+  }
+  EXPECT_EQ(on_healthy.plan.pipelines.size(), 4u) << on_healthy.plan.summary();
+  EXPECT_LT(chosen.grad_sync_time, slowed.predict(on_healthy.plan, request.rates).grad_sync_time);
+  // Pipelines cross the slow link (hand-offs on it), rather than data parallelism.
+  ASSERT_GT(on_slowed.plan.pipelines.size(), 0u);
+  EXPECT_GT(on_slowed.plan.pipelines[0].stages.size(), 1u) << on_slowed.plan.summary();
 }

@@ -35,7 +35,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 // What plan and simulate share: the cluster, model, rates, batch and optional profile.
 struct SetupArgs {
-  std::string cluster, model, rates, profile, base;
+  std::string cluster, model, rates, link_rates, profile, base;
   int nodes = 0, global_batch = 64, micro_batch = 1, seq_len = 0;
   bool json = false;
 
@@ -49,6 +49,9 @@ struct SetupArgs {
     app.add_option("--rates", rates,
                    "Straggle rates: inline JSON '{\"3\": 2, \"17\": \"inf\"}' or a JSON file "
                    "(device → rate; missing = 1)");
+    app.add_option("--link-rates", link_rates,
+                   "How many times slower each node's inter-node link is: inline JSON '{\"1\": "
+                   "10}' or a JSON file (node → rate ≥ 1; missing = 1)");
     app.add_option("--global-batch", global_batch, "Sequences per optimizer step")
         ->capture_default_str();
     app.add_option("--micro-batch", micro_batch, "Sequences per micro-batch")
@@ -64,6 +67,10 @@ struct SetupArgs {
   plan::CostModel cost_model() const {
     plan::ClusterSpec c = plan::load_cluster(cluster);
     if (nodes > 0) c.nodes = nodes;
+    if (!link_rates.empty()) {
+      c.link_rates = plan::parse_rates(link_rates, c.nodes);
+      c.validate("--link-rates");
+    }
     const model::ModelConfig m = model::load_model_config(model);
     plan::BatchConfig batch{global_batch, micro_batch, seq_len > 0 ? seq_len : m.max_seq_len};
     batch.validate("command line");

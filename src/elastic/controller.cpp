@@ -46,7 +46,7 @@ std::vector<double> Controller::effective(const std::vector<double>& rates) cons
 
 Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
                             const std::vector<double>& rates, int monitored_steps, int64_t step,
-                            int64_t remaining_steps) {
+                            int64_t remaining_steps, const std::vector<double>& link_rates) {
   // Every rank sees the same rates (the monitor all-gathers them), so the trigger agrees
   // everywhere and the broadcast happens only when it fires.
   // Hysteresis on the measured rates themselves, relative to the rate planned for: thresholding
@@ -56,12 +56,18 @@ Decision Controller::decide(comm::Communicator& world, const plan::Plan& current
     const double was = std::max(1.0, planned_rates_[r]), is = std::max(1.0, rates[r]);
     moved = moved || std::abs(is - was) >= options_.hysteresis * was;
   }
+  // Links by the same rule (the same hysteresis against the rate planned for).
+  planned_link_rates_.resize(link_rates.size(), 1.0);
+  for (size_t n = 0; n < link_rates.size(); ++n) {
+    const double was = std::max(1.0, planned_link_rates_[n]), is = std::max(1.0, link_rates[n]);
+    moved = moved || std::abs(is - was) >= options_.hysteresis * was;
+  }
   if (!moved || monitored_steps < options_.min_samples || remaining_steps <= 0) return {};
 
   Decision decision;
   std::string plan_text;  // the plan to switch to, if any
   if (world.rank() == 0) {
-    decision = propose(current, rates, step, remaining_steps);
+    decision = propose(current, rates, step, remaining_steps, link_rates);
     if (decision.plan) plan_text = decision.plan->to_json().dump();
   }
   int64_t length = static_cast<int64_t>(plan_text.size());
@@ -69,6 +75,7 @@ Decision Controller::decide(comm::Communicator& world, const plan::Plan& current
   plan_text.resize(static_cast<size_t>(length));
   world.broadcast(plan_text.data(), plan_text.size(), 0);
   planned_rates_ = rates;
+  planned_link_rates_ = link_rates;
 
   decision.asked = true;
   if (world.rank() != 0 && !plan_text.empty()) {
@@ -78,18 +85,22 @@ Decision Controller::decide(comm::Communicator& world, const plan::Plan& current
 }
 
 Decision Controller::propose(const plan::Plan& current, const std::vector<double>& measured,
-                             int64_t step, int64_t remaining_steps) const {
+                             int64_t step, int64_t remaining_steps,
+                             const std::vector<double>& link_rates) const {
   Decision d;
   d.asked = true;
   d.step = step;
   d.rates = effective(measured);
+  d.link_rates = effective(link_rates);
   d.old_plan = current.summary();
+  // The cluster as it is now: its links at their measured rates.
+  const plan::CostModel cost = cost_.with_link_rates(d.link_rates);
   plan::PlanRequest request;
   request.rates = d.rates;
   request.current = current;
   plan::PlanResult result;
   try {
-    result = strategy_->plan(cost_, request);
+    result = strategy_->plan(cost, request);
   } catch (const Error& e) {
     d.verdict.reason = std::string("no plan: ") + e.what();
     return d;
@@ -97,8 +108,8 @@ Decision Controller::propose(const plan::Plan& current, const std::vector<double
   d.new_plan = result.plan.summary();
   d.planning_s = result.planning_seconds;
   const replan::MigrationEstimate migration =
-      replan::estimate_migration(cost_, current, result.plan);
-  d.question.current_step_s = cost_.predict(current, d.rates).iteration_time;
+      replan::estimate_migration(cost, current, result.plan);
+  d.question.current_step_s = cost.predict(current, d.rates).iteration_time;
   d.question.proposed_step_s = result.prediction.iteration_time;
   d.question.switch_s = std::max(migration.seconds, measured_migration_s_);
   d.question.horizon_steps =

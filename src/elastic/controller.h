@@ -34,6 +34,7 @@ struct Decision {
   std::optional<plan::Plan> plan;  // set: switch to it
   int64_t step = 0;
   std::vector<double> rates;       // the effective rates planned for
+  std::vector<double> link_rates;  // the effective link rates planned for (per node)
   std::string old_plan, new_plan;  // summaries; new_plan is empty when no plan was found
   replan::SwitchQuestion question;
   replan::SwitchVerdict verdict;  // its reason also says why no plan was found
@@ -45,13 +46,15 @@ class Controller {
   // `cost` models this job's cluster (its devices are the ranks), model and batch.
   Controller(plan::CostModel cost, ControllerOptions options);
 
-  // Collective: asks the planner on rank 0 when the rates moved enough, and broadcasts its plan.
+  // Collective: asks the planner on rank 0 when the rates or the link rates (per node of the
+  // cost model's cluster; empty: not measured) moved enough, and broadcasts its plan.
   Decision decide(comm::Communicator& world, const plan::Plan& current,
                   const std::vector<double>& rates, int monitored_steps, int64_t step,
-                  int64_t remaining_steps);
-  // What rank 0 decides for `rates` (measured; thresholded here), whether or not they moved.
+                  int64_t remaining_steps, const std::vector<double>& link_rates = {});
+  // What rank 0 decides for `rates` and `link_rates` (measured; thresholded here), whether or
+  // not they moved: the planner and the switch rule see the links at their measured rates.
   Decision propose(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
-                   int64_t remaining_steps) const;
+                   int64_t remaining_steps, const std::vector<double>& link_rates = {}) const;
   // The last migration's wall time: the switch cost is at least this (building communicators and
   // buffers costs time the bandwidth model does not see).
   void note_migration_seconds(double seconds) { measured_migration_s_ = seconds; }
@@ -62,7 +65,7 @@ class Controller {
   plan::CostModel cost_;
   ControllerOptions options_;
   std::unique_ptr<plan::Strategy> strategy_;
-  std::vector<double> planned_rates_;
+  std::vector<double> planned_rates_, planned_link_rates_;
   double measured_migration_s_ = -1;
 };
 

@@ -47,6 +47,33 @@ void ClusterSpec::validate(const std::string& source) const {
   positive("usable_memory_fraction", usable_memory_fraction);
   check(usable_memory_fraction <= 1, source + ": \"usable_memory_fraction\" must be at most 1");
   non_negative("restart_s", restart_seconds);
+  check(link_rates.size() <= static_cast<size_t>(nodes),
+        source + ": " + std::to_string(link_rates.size()) + " link rates for " +
+            std::to_string(nodes) + " nodes");
+  for (size_t n = 0; n < link_rates.size(); ++n) {
+    check(link_rates[n] >= 1 && std::isfinite(link_rates[n]),
+          source + ": the link rate of node " + std::to_string(n) +
+              " must be at least 1 and finite (got " + std::to_string(link_rates[n]) + ")");
+  }
+}
+
+double ClusterSpec::span_bandwidth(const std::vector<int>& devices) const {
+  if (devices.empty()) return intra_node_bandwidth;
+  const int first = node_of(devices.front());
+  bool crosses = false;
+  double slowest = 1;
+  for (int d : devices) {
+    crosses = crosses || node_of(d) != first;
+    slowest = std::max(slowest, link_rate(node_of(d)));
+  }
+  return crosses ? inter_node_bandwidth / slowest : intra_node_bandwidth;
+}
+
+double ClusterSpec::span_latency(const std::vector<int>& devices) const {
+  for (int d : devices) {
+    if (node_of(d) != node_of(devices.front())) return inter_node_latency;
+  }
+  return intra_node_latency;
 }
 
 ClusterSpec ClusterSpec::from_json(const Json& json, const std::string& source) {

@@ -4,6 +4,7 @@
 // studied by writing (or choosing) a spec. Presets are configs/clusters/*.json, compiled in.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -37,17 +38,31 @@ struct ClusterSpec {
   double usable_memory_fraction = 0.9;  // the rest is allocator slack, workspace, the runtime
   double restart_seconds = 300;         // a full stop-and-restart (elastic baselines)
 
+  // Per node, how many times slower than inter_node_bandwidth says its link to the other nodes
+  // now is (a slow NIC, cable or switch port; measured by the link monitor, elastic/monitor.h):
+  // 1 = healthy, missing = 1. Not part of the JSON spec: it describes a moment, as device rates do.
+  std::vector<double> link_rates;
+
   int num_devices() const { return nodes * devices_per_node; }
   int node_of(int device) const { return device / devices_per_node; }
   double flops() const { return peak_flops * mfu; }  // what the cost model divides by
   double usable_memory() const { return memory_bytes * usable_memory_fraction; }
-  // Bandwidth and latency of a link between two devices.
+  double link_rate(int node) const {
+    return node >= 0 && static_cast<size_t>(node) < link_rates.size() ? link_rates[node] : 1.0;
+  }
+  // Bandwidth of a path between two devices: a slow link slows every transfer through it.
   double bandwidth(int a, int b) const {
-    return node_of(a) == node_of(b) ? intra_node_bandwidth : inter_node_bandwidth;
+    const int na = node_of(a), nb = node_of(b);
+    return na == nb ? intra_node_bandwidth
+                    : inter_node_bandwidth / std::max(link_rate(na), link_rate(nb));
   }
   double latency(int a, int b) const {
     return node_of(a) == node_of(b) ? intra_node_latency : inter_node_latency;
   }
+  // The bandwidth and latency of the slowest path among `devices` (a ring collective or a set of
+  // point-to-point transfers goes at the pace of its slowest link).
+  double span_bandwidth(const std::vector<int>& devices) const;
+  double span_latency(const std::vector<int>& devices) const;
 
   // Throws Error naming `source` and the key if a number is impossible.
   void validate(const std::string& source) const;

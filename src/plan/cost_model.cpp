@@ -274,6 +274,13 @@ MemoryFootprint CostModel::footprint(const Stage& stage, size_t member) const {
   return fp;
 }
 
+CostModel CostModel::with_link_rates(std::vector<double> link_rates) const {
+  CostModel slowed = *this;
+  slowed.cluster_.link_rates = std::move(link_rates);
+  slowed.cluster_.validate("link rates");
+  return slowed;
+}
+
 double CostModel::activation_message_bytes() const {
   return double(batch_.micro_batch) * batch_.seq_len * model_.hidden_size *
          cluster_.activation_bytes;
@@ -286,23 +293,17 @@ double CostModel::allreduce_time(int parts, double bytes, double bandwidth, doub
 
 double CostModel::allreduce_time(const std::vector<int>& ranks, double bytes) const {
   if (ranks.size() <= 1) return 0;
-  bool cross = false;
-  for (int r : ranks) cross = cross || cluster_.node_of(r) != cluster_.node_of(ranks[0]);
-  return allreduce_time(static_cast<int>(ranks.size()), bytes,
-                        cross ? cluster_.inter_node_bandwidth : cluster_.intra_node_bandwidth,
-                        cross ? cluster_.inter_node_latency : cluster_.intra_node_latency);
+  return allreduce_time(static_cast<int>(ranks.size()), bytes, cluster_.span_bandwidth(ranks),
+                        cluster_.span_latency(ranks));
 }
 
 double CostModel::p2p_time(const Stage& from, const Stage& to) const {
-  bool cross = false;
-  for (int a : from.ranks) {
-    for (int b : to.ranks) cross = cross || cluster_.node_of(a) != cluster_.node_of(b);
-  }
+  std::vector<int> both = from.ranks;
+  both.insert(both.end(), to.ranks.begin(), to.ranks.end());
   // Megatron's scatter-gather: each of the min(t_from, t_to) rank pairs sends its slice.
   const double links = static_cast<double>(std::min(from.tp(), to.tp()));
-  const double bw = cross ? cluster_.inter_node_bandwidth : cluster_.intra_node_bandwidth;
-  const double latency = cross ? cluster_.inter_node_latency : cluster_.intra_node_latency;
-  return activation_message_bytes() / (bw * links) + latency;
+  return activation_message_bytes() / (cluster_.span_bandwidth(both) * links) +
+         cluster_.span_latency(both);
 }
 
 GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
@@ -430,9 +431,10 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
   const double cap = cluster_.usable_memory();
   const int L = model_.num_layers;
   // Nodes holding each layer, over all pipelines: a layer whose owners span nodes syncs its
-  // gradients over the inter-node network.
+  // gradients over the inter-node network, at the pace of the slowest link among those nodes.
   std::vector<int> layer_node(static_cast<size_t>(L), -1);
   std::vector<bool> layer_crosses(static_cast<size_t>(L), false);
+  std::vector<double> layer_link_rate(static_cast<size_t>(L), 1.0);
   for (const auto& p : plan.pipelines) {
     for (const auto& s : p.stages) {
       for (int r : s.ranks) {
@@ -441,6 +443,8 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
           int& n = layer_node[static_cast<size_t>(l)];
           if (n < 0) n = node;
           if (n != node) layer_crosses[static_cast<size_t>(l)] = true;
+          double& slowest = layer_link_rate[static_cast<size_t>(l)];
+          slowest = std::max(slowest, cluster_.link_rate(node));
         }
       }
     }
@@ -495,15 +499,18 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
     for (int j = 0; j < S; ++j) {
       const Stage& s = p.stages[static_cast<size_t>(j)];
       bool crosses = false;
+      double link_rate = 1;
       for (int l = s.layer_begin; l < s.layer_end; ++l) {
-        crosses = crosses || layer_crosses[static_cast<size_t>(l)];
+        if (!layer_crosses[static_cast<size_t>(l)]) continue;
+        crosses = true;
+        link_rate = std::max(link_rate, layer_link_rate[static_cast<size_t>(l)]);
       }
       for (size_t i = 0; i < s.ranks.size(); ++i) {
         const double params = owned_parameters(s, i, j == 0, j == S - 1);
         if (P > 1) {
           const double t = allreduce_time(
               P, params * cluster_.grad_bytes,
-              crosses ? cluster_.inter_node_bandwidth : cluster_.intra_node_bandwidth,
+              crosses ? cluster_.inter_node_bandwidth / link_rate : cluster_.intra_node_bandwidth,
               crosses ? cluster_.inter_node_latency : cluster_.intra_node_latency);
           out.grad_sync_time = std::max(out.grad_sync_time, t);
         }

@@ -14,6 +14,8 @@
 //   T = Σ_s (F_s + B_s) + 2·Σ_s d_s + (m − 1)·period,
 //   period = max_s max(F_s + B_s, (Σ_{k≥s} (F_k + B_k) + 2·Σ_{s≤k<S−1} d_k) / (S − s))
 // (the second term is the round trip of the S − s micro-batches in flight below stage s).
+// A slow link (ClusterSpec::link_rates) divides the inter-node bandwidth of every transfer through
+// it: P2P hand-offs, TP and gradient-sync rings whose members span its node.
 // Iteration = max over pipelines + gradient sync across pipelines (every rank all-reduces the
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
@@ -179,6 +181,9 @@ class CostModel {
   // stage recomputes only what its plan says (the experiments' "without recomputation").
   void allow_recompute(bool allowed) { recompute_allowed_ = allowed; }
   bool recompute_allowed() const { return recompute_allowed_; }
+  // This model on the same cluster whose nodes' links are `link_rates` times slower
+  // (ClusterSpec::link_rates; empty: all healthy). Throws Error for a rate below 1.
+  CostModel with_link_rates(std::vector<double> link_rates) const;
   const BatchConfig& batch() const { return batch_; }
 
   // FLOPs of one micro-batch on a whole (unsharded) layer / LM head, forward only.

@@ -102,10 +102,15 @@ struct Candidate {
 
 // Searches one base (t, S): Megatron's layout of t-rank groups, S per pipeline, regrouped region
 // by region around the stragglers by coordinate descent on the predicted iteration time, with
-// layers and micro-batches assigned exactly for every trial.
+// layers and micro-batches assigned exactly for every trial. `stage_major`: pipeline p's stage j
+// is group j·P + p instead of p·S + j, so the stages of a pipeline spread over the nodes and the
+// same stage of every pipeline shares a node: pipeline hand-offs (one activation) cross the
+// inter-node links and the gradient sync (every parameter) stays inside nodes — the layout for
+// slow links.
 class BaseSearch {
  public:
-  BaseSearch(const CostModel& cost, const Rates& rates, int t, int S) : cost_(cost), rates_(rates) {
+  BaseSearch(const CostModel& cost, const Rates& rates, int t, int S, bool stage_major = false)
+      : cost_(cost), rates_(rates) {
     const ClusterSpec& c = cost.cluster();
     const int per_node = c.devices_per_node / t;
     const int G = c.nodes * per_node;
@@ -113,7 +118,8 @@ class BaseSearch {
     for (int p = 0; p < P; ++p) {
       std::vector<std::vector<int>> regions;
       int last_node = -1;
-      for (int g = p * S; g < (p + 1) * S; ++g) {
+      for (int j = 0; j < S; ++j) {
+        const int g = stage_major ? j * P + p : p * S + j;
         const int node = g / per_node;
         if (node != last_node) regions.emplace_back(), last_node = node;
         for (int r = g * t; r < (g + 1) * t; ++r) regions.back().push_back(r);
@@ -216,6 +222,7 @@ class BaseSearch {
 struct Base {
   int t, S;
   double healthy_time;
+  bool stage_major = false;  // BaseSearch's layout for slow inter-node links
 };
 
 class MalleusSearch {
@@ -261,6 +268,8 @@ class MalleusSearch {
   std::vector<Base> enumerate_bases() const {
     const ClusterSpec& c = cost_.cluster();
     const int L = cost_.model().num_layers;
+    bool slow_links = false;
+    for (int n = 0; n < c.nodes; ++n) slow_links = slow_links || c.link_rate(n) > 1;
     std::vector<Base> bases;
     for (int t : tp_degrees(cost_)) {
       const int G = c.nodes * (c.devices_per_node / t);
@@ -279,6 +288,13 @@ class MalleusSearch {
       for (int S : counts) {
         BaseSearch probe(cost_, healthy_, t, S);
         bases.push_back({t, S, probe.initial_objective()});
+        // With a slow inter-node link, also the layout that puts pipeline hand-offs rather than
+        // the gradient sync on the links (only then: on healthy links Megatron's is never worse
+        // by the cost model, and the search stays as fast).
+        if (slow_links && S > 1 && G % S == 0 && G / S > 1) {
+          BaseSearch across(cost_, healthy_, t, S, true);
+          bases.push_back({t, S, across.initial_objective(), true});
+        }
       }
     }
     return bases;
@@ -294,7 +310,7 @@ class MalleusSearch {
     for (const Base& b : bases) {
       const bool is_base = b.t == request_.base.tp && b.S == request_.base.pp;
       if (!is_base && !(b.healthy_time <= prune * best_healthy)) continue;
-      BaseSearch(cost_, rates_, b.t, b.S).run(candidates_, 3);
+      BaseSearch(cost_, rates_, b.t, b.S, b.stage_major).run(candidates_, 3);
     }
   }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include "common/error.h"
 #include "layout/migration.h"
@@ -185,31 +187,38 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   // One all-reduce carries the loss, the squared gradient norm and every rank's measurements
   // (each rank fills its own slots), so monitoring costs no extra round of communication.
   const size_t ranks = static_cast<size_t>(world.size());
-  // Per rank: compute time and FLOPs, then peak memory by kind and in total.
+  // Per rank: compute time and FLOPs, then link time and bytes, then peak memory by kind and in
+  // total.
   constexpr size_t kMemoryFields = backend::kMemoryKinds + 1;
-  std::vector<double> shared(2 + 2 * ranks + kMemoryFields * ranks, 0.0);
+  std::vector<double> shared(2 + 4 * ranks + kMemoryFields * ranks, 0.0);
   shared[0] = loss_sum;
   {
     // Packing gradients and summing squares is computing too: on a shared core, in turn.
     CoreLease::Hold turn(lease());
-    if (model_) sync_gradients();
+    if (model_) std::tie(result.link_seconds, result.link_bytes) = sync_gradients();
     shared[1] = local_norm_squares();
   }
-  double* mine = shared.data() + 2 + 2 * static_cast<size_t>(world.rank());
+  const size_t me = static_cast<size_t>(world.rank());
+  double* mine = shared.data() + 2 + 2 * me;
   mine[0] = result.compute_seconds;
   mine[1] = result.flops;
+  double* my_link = shared.data() + 2 + 2 * ranks + 2 * me;
+  my_link[0] = result.link_seconds;
+  my_link[1] = result.link_bytes;
   {
     const backend::MemoryFigures peak = backend::memory_ledger().peak();
-    double* memory = shared.data() + 2 + 2 * ranks + kMemoryFields * size_t(world.rank());
+    double* memory = shared.data() + 2 + 4 * ranks + kMemoryFields * me;
     for (size_t k = 0; k < peak.bytes.size(); ++k) memory[k] = double(peak.bytes[k]);
     memory[backend::kMemoryKinds] = double(backend::memory_ledger().peak_total());
   }
   all_reduce_sum(world, shared.data(), shared.size(), lease());
   result.loss = shared[0] / static_cast<double>(global_tokens);
   result.grad_norm = std::sqrt(shared[1]);
-  result.measurements.assign(shared.begin() + 2, shared.begin() + 2 + 2 * long(ranks));
+  const auto links = shared.begin() + 2 + 2 * long(ranks);
+  result.measurements.assign(shared.begin() + 2, links);
+  result.link_measurements.assign(links, links + 2 * long(ranks));
   for (size_t r = 0; r < ranks; ++r) {
-    const double* memory = shared.data() + 2 + 2 * ranks + kMemoryFields * r;
+    const double* memory = shared.data() + 2 + 4 * ranks + kMemoryFields * r;
     backend::MemoryFigures figures;
     for (size_t k = 0; k < figures.bytes.size(); ++k) figures.bytes[k] = int64_t(memory[k]);
     result.peak_memory.push_back(figures);
@@ -284,13 +293,21 @@ double Engine::evaluate(const SampleFn& sample, int count) {
 // Sums every gradient piece over its holders: one all-reduce per holder set, pieces packed.
 // Replicated copies beyond the first of each tensor-parallel group add zero, so each pipeline
 // counts once.
-void Engine::sync_gradients() {
+std::pair<double, double> Engine::sync_gradients() {
   ParallelState& st = *state_;
   const auto& sync = st.grad_sync();
   const int me = st.rank();
+  double link_seconds = 0, link_bytes = 0;
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
+    bool between_hosts = false;
+    if (options_.measure && !options_.hosts.empty()) {
+      for (int r : group.ranks) {
+        between_hosts = between_hosts || options_.hosts.at(static_cast<size_t>(r)) !=
+                                             options_.hosts.at(static_cast<size_t>(me));
+      }
+    }
     // In chunks of at most plan::kGradSyncChunkElements (a piece larger than that alone), so the
     // packing buffer stays bounded however much the rank holds.
     const auto& ids = group.pieces;
@@ -311,7 +328,19 @@ void Engine::sync_gradients() {
         }
         cursor += piece.elements;
       }
-      all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
+      if (between_hosts) {
+        // Meet first, so the timed all-reduce is the transfer (the slowest member's arrival is
+        // compute, measured elsewhere).
+        double token = 0;
+        all_reduce_sum(st.grad_sync_comm(g), &token, 1, lease());
+        const auto start = Clock::now();
+        all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
+        link_seconds += seconds_since(start);
+        const double n = static_cast<double>(group.ranks.size());
+        link_bytes += 2 * (n - 1) / n * static_cast<double>(pack_buffer_.size() * sizeof(float));
+      } else {
+        all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
+      }
       cursor = pack_buffer_.data();
       for (size_t i = begin; i < end; ++i) {
         const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
@@ -320,6 +349,7 @@ void Engine::sync_gradients() {
       }
     }
   }
+  return {link_seconds, link_bytes};
 }
 
 float* Engine::pack_buffer(size_t elements) {

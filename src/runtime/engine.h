@@ -32,6 +32,9 @@ struct EngineOptions {
   // Time the compute sections for the straggler monitor (off only to measure what timing costs;
   // an injected slowdown still times the sections it lengthens).
   bool measure = true;
+  // The host each rank runs on (host_indices(world)); gradient-sync collectives between hosts are
+  // timed for the link monitor. Empty: one host, nothing timed.
+  std::vector<int> hosts;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.
@@ -51,6 +54,14 @@ struct StepResult {
   // its own allocations (backend::memory_ledger), in rank order: by kind, and the peak total.
   std::vector<backend::MemoryFigures> peak_memory;
   std::vector<double> peak_memory_total;
+  // This rank's traffic between hosts, for the link monitor: the elapsed time of its gradient-sync
+  // all-reduces whose members span hosts, each timed after its members met (an untimed one-number
+  // all-reduce first), so it is the transfer and not the wait for the slowest member; and the
+  // bytes a ring all-reduce moves through each member's link (2·(n−1)/n × the buffer). 0 when
+  // the plan gives it no such collective.
+  double link_seconds = 0, link_bytes = 0;
+  // The two figures above of every rank, in rank order (gathered with the loss).
+  std::vector<double> link_measurements;
 };
 
 // What a migration to a new plan did: bytes sent between ranks (parameters and both Adam moments,
@@ -107,7 +118,8 @@ class Engine {
 
  private:
   void zero_grads();
-  void sync_gradients();
+  // Sums gradients over the refinement groups; returns this rank's (seconds, bytes) between hosts.
+  std::pair<double, double> sync_gradients();
   double local_norm_squares();
   // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
   // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).

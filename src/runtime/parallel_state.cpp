@@ -1,7 +1,10 @@
 #include "runtime/parallel_state.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <map>
 
 #include "common/error.h"
 
@@ -27,6 +30,28 @@ void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {
   const auto start = Clock::now();
   runtime::all_reduce_max(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);
+}
+
+std::vector<int> host_indices(const comm::Communicator& world) {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  // Every rank's name in its own slot of one all-reduce (names are short; longer ones are cut,
+  // which only matters for two hosts whose first 255 characters agree).
+  constexpr size_t kWidth = 256;
+  const size_t ranks = static_cast<size_t>(world.size());
+  std::vector<double> all(kWidth * ranks, 0.0);
+  for (size_t i = 0; i < kWidth && name[i] != 0; ++i) {
+    all[kWidth * static_cast<size_t>(world.rank()) + i] = static_cast<unsigned char>(name[i]);
+  }
+  world.all_reduce_sum(all.data(), all.size());
+  std::map<std::vector<double>, int> index;
+  std::vector<int> hosts(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    const std::vector<double> key(all.begin() + static_cast<long>(kWidth * r),
+                                  all.begin() + static_cast<long>(kWidth * (r + 1)));
+    hosts[r] = index.emplace(key, static_cast<int>(index.size())).first->second;
+  }
+  return hosts;
 }
 
 ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& model,

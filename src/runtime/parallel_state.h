@@ -43,6 +43,11 @@ class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
   double wait_seconds_ = 0;
 };
 
+// Which host each rank of `world` runs on: hosts numbered in the order of their lowest rank, a
+// host being a distinct host name (one per machine, or per emulated host of scripts/hosts.sh).
+// Collective.
+std::vector<int> host_indices(const comm::Communicator& world);
+
 class ParallelState {
  public:
   // Collective over `world`: every rank calls it with the same (validated) plan. `lease`, when

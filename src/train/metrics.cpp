@@ -67,6 +67,7 @@ constexpr auto fields(const StepRecord*) {
       Field<R, std::vector<double>>{"rates", &R::rates},
       Field<R, std::vector<double>>{"injected", &R::injected},
       Field<R, std::vector<double>>{"compute_s", &R::compute_s},
+      Field<R, std::vector<double>>{"link_rates", &R::link_rates},
       Field<R, double>{"monitor_overhead_s", &R::monitor_overhead_s},
       Field<R, std::vector<double>>{"peak_memory_bytes", &R::peak_memory_bytes},
       Field<R, std::vector<double>>{"peak_parameters_bytes", &R::peak_parameters_bytes},
@@ -87,6 +88,7 @@ constexpr auto fields(const ReplanRecord*) {
   using R = ReplanRecord;
   return std::tuple{Field<R, int64_t>{"step", &R::step, true},
                     Field<R, std::vector<double>>{"rates", &R::rates},
+                    Field<R, std::vector<double>>{"link_rates", &R::link_rates},
                     Field<R, std::string>{"old_plan", &R::old_plan},
                     Field<R, std::string>{"new_plan", &R::new_plan},
                     Field<R, std::string>{"reason", &R::reason},

@@ -26,10 +26,11 @@ struct StepRecord {
   double loss = kUnknown, lr = kUnknown, grad_norm = kUnknown;
   double tokens_per_s = kUnknown, step_time_s = kUnknown, eta_s = kUnknown;
   int64_t consumed_samples = 0;
-  std::string plan;               // the plan's summary
-  std::vector<double> rates;      // monitored straggle rate of every rank; empty when not measured
-  std::vector<double> injected;   // injected rate of every rank; empty when nothing was injected
-  std::vector<double> compute_s;  // every rank's measured compute time (the monitor's input)
+  std::string plan;                // the plan's summary
+  std::vector<double> rates;       // monitored straggle rate of every rank; empty when not measured
+  std::vector<double> injected;    // injected rate of every rank; empty when nothing was injected
+  std::vector<double> compute_s;   // every rank's measured compute time (the monitor's input)
+  std::vector<double> link_rates;  // monitored rate of every node's link; empty on one host
   double monitor_overhead_s = kUnknown;  // monitoring and deciding, a re-plan's migration included
   // Every rank's peak memory during the step, from its own allocations: the peak of the total,
   // and each kind's own peak (backend/memory.h), in bytes.
@@ -48,7 +49,8 @@ struct EvalRecord {
 struct ReplanRecord {
   bool switched = false;
   int64_t step = 0;
-  std::vector<double> rates;  // the (effective) rates planned for
+  std::vector<double> rates;       // the (effective) rates planned for
+  std::vector<double> link_rates;  // and link rates, per node (empty on one host)
   std::string old_plan, new_plan;
   std::string reason;  // why declined
   double predicted_old_s = kUnknown, predicted_new_s = kUnknown, predicted_gain_s = kUnknown;

@@ -113,6 +113,7 @@ ReplanRecord replan_record(const elastic::Decision& d) {
   r.switched = d.plan.has_value();
   r.step = d.step;
   r.rates = d.rates;
+  r.link_rates = d.link_rates;
   r.old_plan = d.old_plan;
   r.new_plan = d.new_plan;
   r.reason = d.verdict.reason;
@@ -249,6 +250,18 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // time on a whole core (runtime/core_lease.h).
   cores_ = runtime::CoreSharing::detect(world_, engine_options_.threads);
   engine_options_.core_lease = cores_.lease;
+  // On several hosts, the links between them are monitored too, per node of the cluster the
+  // controller plans for (ranks fill nodes in order, as `--map-by ppr:K:node` starts them).
+  engine_options_.hosts = runtime::host_indices(world_);
+  if (*std::max_element(engine_options_.hosts.begin(), engine_options_.hosts.end()) > 0) {
+    const plan::ClusterSpec cluster = elastic::local_cluster(config_.cluster, world_.size());
+    std::vector<int> node_of_rank;
+    for (int r = 0; r < world_.size(); ++r) node_of_rank.push_back(cluster.node_of(r));
+    link_monitor_ = std::make_unique<elastic::LinkMonitor>(
+        node_of_rank, elastic::MonitorOptions{.window = config.monitor_window});
+  } else {
+    engine_options_.hosts.clear();
+  }
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_, engine_options_);
   engine_->init_parameters(config.seed);
 }
@@ -354,9 +367,15 @@ StepStats Trainer::train_step() {
       for (const auto& figures : r.peak_memory) field->push_back(double(figures[kind]));
     }
   }
+  if (link_monitor_) {
+    stats.link_rates = link_monitor_->observe(
+        r.link_measurements,
+        elastic::link_geometries(engine_->state().grad_sync(), engine_options_.hosts));
+  }
   if (controller_) {
-    const elastic::Decision decision = controller_->decide(
-        world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_);
+    const elastic::Decision decision =
+        controller_->decide(world_, engine_->plan(), stats.rates, monitor_.samples(), step_,
+                            config_.steps - step_, stats.link_rates);
     if (decision.asked) stats.replan = replan_record(decision);
     if (decision.plan) {
       plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
@@ -441,12 +460,20 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
   }
   const std::string restarts =
       restarts_ > 0 ? " | restarts " + std::to_string(restarts_) : std::string();
+  // Links between nodes, when measured: " | links 1.0 9.6" (one rate per node).
+  std::string links;
+  for (double r : s.link_rates) {
+    char text[16];
+    std::snprintf(text, sizeof text, links.empty() ? " | links %.1f" : " %.1f", r);
+    links += text;
+  }
   std::printf(
       "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | %.3f s | ETA %s | %s | "
-      "rates %s%s\n",
+      "rates %s%s%s\n",
       static_cast<long long>(s.step), static_cast<long long>(config_.steps), s.loss, s.lr,
       s.grad_norm, format_count(s.tokens_per_s).c_str(), s.step_time_s,
-      format_duration(eta).c_str(), plan_text.c_str(), rates.c_str(), restarts.c_str());
+      format_duration(eta).c_str(), plan_text.c_str(), rates.c_str(), links.c_str(),
+      restarts.c_str());
   metrics.write(static_cast<const StepRecord&>(s));
   if (s.replan) {
     const ReplanRecord& d = *s.replan;

@@ -102,6 +102,8 @@ class Trainer {
   elastic::StragglerSchedule stragglers_;
   elastic::Monitor monitor_;
   std::unique_ptr<elastic::Controller> controller_;  // null when re-planning is off
+  // Links between hosts; null when the job runs on one host.
+  std::unique_ptr<elastic::LinkMonitor> link_monitor_;
   data::TokenDataset train_data_;
   data::Sampler sampler_;
   int64_t step_ = 0;
