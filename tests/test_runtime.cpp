@@ -399,10 +399,10 @@ TEST(Runtime, MigrationSendsExactlyTheEstimatedBytes) {
 }
 
 // Activation recomputation (per stage: none / selective / full, some or all of its layers) leaves
-// the numerics bit-identical: the same plan without it gives the same losses and parameters, to
-// the last bit, on every plan with pp >= 2 and on tensor-parallel stages (whose recomputed
-// forward repeats its all-reduces).
-TEST(Runtime, RecomputationTrainsBitIdenticallyToKeepingActivations) {
+// the numerics unchanged: the same plan without it gives the same losses and parameters, on
+// plans with pp >= 2 and on tensor-parallel stages (whose recomputed forward repeats its
+// all-reduces).
+TEST(Runtime, RecomputationTrainsLikeKeepingActivations) {
   Communicator world = Communicator::world();
   if (world.size() != 2 && world.size() != 4) GTEST_SKIP() << "plans for 2 and 4 ranks";
   const fs::path dir = shared_dir(world);
@@ -440,10 +440,12 @@ TEST(Runtime, RecomputationTrainsBitIdenticallyToKeepingActivations) {
   for (size_t i = 0; i < stages.size(); ++i) {
     const TrainingRun plain = run("plain" + std::to_string(i), stages[i].first);
     const TrainingRun recomputed = run("recomputed" + std::to_string(i), stages[i].second);
-    if (world.rank() == 0) {
-      EXPECT_EQ(recomputed.losses, plain.losses) << stages[i].second;
-      EXPECT_EQ(recomputed.params, plain.params) << stages[i].second;
-    }
+    // Within the runtime tests' tolerance, not bit for bit: the same plan run twice on several
+    // ranks, recomputing or not, differed in the low bits once in six runs on 4 ranks and on 2
+    // hosts over TCP, so the multi-rank runtime is not bit-reproducible from run to run (cause
+    // not yet found). Recomputation itself is bit-exact on one rank:
+    // Model.RecomputationGivesBitIdenticalLossesAndGradients.
+    if (world.rank() == 0) expect_matches(recomputed, plain, stages[i].second);
   }
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
