@@ -216,19 +216,7 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
     return checkpoint;
   }
   JsonReader reader(manifest, source);
-  // Checked by verified_manifest.
-  reader.required<std::string>("format");
-  reader.required<int64_t>("version");
-  reader.required<std::string>(kManifestChecksum);
-
-  Checkpoint checkpoint;
-  checkpoint.model =
-      model::ModelConfig::from_json(reader.required<Json>("model"), source + " model");
-  checkpoint.train_config = reader.required<Json>("train_config");
-  checkpoint.step = reader.required<int64_t>("step");
-  checkpoint.consumed_samples = reader.required<int64_t>("consumed_samples");
-  check(checkpoint.step >= 0 && checkpoint.consumed_samples >= 0,
-        source + ": step and consumed_samples must not be negative");
+  Checkpoint checkpoint = read_manifest_header(reader, source);
   const Json tensors = reader.required<Json>("tensors");
   const Json files = reader.required<Json>("files");
   reader.finish();
@@ -274,6 +262,21 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
 }
 
 namespace detail {
+
+Checkpoint read_manifest_header(JsonReader& reader, const std::string& source) {
+  // Checked by verified_manifest.
+  reader.required<std::string>("format");
+  reader.required<int64_t>("version");
+  reader.required<std::string>(kManifestChecksum);
+  Checkpoint header;
+  header.model = model::ModelConfig::from_json(reader.required<Json>("model"), source + " model");
+  header.train_config = reader.required<Json>("train_config");
+  header.step = reader.required<int64_t>("step");
+  header.consumed_samples = reader.required<int64_t>("consumed_samples");
+  check(header.step >= 0 && header.consumed_samples >= 0,
+        source + ": step and consumed_samples must not be negative");
+  return header;
+}
 
 Json verified_manifest(const std::string& text, const std::string& source, int64_t* version) {
   const Json manifest = parse_json(text, source);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/json.h"
+#include "train/checkpoint.h"
 
 namespace malleus::train::detail {
 
@@ -44,6 +45,10 @@ inline std::string shape_text(const std::vector<int64_t>& shape) {
   for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
   return text + "]";
 }
+
+// The manifest's fields both forms share (format, version and seal, already checked by
+// verified_manifest; model, training config and progress), read into a Checkpoint without buffers.
+Checkpoint read_manifest_header(JsonReader& reader, const std::string& source);
 
 // Removes the half-written temporary directory unless the save got to the final rename, so a
 // failed save leaves nothing behind but the previous checkpoint.

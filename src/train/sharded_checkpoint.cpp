@@ -176,15 +176,7 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifes
   const std::string source = where + ": manifest.json";
   manifest_ = verified_manifest(text_, source, &version_);
   JsonReader reader(manifest_, source);
-  reader.required<std::string>("format");
-  reader.required<int64_t>("version");
-  reader.required<std::string>(kManifestChecksum);
-  header_.model = model::ModelConfig::from_json(reader.required<Json>("model"), source + " model");
-  header_.train_config = reader.required<Json>("train_config");
-  header_.step = reader.required<int64_t>("step");
-  header_.consumed_samples = reader.required<int64_t>("consumed_samples");
-  check(header_.step >= 0 && header_.consumed_samples >= 0,
-        source + ": step and consumed_samples must not be negative");
+  header_ = read_manifest_header(reader, source);
   const Json files = reader.required<Json>("files");
   const Json tensors = reader.required<Json>("tensors");
   if (!sharded()) {
