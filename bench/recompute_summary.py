@@ -1,25 +1,42 @@
 #!/usr/bin/env python3
 """Summary of scripts/bench_recompute.sh: per mode, the median step time (steps after the first,
 over all runs) with min-max, and per rank the peak memory the runtime measured (largest over the
-steps and runs) against the cost model's prediction.
+steps and runs) against the cost model's prediction. For modes "X-shifted", a second table: per
+round of runs, the shifted run's median step time over mode X's of the same round (side by side),
+and on each rank the recomputation done ahead of the gradient and its part done while the
+gradient was still on its way (medians per step).
 
 Usage: recompute_summary.py OUT MODE...   (OUT/MODE/run*/metrics.jsonl, OUT/MODE.predicted)
 """
 import glob
 import json
+import re
 import statistics
 import sys
 
 out, modes = sys.argv[1], sys.argv[2:]
 MiB = 2**20
-print("| mode | step time, median (min-max) | rank | peak memory measured | predicted | predicted / measured |")
+
+
+def steps_of(path):
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if "step_time_s" in r]
+
+
+def runs_of(mode):
+    """{run number: step records} of a mode."""
+    runs = {}
+    for path in glob.glob(f"{out}/{mode}/run*/metrics.jsonl"):
+        runs[int(re.search(r"/run(\d+)/", path).group(1))] = steps_of(path)
+    return runs
+
+
+print("| mode | step time, median (min-max, n) | rank | peak memory measured | predicted | predicted / measured |")
 print("|---|---|---|---|---|---|")
 for mode in modes:
     times, peaks = [], {}
-    for path in sorted(glob.glob(f"{out}/{mode}/run*/metrics.jsonl")):
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        steps = [r for r in records if "step_time_s" in r]
+    for steps in runs_of(mode).values():
         times += [r["step_time_s"] for r in steps[1:]]
         for r in steps:
             for rank, bytes_ in enumerate(r.get("peak_memory_bytes", [])):
@@ -34,3 +51,31 @@ for mode in modes:
         p = predicted[rank]
         print(f"| {mode if rank == 0 else ''} | {time if rank == 0 else ''} | {rank} | "
               f"{measured / MiB:.1f} MiB | {p / MiB:.1f} MiB | {p / measured:.3f} |")
+
+shifted_modes = [m for m in modes if m.endswith("-shifted") and m[: -len("-shifted")] in modes]
+if shifted_modes:
+    print()
+    print("| mode | shifted / unshifted step time, per round | median | rank | recomputed ahead per step | of it while the gradient was on its way |")
+    print("|---|---|---|---|---|---|")
+for mode in shifted_modes:
+    shifted, unshifted = runs_of(mode), runs_of(mode[: -len("-shifted")])
+    ratios = []
+    for run in sorted(set(shifted) & set(unshifted)):
+        a = [r["step_time_s"] for r in shifted[run][1:]]
+        b = [r["step_time_s"] for r in unshifted[run][1:]]
+        if a and b:
+            ratios.append(statistics.median(a) / statistics.median(b))
+    ahead, overlapped = {}, {}
+    for steps in shifted.values():
+        for r in steps[1:]:
+            for rank, (x, y) in enumerate(zip(r.get("recompute_ahead_s", []),
+                                              r.get("recompute_overlapped_s", []))):
+                ahead.setdefault(rank, []).append(x)
+                overlapped.setdefault(rank, []).append(y)
+    per_round = ", ".join(f"{x:.3f}" for x in ratios)
+    median = f"{statistics.median(ratios):.3f}" if ratios else "-"
+    for i, rank in enumerate(sorted(ahead) or [0]):
+        a = f"{statistics.median(ahead[rank]):.2f} s" if rank in ahead else "-"
+        o = f"{statistics.median(overlapped[rank]):.2f} s" if rank in overlapped else "-"
+        print(f"| {mode if i == 0 else ''} | {per_round if i == 0 else ''} | "
+              f"{median if i == 0 else ''} | {rank} | {a} | {o} |")

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Activation recomputation on this machine: a 12-layer model (hidden 512, 8 heads, FFN 1376,
 # vocabulary 257) on 2 ranks bound one per core, pp2 (6 layers per stage), 4 micro-batches of one
-# sequence. For each of none / selective / full (every layer of both stages) and stage-aware (the
-# plan `malleus plan` writes for a memory budget the plain run does not fit), RUNS trainings of
-# STEPS steps: median step time (steps after the first, over all runs) with its spread, each
-# rank's peak memory from its own allocations (metrics.jsonl), and the cost model's prediction
-# for the same plan (`malleus simulate --plan --json`).
+# sequence. For each of none / selective / full (every layer of both stages), stage-aware (the
+# plan `malleus plan` writes for a memory budget the plain run does not fit), and selective and
+# full again under the shifted schedule (--shifted-recompute: stage 0 recomputes a micro-batch
+# while its gradient is on its way), RUNS trainings of STEPS steps, the modes taking turns within
+# each round of runs so that a change of load hits them all: median step time (steps after the
+# first, over all runs) with its spread, each rank's peak memory from its own allocations
+# (metrics.jsonl), the cost model's prediction for the same plan (`malleus simulate --plan
+# --json`, with --shifted-recompute for the shifted rows), and per round the shifted run's step
+# time over the unshifted one's of the same mode.
 #
-# Usage: scripts/bench_recompute.sh [runs (3)] [steps (3)] [seq_len (512)]
-# (sequence 1024 works too: about 4x the step time of 512 here, as the attention scores grow
-# with s².) Results go to runs/bench-recompute (BENCH_OUT overrides); the table to stdout.
+# Usage: scripts/bench_recompute.sh [runs (3)] [steps (2)] [seq_len (1024)]
+# Results go to runs/bench-recompute (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
-steps=${2:-3}
-seq=${3:-512}
+steps=${2:-2}
+seq=${3:-1024}
 [[ -x build/malleus ]] || scripts/build.sh
 compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
 out=${BENCH_OUT:-runs/bench-recompute}
@@ -43,8 +46,8 @@ plan full full
 
 # The stage-aware plan: a cluster of two cores whose memory is halfway between what the plain
 # run and the fully recomputing run need on their fullest rank, so the plain plan does not fit.
-predicted() {  # predicted() PLAN: the cost model's bytes per rank, one line
-  build/malleus simulate --cluster "$out/cluster.json" "${shape[@]}" --plan "$1" --json |
+predicted() {  # predicted() PLAN [FLAGS]: the cost model's bytes per rank, one line
+  build/malleus simulate --cluster "$out/cluster.json" "${shape[@]}" --plan "$@" --json |
     python3 -c 'import json,sys; print(" ".join(str(d["memory_gib"] * 2**30) for d in json.load(sys.stdin)["devices"]))'
 }
 sed -e 's/"memory_gib": [0-9.]*/"memory_gib": 1000/' configs/clusters/cpu-core.json > "$out/cluster.json"
@@ -55,15 +58,25 @@ build/malleus plan --cluster "$out/cluster.json" "${shape[@]}" --strategy unifor
   --out "$out/stage-aware.json" | grep -v "^wrote"
 echo "memory budget per rank: $budget GiB"
 
-for mode in none selective full stage-aware; do
-  predicted "$out/$mode.json" > "$out/$mode.predicted"
+modes=(none selective full stage-aware selective-shifted full-shifted)
+for mode in "${modes[@]}"; do
+  base=${mode%-shifted}
+  flags=()
+  [[ $mode == *-shifted ]] && flags=(--shifted-recompute)
+  predicted "$out/$base.json" "${flags[@]}" > "$out/$mode.predicted"
   mkdir -p "$out/$mode"
-  for i in $(seq "$runs"); do
-    echo "== $mode, run $i"
+done
+for i in $(seq "$runs"); do
+  for mode in "${modes[@]}"; do
+    base=${mode%-shifted}
+    flags=(--no-shifted-recompute)
+    [[ $mode == *-shifted ]] && flags=(--shifted-recompute)
+    echo "== $mode, run $i ($(cut -d' ' -f1-3 /proc/loadavg))"
     timeout 1800 mpirun --bind-to core --map-by core -np 2 build/malleus train "${shape[@]}" \
       --steps "$steps" --threads 1 --no-replan --eval-every 0 --checkpoint-every 0 --val-data "" \
-      --plan "$out/$mode.json" --out "$out/$mode/run$i" > "$out/$mode/run$i.log" 2>&1 ||
+      --plan "$out/$base.json" "${flags[@]}" --out "$out/$mode/run$i" > "$out/$mode/run$i.log" 2>&1 ||
       { cat "$out/$mode/run$i.log"; exit 1; }
   done
 done
-python3 bench/recompute_summary.py "$out" none selective full stage-aware
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+python3 bench/recompute_summary.py "$out" "${modes[@]}"

@@ -191,6 +191,60 @@ TEST(CostModel, OneFOneBClosedForm) {
   EXPECT_DOUBLE_EQ(CostModel::pipeline_time(stages, 0).time, 0.0);
 }
 
+// The shifted schedule: a stage before the last recomputes (here 1 of its backward's 3) before its
+// gradient arrives. Its own work per micro-batch is the same, so the period too; the first
+// micro-batch's trip loses the recomputation, which hides in the wait for the first gradient.
+TEST(CostModel, ShiftedRecomputationHidesInTheWaitForTheFirstGradient) {
+  std::vector<plan::StagePrediction> stages(2);
+  for (auto& s : stages) s.cost.forward = 1, s.cost.backward = 2;
+  stages[0].cost.backward = 3;
+  stages[0].cost.recompute_time = 1;
+  const auto in_backward = CostModel::pipeline_time(stages, 4);
+  EXPECT_DOUBLE_EQ(in_backward.first_micro_batch, 7.0);
+  EXPECT_DOUBLE_EQ(in_backward.period, 4.0);
+  stages[0].cost.recompute_ahead = true;
+  const auto shifted = CostModel::pipeline_time(stages, 4);
+  EXPECT_DOUBLE_EQ(shifted.first_micro_batch, 6.0);
+  EXPECT_DOUBLE_EQ(shifted.period, 4.0);
+  EXPECT_DOUBLE_EQ(shifted.time, in_backward.time - 1);
+  // Hidden only up to the wait: a recomputation longer than the stages below take shows.
+  stages[0].cost.backward = 2 + 5;
+  stages[0].cost.recompute_time = 5;
+  const double wait = 3 - 1;  // stage 1's F + B, less stage 0's warm-up forward
+  EXPECT_DOUBLE_EQ(CostModel::pipeline_time(stages, 4).first_micro_batch, (1 + 7) + 3 - wait);
+  // The last stage has no gradient to wait for: recomputation there is never ahead.
+  stages = std::vector<plan::StagePrediction>(2);
+  for (auto& s : stages) s.cost.forward = 1, s.cost.backward = 3, s.cost.recompute_time = 1;
+  stages[1].cost.recompute_ahead = true;
+  EXPECT_DOUBLE_EQ(CostModel::pipeline_time(stages, 4).first_micro_batch, 8.0);
+
+  // Through predict: a pp2 plan recomputing fully on both stages. With the shifted schedule the
+  // first stage holds a scratch per recomputing layer (more memory), the last stage the same; the
+  // iteration is faster by at most the first stage's recomputation of one micro-batch.
+  CostModel cost = a800_70b();
+  plan::Plan plan = plan::uniform_plan(cost.model(), 1, 8, 2, 64, 1, 64);
+  for (auto& s : plan.pipelines[0].stages) s.recompute = {model::RecomputeMode::kFull, 4};
+  const auto before = cost.predict(plan, plan::Rates(64, 1.0), false);
+  const auto before_memory = cost.memory_by_kind(plan);
+  cost.set_shifted_recompute(true);
+  const auto after = cost.predict(plan, plan::Rates(64, 1.0), false);
+  const auto after_memory = cost.memory_by_kind(plan);
+  const auto& first = after.pipelines[0].stages[0].cost;
+  EXPECT_TRUE(first.recompute_ahead);
+  EXPECT_FALSE(after.pipelines[0].stages[1].cost.recompute_ahead);
+  EXPECT_GT(first.recompute_time, 0);
+  EXPECT_LT(after.iteration_time, before.iteration_time);
+  EXPECT_GE(after.iteration_time, before.iteration_time - first.recompute_time - 1e-12);
+  const int first_rank = plan.pipelines[0].stages[0].ranks[0];
+  const int last_rank = plan.pipelines[0].stages[1].ranks[0];
+  EXPECT_GT(after_memory[size_t(first_rank)].activations,
+            before_memory[size_t(first_rank)].activations);
+  EXPECT_DOUBLE_EQ(after_memory[size_t(last_rank)].activations,
+                   before_memory[size_t(last_rank)].activations);
+  EXPECT_DOUBLE_EQ(after.memory_bytes[size_t(first_rank)],
+                   after_memory[size_t(first_rank)].total());
+}
+
 TEST(CostModel, PredictUniformPlanAndStragglers) {
   const CostModel cost = a800_70b();
   const auto plan = plan::uniform_plan(cost.model(), 2, 8, 4, 64, 1, 64);

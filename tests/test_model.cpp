@@ -191,6 +191,76 @@ TEST(Model, RecomputationGivesBitIdenticalLossesAndGradients) {
   }
 }
 
+// The shifted schedule's recomputation ahead of the backward (a scratch per recomputing block,
+// filled before the gradient is needed) gives the same bits as recomputing inside the backward,
+// whether or not a slot was recomputed ahead; it costs one scratch per recomputing block (what
+// such a block does not keep per slot).
+TEST(Model, RecomputationAheadGivesBitIdenticalLossesAndGradients) {
+  const auto config = small_config();
+  const int micro = 2, seq = 6;
+  auto backend = backend::make_cpu_backend<float>(1);
+  const Batch first = random_batch(config, micro, seq, 3),
+              second = random_batch(config, micro, seq, 4);
+  auto run = [&](model::Recompute recompute, bool ahead) {
+    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, micro, seq, 2,
+                                nullptr, recompute, ahead);
+    m.init_parameters(5);
+    m.zero_grads();
+    std::vector<double> losses;
+    losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
+    losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
+    if (ahead) m.recompute_ahead(0);
+    m.backward(0, 0.01f);
+    // The second slot without recomputation ahead: the backward recomputes as usual.
+    m.backward(1, 0.01f);
+    // Again, both ahead, the later slot first (its scratch is filled, then the earlier one's
+    // replaces it only after the backward that used it).
+    losses.push_back(m.forward(0, second.inputs.data(), second.targets.data()));
+    losses.push_back(m.forward(1, first.inputs.data(), first.targets.data()));
+    if (ahead) m.recompute_ahead(1);
+    m.backward(1, 0.01f);
+    if (ahead) m.recompute_ahead(0);
+    m.backward(0, 0.01f);
+    std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
+    backend->copy_to_host(grads.data(), m.grads(), grads.size());
+    return std::make_pair(losses, grads);
+  };
+  using model::RecomputeMode;
+  for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+    for (int layers = 1; layers <= config.num_layers; ++layers) {
+      const auto inline_run = run({mode, layers}, false);
+      const auto ahead_run = run({mode, layers}, true);
+      EXPECT_EQ(ahead_run.first, inline_run.first)
+          << model::recompute_mode_name(mode) << " " << layers;
+      EXPECT_EQ(ahead_run.second, inline_run.second)
+          << model::recompute_mode_name(mode) << " " << layers;
+    }
+  }
+  // Memory: a scratch per recomputing block instead of one.
+  auto activations = [&](model::Recompute recompute, bool ahead) {
+    const auto before = backend::memory_ledger().current()[backend::MemoryKind::kActivations];
+    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, 2, 8, 2, nullptr,
+                                recompute, ahead);
+    return backend::memory_ledger().current()[backend::MemoryKind::kActivations] - before;
+  };
+  for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+    const int64_t one = activations({mode, 1}, false), two = activations({mode, 2}, false),
+                  one_ahead = activations({mode, 1}, true),
+                  two_ahead = activations({mode, 2}, true);
+    EXPECT_EQ(one_ahead, one);  // one recomputing block: one scratch either way
+    EXPECT_GT(two_ahead, two);
+    // The second block's scratch is what a recomputing block stops keeping per slot (two slots).
+    EXPECT_EQ(two_ahead - two, (one - two) / 2) << model::recompute_mode_name(mode);
+  }
+  EXPECT_THROW(
+      {
+        model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, 2, 8, 2,
+                                    nullptr, {RecomputeMode::kFull, 1}, false);
+        m.recompute_ahead(0);
+      },
+      Error);
+}
+
 // What a slot keeps shrinks with the mode: selective drops the attention core, full all but each
 // layer's input; the memory ledger sees it.
 TEST(Model, RecomputationKeepsLessActivationMemory) {

@@ -451,6 +451,85 @@ TEST(Runtime, RecomputationTrainsLikeKeepingActivations) {
   if (world.rank() == 0) fs::remove_all(dir);
 }
 
+// The shifted critical path (Merak): stages before the last recompute a micro-batch's forward
+// while its gradient is on its way instead of inside the backward. The same operations on the
+// same inputs in another order, so bit-identical losses and parameters, on pp2 and pp4, with
+// selective and full recomputation (no gradient clipping: the global norm is summed over ranks
+// in an order MPI chooses, the one part of a step whose bits may vary from run to run).
+TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
+  Communicator world = Communicator::world();
+  if (world.size() != 2 && world.size() != 4) GTEST_SKIP() << "pp2 and pp4 plans";
+  const fs::path dir = shared_dir(world);
+  train::TrainConfig base = base_config(dir);
+  base.grad_clip = 0;
+  std::vector<std::string> stage_lists;
+  if (world.size() == 2) {
+    stage_lists = {
+        R"({"layers": [0, 3], "ranks": [0], "recompute": "selective"},
+           {"layers": [3, 4], "ranks": [1], "recompute": "selective"})",
+        R"({"layers": [0, 2], "ranks": [1], "recompute": "full"},
+           {"layers": [2, 4], "ranks": [0], "recompute": "full", "recompute_layers": 1})",
+        R"({"layers": [0, 3], "ranks": [0], "recompute": "full", "recompute_layers": 2},
+           {"layers": [3, 4], "ranks": [1]})"};
+  } else {
+    stage_lists = {
+        R"({"layers": [0, 1], "ranks": [0], "recompute": "selective"},
+           {"layers": [1, 2], "ranks": [1], "recompute": "selective"},
+           {"layers": [2, 3], "ranks": [2], "recompute": "selective"},
+           {"layers": [3, 4], "ranks": [3], "recompute": "selective"})",
+        R"({"layers": [0, 1], "ranks": [3], "recompute": "full"},
+           {"layers": [1, 2], "ranks": [2], "recompute": "full"},
+           {"layers": [2, 3], "ranks": [1], "recompute": "selective"},
+           {"layers": [3, 4], "ranks": [0], "recompute": "full"})"};
+  }
+  struct Run {
+    TrainingRun training;
+    std::vector<double> ahead_s;  // per rank, summed over the steps
+  };
+  auto run = [&](const std::string& name, const std::string& stage_list, bool shifted) {
+    train::TrainConfig config = base;
+    config.shifted_recompute = shifted;
+    const std::string text = R"({"world_size": )" + std::to_string(world.size()) +
+                             R"(, "pipelines": [{"micro_batches": 8, "stages": [)" + stage_list +
+                             "]}]}";
+    config.plan =
+        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
+    world.barrier();
+    train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
+    Run result;
+    result.ahead_s.assign(size_t(world.size()), 0.0);
+    for (int s = 0; s < 4; ++s) {
+      const train::StepStats step = trainer.train_step();
+      result.training.losses.push_back(step.loss);
+      for (size_t r = 0; r < step.recompute_ahead_s.size(); ++r)
+        result.ahead_s[r] += step.recompute_ahead_s[r];
+    }
+    result.training.params = trainer.snapshot().params;
+    return result;
+  };
+  for (size_t i = 0; i < stage_lists.size(); ++i) {
+    const Run in_backward = run("backward" + std::to_string(i), stage_lists[i], false);
+    const Run shifted = run("shifted" + std::to_string(i), stage_lists[i], true);
+    if (world.rank() != 0) continue;
+    EXPECT_EQ(shifted.training.losses, in_backward.training.losses) << stage_lists[i];
+    EXPECT_EQ(shifted.training.params, in_backward.training.params) << stage_lists[i];
+    // Only stages before the last that recompute do it ahead; nothing without the option.
+    const plan::Plan plan =
+        plan::Plan::from_json(read_json_file(dir / ("shifted" + std::to_string(i) + ".json")),
+                              malleus::testing::parallel_test_model(), "plan");
+    const auto& stages = plan.pipelines[0].stages;
+    for (size_t j = 0; j < stages.size(); ++j) {
+      for (int r : stages[j].ranks) {
+        const bool ahead = j + 1 < stages.size() && stages[j].recompute.layers > 0;
+        EXPECT_EQ(shifted.ahead_s[size_t(r)] > 0, ahead) << stage_lists[i] << " rank " << r;
+        EXPECT_EQ(in_backward.ahead_s[size_t(r)], 0.0) << stage_lists[i] << " rank " << r;
+      }
+    }
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
 // Memory truth: the cost model's per-rank prediction (one formula, parameterised by the plan's
 // recomputation) against what each rank's runtime allocated at its peak during a step, kind by
 // kind (backend::memory_ledger, as metrics.jsonl records it). Within 10 % of the total for every
@@ -492,11 +571,17 @@ TEST(Runtime, PredictedMemoryMatchesWhatEachRankAllocates) {
   const auto model = malleus::testing::parallel_test_model();
   plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
   cluster.devices_per_node = world.size();
-  const plan::CostModel cost(
+  plan::CostModel cost(
       model, cluster,
       plan::BatchConfig{base.global_batch_size, base.micro_batch_size, base.seq_len});
+  // Every plan with the recomputation inside the backward, then the recomputing ones again under
+  // the shifted schedule (a scratch per recomputing layer on stages before the last).
+  const size_t plain_plans = plans.size();
+  for (size_t i = 1; i < plain_plans; ++i) plans.push_back(plans[i]);
   for (size_t i = 0; i < plans.size(); ++i) {
     train::TrainConfig config = base;
+    config.shifted_recompute = i >= plain_plans;
+    cost.set_shifted_recompute(config.shifted_recompute);
     const std::string name = "memory" + std::to_string(i);
     config.plan =
         world.rank() == 0 ? write_plan(dir, name, plans[i]) : (dir / (name + ".json")).string();

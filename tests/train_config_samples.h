@@ -34,6 +34,7 @@ inline Json every_field_changed() {
               {"async_checkpoints", false},
               {"out_dir", "runs/other"},
               {"threads", 1},
+              {"shifted_recompute", true},
               {"plan", "p.json"},
               {"dp", 2},
               {"tp", 2},

@@ -37,7 +37,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 struct SetupArgs {
   std::string cluster, model, rates, link_rates, profile, base;
   int nodes = 0, global_batch = 64, micro_batch = 1, seq_len = 0;
-  bool json = false;
+  bool json = false, shifted_recompute = false;
 
   void add_to(CLI::App& app, bool need_cluster) {
     auto* c = app.add_option("--cluster", cluster,
@@ -62,6 +62,9 @@ struct SetupArgs {
                    "The baselines' uniform shape, e.g. dp2,tp8,pp4 (default: the best uniform "
                    "shape of a healthy cluster)");
     app.add_flag("--json", json, "Print one JSON object instead of text");
+    app.add_flag("--shifted-recompute,!--no-shifted-recompute", shifted_recompute,
+                 "The runtime recomputes ahead of the gradient (the training option of that "
+                 "name): memory and time with it");
   }
 
   plan::CostModel cost_model() const {
@@ -76,7 +79,9 @@ struct SetupArgs {
     batch.validate("command line");
     std::optional<plan::Profile> p;
     if (!profile.empty()) p = plan::Profile::from_json(read_json_file(profile), profile);
-    return plan::CostModel(m, c, batch, p);
+    plan::CostModel cost(m, c, batch, p);
+    cost.set_shifted_recompute(shifted_recompute);
+    return cost;
   }
   plan::Shape shape() const { return base.empty() ? plan::Shape{} : plan::Shape::parse(base); }
 };

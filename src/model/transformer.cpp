@@ -48,7 +48,7 @@ Transformer<T>::Transformer(const ModelConfig& config, backend::Backend<T>& back
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
                             backend::Backend<T>& backend, int micro_batch, int seq_len, int slots,
-                            TensorParallelGroup<T>* tp, Recompute recompute)
+                            TensorParallelGroup<T>* tp, Recompute recompute, bool recompute_ahead)
     : config_(config),
       layout_(config, shard),
       backend_(backend),
@@ -59,7 +59,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
       kv_heads_(shard.kv_heads(config)),
       ffn_(shard.ffn),
       vocab_(shard.vocab),
-      recompute_(recompute) {
+      recompute_(recompute),
+      recompute_ahead_(recompute_ahead) {
   config_.validate("model \"" + config.name + "\"");
   check(micro_batch > 0, "micro-batch size must be positive");
   check(slots > 0, "a model shard needs at least one activation slot");
@@ -115,14 +116,19 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
     }
     slots_.push_back(std::move(slot));
   }
-  // What a recomputing block computes again lives here, once for all slots.
-  if (recompute_.layers > 0 && recompute_.mode == RecomputeMode::kFull) {
-    recomputed_ = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv),
-                   buf(probs), buf(n * q), buf(n * c), buf(n * c),  buf(n),
-                   buf(n * f), buf(n * f), buf(n * f)};
-  } else if (recompute_.layers > 0) {
-    recomputed_.probs = buf(probs);
-    recomputed_.attn = buf(n * q);
+  // What a recomputing block computes again lives here, once for all slots (and all blocks,
+  // unless they are recomputed ahead).
+  const int scratch_blocks = recompute_.layers == 0 ? 0 : recompute_ahead ? recompute_.layers : 1;
+  for (int b = 0; b < scratch_blocks; ++b) {
+    BlockActivations a;
+    if (recompute_.mode == RecomputeMode::kFull) {
+      a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(probs), buf(n * q),
+           buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+    } else {
+      a.probs = buf(probs);
+      a.attn = buf(n * q);
+    }
+    recomputed_.push_back(std::move(a));
   }
   dres_ = buf(n * c, MemoryKind::kWorkspace);
   dnorm_ = buf(n * c, MemoryKind::kWorkspace);
@@ -270,8 +276,10 @@ void Transformer<T>::backward(int slot_index, T loss_scale) {
   Slot& slot = slots_.at(slot_index);
   const ShardSpec& shard = layout_.shard();
   if (shard.has_head) head_backward(slot, loss_scale);
+  const bool recomputed = recomputed_slot_ == slot_index;
+  recomputed_slot_ = -1;
   for (int b = static_cast<int>(slot.blocks.size()) - 1; b >= 0; --b) {
-    block_backward(slot, b, slot.residual[static_cast<size_t>(b)].data(), dres_.data());
+    block_backward(slot, b, slot.residual[static_cast<size_t>(b)].data(), dres_.data(), recomputed);
   }
   if (shard.has_embedding) {
     backend_.embedding_backward(grad(layout_.embedding()), dres_.data(), slot.inputs.data(),
@@ -310,11 +318,34 @@ typename Transformer<T>::BlockPointers Transformer<T>::pointers(BlockActivations
 template <typename T>
 typename Transformer<T>::BlockPointers Transformer<T>::block_storage(Slot& slot, int index) {
   if (!recompute_.recomputes(index)) return pointers(slot.blocks[static_cast<size_t>(index)]);
-  if (recompute_.mode == RecomputeMode::kFull) return pointers(recomputed_);
+  BlockActivations& scratch = recomputed_[recompute_ahead_ ? static_cast<size_t>(index) : 0];
+  if (recompute_.mode == RecomputeMode::kFull) return pointers(scratch);
   BlockPointers a = pointers(slot.blocks[static_cast<size_t>(index)]);
-  a.probs = recomputed_.probs.data();
-  a.attn = recomputed_.attn.data();
+  a.probs = scratch.probs.data();
+  a.attn = scratch.attn.data();
   return a;
+}
+
+template <typename T>
+void Transformer<T>::recompute_ahead(int slot_index) {
+  check(recompute_ahead_, "recompute_ahead: the shard was built without a scratch per block");
+  Slot& slot = slots_.at(slot_index);
+  for (int b = 0; b < recompute_.layers; ++b) {
+    block_recompute(block_storage(slot, b), b, slot.residual[static_cast<size_t>(b)].data());
+  }
+  recomputed_slot_ = slot_index;
+}
+
+// Recomputation: the same operations on the same inputs as the forward, so the same values.
+template <typename T>
+void Transformer<T>::block_recompute(const BlockPointers& a, int index, const T* x) {
+  if (!recompute_.recomputes(index)) return;
+  if (recompute_.mode == RecomputeMode::kFull) {
+    block_forward(a, index, x, nullptr, Positions{micro_batch_, seq_len_, 0, a.k, a.v});
+  } else {
+    backend_.attention_forward(a.attn, a.probs, a.q, a.k, a.v, micro_batch_, seq_len_, 0, heads_,
+                               kv_heads_, config_.head_dim());
+  }
 }
 
 template <typename T>
@@ -358,20 +389,14 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
 // every rank of the group: the partial input gradients of the column-parallel matmuls are summed
 // before the (replicated) norms.
 template <typename T>
-void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres) {
+void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres, bool recomputed) {
   auto& be = backend_;
   const BlockPointers a = block_storage(slot, index);
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
   const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
   const size_t nc = static_cast<size_t>(n) * c;
-  // Recomputation: the same operations on the same inputs as the forward, so the same values.
-  if (recompute_.recomputes(index) && recompute_.mode == RecomputeMode::kFull) {
-    block_forward(a, index, x, nullptr, Positions{micro_batch_, seq_len_, 0, a.k, a.v});
-  } else if (recompute_.recomputes(index)) {
-    be.attention_forward(a.attn, a.probs, a.q, a.k, a.v, micro_batch_, seq_len_, 0, heads_,
-                         kv_heads_, hd);
-  }
+  if (!recomputed) block_recompute(a, index, x);
 
   // MLP branch: out = mid + down(silu(gate(ln2)) * up(ln2)).
   be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act, param(w.down_proj), n, ffn_, c);

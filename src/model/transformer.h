@@ -10,7 +10,8 @@
 // Activations are kept per "slot", so a pipeline stage can hold several micro-batches in flight
 // (1F1B keeps up to pipeline depth − stage index of them). With recomputation (model/recompute.h)
 // a slot keeps less of its recomputing blocks, and one scratch block (shared by all slots, as
-// only one block runs at a time) holds what is computed again.
+// only one block runs at a time) holds what is computed again; or, to recompute a micro-batch
+// ahead of its backward (the shifted schedule), one scratch block per recomputing block.
 //
 // Inference (forward_cached) runs the same layer code on one sequence, keeping every layer's keys
 // and values so that each new token costs one position instead of the whole sequence again.
@@ -34,10 +35,11 @@ class Transformer {
   Transformer(const ModelConfig& config, backend::Backend<T>& backend, int micro_batch,
               int seq_len);
   // One shard. `tp` may be null when the shard holds all heads, FFN columns and vocabulary rows.
-  // `recompute.layers` is at most the shard's block count.
+  // `recompute.layers` is at most the shard's block count. `recompute_ahead`: every recomputing
+  // block gets its own scratch, so recompute_ahead() can recompute them all before backward().
   Transformer(const ModelConfig& config, const ShardSpec& shard, backend::Backend<T>& backend,
               int micro_batch, int seq_len, int slots, TensorParallelGroup<T>* tp,
-              Recompute recompute = {});
+              Recompute recompute = {}, bool recompute_ahead = false);
 
   const ModelConfig& config() const { return config_; }
   const ShardSpec& shard() const { return layout_.shard(); }
@@ -71,6 +73,12 @@ class Transformer {
   // ACCUMULATE into grads(). Without the head, output_grad() must hold dLoss/d(stage output).
   // Afterwards input_grad() holds dLoss/d(stage input) (when the shard has no embedding).
   void backward(int slot, T loss_scale);
+  // What the recomputing blocks of the micro-batch in `slot` recompute for its backward, done
+  // now (the shifted critical path: while the gradient from the next stage is on its way); the
+  // next backward(slot) then skips it. Needs `recompute_ahead`; nothing to do without
+  // recomputation. The same operations on the same inputs, so the same values.
+  void recompute_ahead(int slot);
+  bool recomputes_ahead() const { return recompute_ahead_; }
 
   T* input_activation(int slot);         // [micro_batch × seq_len × hidden]
   const T* output_activation(int slot);  // same shape
@@ -130,7 +138,9 @@ class Transformer {
   // With `out` null, stops before the MLP's output projection: all that backward needs (full
   // recomputation).
   void block_forward(const BlockPointers& a, int index, const T* x, T* out, const Positions& at);
-  void block_backward(Slot& slot, int index, const T* x, T* dres);
+  // The part of block `index`'s forward that its recomputation repeats, into `a`.
+  void block_recompute(const BlockPointers& a, int index, const T* x);
+  void block_backward(Slot& slot, int index, const T* x, T* dres, bool recomputed);
   // Final norm and this shard's logits for n rows of the stage output x.
   void head_logits(Slot& slot, const T* x, int n);
   double head_forward(Slot& slot);
@@ -143,10 +153,14 @@ class Transformer {
   int micro_batch_, seq_len_;
   int heads_, kv_heads_, ffn_, vocab_;  // this shard's shares
   Recompute recompute_;
+  bool recompute_ahead_ = false;
+  int recomputed_slot_ = -1;  // the slot recompute_ahead() last filled, until its backward
 
   backend::Buffer<T> params_, grads_;
   std::vector<Slot> slots_;
-  BlockActivations recomputed_;  // the block being recomputed (only the parts that are)
+  // The block being recomputed (only the parts that are): one for all recomputing blocks, or one
+  // each with recompute_ahead.
+  std::vector<BlockActivations> recomputed_;
   // Per block, keys and values of the cached sequence [seq_len × kv heads × head_dim]; allocated
   // by the first forward_cached.
   std::vector<backend::Buffer<T>> k_cache_, v_cache_;

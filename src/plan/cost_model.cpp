@@ -127,7 +127,7 @@ void MemoryFootprint::include(const MemoryFootprint& o) {
 }
 
 MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
-                     const model::Recompute& recompute, bool synced) {
+                     const model::Recompute& recompute, bool synced, bool recompute_ahead) {
   MemoryUse use;
   const double params =
       layers * f.params_per_layer + (first ? f.embedding_params : 0) + (last ? f.head_params : 0);
@@ -140,7 +140,8 @@ MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last
   const double per_micro_batch = (layers - recomputed) * f.layer_kept[0] +
                                  recomputed * f.layer_kept[mode] + f.stage_output +
                                  (first ? f.embedding_inputs : 0) + (last ? f.head_kept : 0);
-  use.activations = in_flight * per_micro_batch + (recomputed > 0 ? f.recompute_scratch[mode] : 0);
+  const int scratch_layers = recomputed == 0 ? 0 : recompute_ahead ? recomputed : 1;
+  use.activations = in_flight * per_micro_batch + scratch_layers * f.recompute_scratch[mode];
   use.workspace = f.layer_workspace + (last ? f.head_workspace : 0);
   // The runtime packs gradients in fp32 (gradient_bytes per element).
   const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
@@ -357,7 +358,8 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
   auto memory = [&](const model::Recompute& r) {
-    return memory_use(g.memory, layers, first, last, n, r, synced).total();
+    return memory_use(g.memory, layers, first, last, n, r, synced, shifted_recompute_ && !last)
+        .total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),
   // or the layer's forward up to the MLP output with the attention all-reduce (full).
@@ -387,6 +389,8 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   }
   if (chosen.mode == RecomputeMode::kNone) chosen.layers = 0;
   c.recompute = chosen;
+  c.recompute_time = extra_time(chosen);
+  c.recompute_ahead = shifted_recompute_ && !last && chosen.layers > 0;
   c.memory_bytes = memory(chosen);
   c.fits = c.memory_bytes <= cap;
   const double layer_fwd = g.layer_forward + 2 * g.layer_comm;
@@ -404,12 +408,20 @@ PipelinePrediction CostModel::pipeline_time(std::vector<StagePrediction> stages,
   p.stages = std::move(stages);
   const size_t S = p.stages.size();
   if (S == 0 || micro_batches <= 0) return p;
-  double suffix = 0;
+  // suffix: the first micro-batch's trip from stage i down and back; round_trip: a steady-state
+  // micro-batch's, both without the recomputation done ahead of the gradient.
+  double suffix = 0, round_trip = 0;
   for (size_t i = S; i-- > 0;) {
     const auto& s = p.stages[i];
     const double work = s.cost.forward + s.cost.backward;
-    suffix += work + (i + 1 < S ? 2 * s.p2p_next : 0);
-    p.period = std::max({p.period, work, suffix / static_cast<double>(S - i)});
+    const double trip_below = i + 1 < S ? suffix + 2 * s.p2p_next : 0;
+    const double ahead = s.cost.recompute_ahead && i + 1 < S ? s.cost.recompute_time : 0;
+    // Waiting for its first gradient, the stage has run its warm-up forwards.
+    const int warmup = std::min(static_cast<int>(S - i), micro_batches) - 1;
+    const double wait = std::max(0.0, trip_below - warmup * s.cost.forward);
+    suffix = work - std::min(ahead, wait) + trip_below;
+    round_trip += work - ahead + (i + 1 < S ? 2 * s.p2p_next : 0);
+    p.period = std::max({p.period, work, round_trip / static_cast<double>(S - i)});
   }
   p.first_micro_batch = suffix;
   p.time = suffix + (micro_batches > 1 ? (micro_batches - 1) * p.period : 0.0);
@@ -486,7 +498,7 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P > 1)
+                       P > 1, shifted_recompute_ && !last)
                 .total();
       }
     }
@@ -546,8 +558,9 @@ std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
       for (size_t i = 0; i < s.ranks.size(); ++i) {
         const int r = s.ranks[i];
         if (r < 0 || r >= plan.world_size) continue;
-        out[static_cast<size_t>(r)] = memory_use(footprint(s, i), s.num_layers(), j == 0,
-                                                 j == S - 1, in_flight, s.recompute, synced);
+        out[static_cast<size_t>(r)] =
+            memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
+                       synced, shifted_recompute_ && j < S - 1);
       }
     }
   }

@@ -14,6 +14,10 @@
 //   T = Σ_s (F_s + B_s) + 2·Σ_s d_s + (m − 1)·period,
 //   period = max_s max(F_s + B_s, (Σ_{k≥s} (F_k + B_k) + 2·Σ_{s≤k<S−1} d_k) / (S − s))
 // (the second term is the round trip of the S − s micro-batches in flight below stage s).
+// Under the shifted schedule a stage before the last recomputes a micro-batch (R_s, part of B_s)
+// before its gradient arrives: R_s leaves the round trips (not the stage's own F_s + B_s), and
+// in the first micro-batch's trip it hides in the wait for the first gradient, up to that wait
+// (what the stages below take, less the stage's own warm-up forwards).
 // A slow link (ClusterSpec::link_rates) divides the inter-node bandwidth of every transfer through
 // it: P2P hand-offs, TP and gradient-sync rings whose members span its node.
 // Iteration = max over pipelines + gradient sync across pipelines (every rank all-reduces the
@@ -30,9 +34,10 @@
 // last; the backward workspace shared by all micro-batches; the gradient-sync packing buffer.
 // Recomputation (model/recompute.h) keeps less per layer: selective drops the attention scores
 // and output, full keeps only the layer's input; what is recomputed lives in one scratch layer
-// per stage. Each stage that does not fit gets the cheapest recomputation that makes it fit
-// (stage-aware, as Merak): selective costs the attention core's forward per layer, full the
-// layer's forward and one all-reduce.
+// per stage (per recomputing layer on stages before the last under the shifted schedule, which
+// recomputes a micro-batch's layers all at once before its backward). Each stage that does not fit
+// gets the cheapest recomputation that makes it fit (stage-aware, as Merak): selective costs the
+// attention core's forward per layer, full the layer's forward and one all-reduce.
 #pragma once
 
 #include <optional>
@@ -103,9 +108,11 @@ struct MemoryUse {
 // A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
 // `recompute` applied to its first layers; `synced`: the plan has more than one pipeline, so the
 // rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise the pack
-// buffer only ever holds one tensor, for the gradient norm).
+// buffer only ever holds one tensor, for the gradient norm). `recompute_ahead`: the stage
+// recomputes ahead of its backward (the shifted schedule), with a scratch per recomputing layer.
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
-                     int in_flight, const model::Recompute& recompute, bool synced);
+                     int in_flight, const model::Recompute& recompute, bool synced,
+                     bool recompute_ahead = false);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step
@@ -145,6 +152,8 @@ struct StageCost {
   double forward = 0, backward = 0;  // per micro-batch, TP communication and recomputation in
   double comm = 0;                   // the part of forward + backward spent in TP all-reduces
   model::Recompute recompute;        // as planned, or chosen to fit
+  double recompute_time = 0;         // the part of backward that recomputes
+  bool recompute_ahead = false;      // done before the gradient arrives (shifted schedule)
   double memory_bytes = 0;           // the fullest rank
   bool fits = true;
 };
@@ -157,7 +166,7 @@ struct StagePrediction {
 struct PipelinePrediction {
   double time = 0;               // first forward to last backward
   double period = 0;             // steady-state time per micro-batch
-  double first_micro_batch = 0;  // Σ (F + B) + 2 Σ p2p: the pipeline's time for m = 1
+  double first_micro_batch = 0;  // Σ (F + B) + 2 Σ p2p, less hidden recomputation: m = 1
   std::vector<StagePrediction> stages;
 };
 
@@ -181,6 +190,10 @@ class CostModel {
   // stage recomputes only what its plan says (the experiments' "without recomputation").
   void allow_recompute(bool allowed) { recompute_allowed_ = allowed; }
   bool recompute_allowed() const { return recompute_allowed_; }
+  // Whether the runtime runs the shifted schedule (runtime::EngineOptions::shifted_recompute):
+  // stages before the last then hold a recomputation scratch per recomputing layer.
+  void set_shifted_recompute(bool shifted) { shifted_recompute_ = shifted; }
+  bool shifted_recompute() const { return shifted_recompute_; }
   // This model on the same cluster whose nodes' links are `link_rates` times slower
   // (ClusterSpec::link_rates; empty: all healthy). Throws Error for a rate below 1.
   CostModel with_link_rates(std::vector<double> link_rates) const;
@@ -239,6 +252,7 @@ class CostModel {
   BatchConfig batch_;
   std::optional<Profile> profile_;
   bool recompute_allowed_ = true;
+  bool shifted_recompute_ = false;
   double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
   double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
 };

@@ -65,7 +65,8 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
                                      state_->pipeline().micro_batches);
   model_ = std::make_unique<model::Transformer<float>>(
       model, *state_->shard(), *backend_, plan.micro_batch_size, options.seq_len, slots,
-      state_->tensor_parallel(), state_->stage().recompute);
+      state_->tensor_parallel(), state_->stage().recompute,
+      options.shifted_recompute && !state_->last_stage());
   optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout(), options.adamw);
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
@@ -165,6 +166,13 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
         if (!st.last_stage()) {
           comm::Request gradient = world.irecv(model_->output_grad(), activation_bytes(),
                                                st.next_stage_ranks().front(), backward_tag(j));
+          if (model_->recomputes_ahead() && model_->recompute().layers > 0) {
+            // The shifted critical path: recompute while the gradient is on its way.
+            const double seconds = timed([&] { model_->recompute_ahead(slot); }, slowdown);
+            result.compute_seconds += seconds;
+            result.recompute_ahead_seconds += seconds;
+            if (!gradient.test()) result.recompute_overlapped_seconds += seconds;
+          }
           wait(gradient, lease());
         }
         result.compute_seconds += timed([&] { model_->backward(slot, loss_scale); }, slowdown);
@@ -188,9 +196,10 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   // (each rank fills its own slots), so monitoring costs no extra round of communication.
   const size_t ranks = static_cast<size_t>(world.size());
   // Per rank: compute time and FLOPs, then link time and bytes, then peak memory by kind and in
-  // total.
+  // total, then recomputation ahead and its part overlapped.
   constexpr size_t kMemoryFields = backend::kMemoryKinds + 1;
-  std::vector<double> shared(2 + 4 * ranks + kMemoryFields * ranks, 0.0);
+  const size_t recompute_at = 2 + 4 * ranks + kMemoryFields * ranks;
+  std::vector<double> shared(recompute_at + 2 * ranks, 0.0);
   shared[0] = loss_sum;
   {
     // Packing gradients and summing squares is computing too: on a shared core, in turn.
@@ -211,6 +220,8 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     for (size_t k = 0; k < peak.bytes.size(); ++k) memory[k] = double(peak.bytes[k]);
     memory[backend::kMemoryKinds] = double(backend::memory_ledger().peak_total());
   }
+  shared[recompute_at + 2 * me] = result.recompute_ahead_seconds;
+  shared[recompute_at + 2 * me + 1] = result.recompute_overlapped_seconds;
   all_reduce_sum(world, shared.data(), shared.size(), lease());
   result.loss = shared[0] / static_cast<double>(global_tokens);
   result.grad_norm = std::sqrt(shared[1]);
@@ -224,6 +235,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     result.peak_memory.push_back(figures);
     result.peak_memory_total.push_back(memory[backend::kMemoryKinds]);
   }
+  result.recompute_ahead_measurements.assign(shared.begin() + long(recompute_at), shared.end());
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (optimizer_) {

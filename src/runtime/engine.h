@@ -35,6 +35,12 @@ struct EngineOptions {
   // The host each rank runs on (host_indices(world)); gradient-sync collectives between hosts are
   // timed for the link monitor. Empty: one host, nothing timed.
   std::vector<int> hosts;
+  // The shifted critical path (Merak) for stages that recompute activations: a stage other than
+  // the last posts the receive of a micro-batch's output gradient, recomputes that micro-batch's
+  // forward, then waits, so the recomputation overlaps the wait instead of following it. Costs a
+  // scratch per recomputing layer instead of one per stage (plan::memory_use). The last stage
+  // recomputes in its backward as before: its gradient comes from its own loss, with no wait.
+  bool shifted_recompute = false;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.
@@ -62,6 +68,12 @@ struct StepResult {
   double link_seconds = 0, link_bytes = 0;
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> link_measurements;
+  // This rank's recomputation issued ahead of the gradient it waits for (shifted_recompute):
+  // its elapsed time, and the part of it done while the gradient had not yet arrived (a lower
+  // bound: recomputations the gradient did not arrive during count in full, the others not).
+  double recompute_ahead_seconds = 0, recompute_overlapped_seconds = 0;
+  // The two figures above of every rank, in rank order (gathered with the loss).
+  std::vector<double> recompute_ahead_measurements;
 };
 
 // What a migration to a new plan did: bytes sent between ranks (parameters and both Adam moments,

@@ -47,7 +47,7 @@ double SimResult::mean_utilisation() const {
 
 double simulate_pipeline(const std::vector<double>& forward, const std::vector<double>& backward,
                          const std::vector<double>& transfer, int m,
-                         std::vector<int>* peak_in_flight) {
+                         std::vector<int>* peak_in_flight, const std::vector<double>& ahead) {
   const int S = static_cast<int>(forward.size());
   if (S == 0 || m <= 0) return 0;
   for (int s = 0; s < S; ++s) {
@@ -91,8 +91,11 @@ double simulate_pipeline(const std::vector<double>& forward, const std::vector<d
         } else {
           ready = done_f[us][j];  // the last stage's own forward
         }
-        const double start = std::max(free_at[us], ready);
-        const double end = start + (op.backward ? backward[us] : forward[us]);
+        // Recomputation ahead runs once the stage is free; the rest of the backward once the
+        // gradient is there too.
+        const double early = op.backward && us < ahead.size() ? ahead[us] : 0;
+        const double start = std::max(free_at[us] + early, ready);
+        const double end = start + (op.backward ? backward[us] - early : forward[us]);
         (op.backward ? done_b : done_f)[us][j] = end;
         free_at[us] = end;
         in_flight[us] += op.backward ? -1 : 1;
@@ -121,14 +124,16 @@ SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const pl
   for (size_t i = 0; i < plan.pipelines.size(); ++i) {
     const auto& pipe = plan.pipelines[i];
     const auto& stages = pred.pipelines[i].stages;
-    std::vector<double> f, b, d;
-    for (const auto& s : stages) {
+    std::vector<double> f, b, d, ahead;
+    for (size_t j = 0; j < stages.size(); ++j) {
+      const auto& s = stages[j];
       f.push_back(s.cost.forward);
       b.push_back(s.cost.backward);
       d.push_back(s.p2p_next);
+      ahead.push_back(s.cost.recompute_ahead && j + 1 < stages.size() ? s.cost.recompute_time : 0);
     }
     std::vector<int> peak;
-    const double t = simulate_pipeline(f, b, d, pipe.micro_batches, &peak);
+    const double t = simulate_pipeline(f, b, d, pipe.micro_batches, &peak, ahead);
     out.pipeline_times.push_back(t);
     out.pipeline_time = std::max(out.pipeline_time, t);
     for (size_t j = 0; j < pipe.stages.size(); ++j) {

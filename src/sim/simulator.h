@@ -38,9 +38,12 @@ SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const pl
 
 // Finish time of one pipeline under 1F1B from per-stage forward, backward and transfer times
 // (transfer[s]: between stage s and s + 1, each way). Also fills each stage's busy time and the
-// most micro-batches it held at once when the pointers are given.
+// most micro-batches it held at once when the pointers are given. `ahead[s]` (empty: none): the
+// part of stage s's backward that it runs before the gradient arrives (the shifted schedule's
+// recomputation), as soon as the stage is free.
 double simulate_pipeline(const std::vector<double>& forward, const std::vector<double>& backward,
                          const std::vector<double>& transfer, int micro_batches,
-                         std::vector<int>* peak_in_flight = nullptr);
+                         std::vector<int>* peak_in_flight = nullptr,
+                         const std::vector<double>& ahead = {});
 
 }  // namespace malleus::sim

@@ -89,6 +89,9 @@ struct TrainConfig {
   bool async_checkpoints = true;
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
+  // Stages that recompute activations, other than the last, recompute a micro-batch's forward
+  // while its gradient is on its way (runtime::EngineOptions::shifted_recompute).
+  bool shifted_recompute = false;
 
   // The parallel plan: a plan file (docs/plan-format.md), "auto" for the planner's plan on the
   // job's ranks (train/trainer.h), or else the uniform dp × tp × pp plan (dp = 0: as many

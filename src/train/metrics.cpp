@@ -75,7 +75,9 @@ constexpr auto fields(const StepRecord*) {
       Field<R, std::vector<double>>{"peak_optimizer_bytes", &R::peak_optimizer_bytes},
       Field<R, std::vector<double>>{"peak_activations_bytes", &R::peak_activations_bytes},
       Field<R, std::vector<double>>{"peak_workspace_bytes", &R::peak_workspace_bytes},
-      Field<R, std::vector<double>>{"peak_communication_bytes", &R::peak_communication_bytes}};
+      Field<R, std::vector<double>>{"peak_communication_bytes", &R::peak_communication_bytes},
+      Field<R, std::vector<double>>{"recompute_ahead_s", &R::recompute_ahead_s},
+      Field<R, std::vector<double>>{"recompute_overlapped_s", &R::recompute_overlapped_s}};
 }
 
 constexpr auto fields(const EvalRecord*) {

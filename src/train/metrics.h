@@ -37,6 +37,10 @@ struct StepRecord {
   std::vector<double> peak_memory_bytes;
   std::vector<double> peak_parameters_bytes, peak_gradients_bytes, peak_optimizer_bytes,
       peak_activations_bytes, peak_workspace_bytes, peak_communication_bytes;
+  // Every rank's recomputation done ahead of the gradient it waits for (the shifted schedule),
+  // and the part of it done while the gradient was still on its way (a lower bound), in seconds;
+  // empty when no rank recomputes ahead.
+  std::vector<double> recompute_ahead_s, recompute_overlapped_s;
 };
 
 // One evaluation on held-out data.

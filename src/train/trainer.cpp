@@ -38,6 +38,7 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.seq_len = c.seq_len;
   options.threads = resolve_threads(c.threads, ranks_on_this_node(world_size));
   options.adamw = {c.beta1, c.beta2, c.adam_eps, c.weight_decay};
+  options.shifted_recompute = c.shifted_recompute;
   return options;
 }
 
@@ -160,8 +161,9 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
   if (config.plan == kPlannerPlan) {
     // Every rank plans from the same inputs (the cluster preset, no measured profile, every rank
     // healthy), and the planner is deterministic, so all ranks arrive at the same plan.
-    const plan::CostModel cost(model, elastic::local_cluster(config.cluster, world_size),
-                               batch_config(config));
+    plan::CostModel cost(model, elastic::local_cluster(config.cluster, world_size),
+                         batch_config(config));
+    cost.set_shifted_recompute(config.shifted_recompute);
     plan::Plan p = plan::make_strategy("malleus")->plan(cost, {}).plan;
     plan::validate(p, model, world_size, config.global_batch_size, "the planner's plan");
     return p;
@@ -241,10 +243,10 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
           plan::Profile::from_json(read_json_file(config_.profile), config_.profile),
           std::min(1.0, static_cast<double>(cores) / (ranks * threads)));
     }
-    controller_ = std::make_unique<elastic::Controller>(
-        plan::CostModel(model_config, elastic::local_cluster(config_.cluster, world_.size()), batch,
-                        profile),
-        options);
+    plan::CostModel cost(model_config, elastic::local_cluster(config_.cluster, world_.size()),
+                         batch, profile);
+    cost.set_shifted_recompute(config_.shifted_recompute);
+    controller_ = std::make_unique<elastic::Controller>(std::move(cost), options);
   }
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
   // time on a whole core (runtime/core_lease.h).
@@ -366,6 +368,15 @@ StepStats Trainer::train_step() {
     for (const auto& [field, kind] : kinds) {
       for (const auto& figures : r.peak_memory) field->push_back(double(figures[kind]));
     }
+  }
+  for (size_t i = 0; i < r.recompute_ahead_measurements.size(); i += 2) {
+    if (r.recompute_ahead_measurements[i] <= 0) continue;
+    // Some rank recomputed ahead: every rank's figures.
+    for (size_t k = 0; k < r.recompute_ahead_measurements.size(); k += 2) {
+      stats.recompute_ahead_s.push_back(r.recompute_ahead_measurements[k]);
+      stats.recompute_overlapped_s.push_back(r.recompute_ahead_measurements[k + 1]);
+    }
+    break;
   }
   if (link_monitor_) {
     stats.link_rates = link_monitor_->observe(
