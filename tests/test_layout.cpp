@@ -7,6 +7,7 @@
 
 #include "layout/grad_sync_plan.h"
 #include "layout/redistribution.h"
+#include "layout/staged_redistribution.h"
 
 using namespace malleus;
 
@@ -178,4 +179,100 @@ TEST(Layout, PackAndUnpackColumnSlices) {
   layout::unpack_piece(packed.data(), down, piece, back.data());
   EXPECT_EQ(back[size_t(down.offset + 3 + 1)], buffer[size_t(down.offset + 3 + 1)]);
   EXPECT_EQ(back[size_t(down.offset + 3)], -1.0f);  // column 0 of the slice untouched
+}
+
+// A migration run band by band (layout/staged_redistribution.h): every element still reaches
+// every new holder exactly once, every rank's old and new state is covered by its band parts,
+// and the order keeps each rank's predicted extra memory under the bucket, also when two ranks
+// trade pipeline stages (one must give back before the other can take).
+TEST(Layout, StagedRedistributionCoversEverythingWithinTheBucket) {
+  const auto model = small_model();
+  const model::ParameterLayout full(model);
+  // Rank 0 holds the first stage and rank 1 the second, then the other way round.
+  const char* kForward = R"({"world_size": 4, "pipelines": [
+    {"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]},
+                                    {"layers": [2, 3], "ranks": [1]}]},
+    {"micro_batches": 2, "stages": [{"layers": [0, 3], "ranks": [2, 3], "heads": [2, 2],
+                                     "ffn": [3, 3], "vocab": [4, 7]}]}]})";
+  const char* kSwapped = R"({"world_size": 4, "pipelines": [
+    {"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [1]},
+                                    {"layers": [2, 3], "ranks": [0]}]},
+    {"micro_batches": 2, "stages": [{"layers": [0, 3], "ranks": [3, 2], "heads": [2, 2],
+                                     "ffn": [1, 5], "vocab": [8, 3]}]}]})";
+  const std::vector<std::pair<const char*, const char*>> pairs = {
+      {kPlanA, kPlanB}, {kPlanB, kPlanA}, {kForward, kSwapped}, {kSwapped, kPlanA}};
+  constexpr int kBuffers = 3, kElementBytes = 4;
+  for (const int64_t bucket : {int64_t{1} << 10, int64_t{4} << 10, int64_t{64} << 20}) {
+    for (const auto& [from_text, to_text] : pairs) {
+      const auto a = layout::plan_layout(parse(from_text), model);
+      const auto b = layout::plan_layout(parse(to_text), model);
+      const auto plan = layout::plan_redistribution(model, a, b);
+      const auto staged =
+          layout::stage_redistribution(model, plan, a, b, bucket, kBuffers, kElementBytes);
+      SCOPED_TRACE("bucket " + std::to_string(bucket));
+      EXPECT_EQ(staged.chunk_elements,
+                std::max<int64_t>(1, bucket / (4 * kBuffers * kElementBytes)));
+
+      // Every (piece, new holder) receives the piece's elements exactly once over all bands.
+      std::map<std::pair<int, int>, int64_t> received;
+      std::map<int, int64_t> old_parts, new_parts;
+      int64_t moved = 0;
+      for (const auto& band : staged.bands) {
+        for (const auto& m : band.moves) {
+          const model::TensorSpec& spec = full.tensor(m.part.tensor);
+          const int64_t rows = m.row_begin < 0 ? 1 : m.row_end - m.row_begin;
+          if (m.row_begin >= 0) {
+            EXPECT_EQ(spec.shard_axis, model::ShardAxis::kColumns);
+          }
+          EXPECT_EQ(m.elements, rows * layout::piece_elements(full, m.part) /
+                                    (m.row_begin < 0 ? 1 : spec.full_shape[0]));
+          EXPECT_LE(m.elements,
+                    std::max(staged.chunk_elements,
+                             spec.full_shape.size() > 1 ? spec.full_shape[1] : int64_t{1}));
+          // Which refined piece it came from: the one of that tensor containing the part.
+          for (size_t p = 0; p < plan.pieces.size(); ++p) {
+            const auto& piece = plan.pieces[p].piece;
+            if (piece.tensor == m.part.tensor && piece.begin <= m.part.begin &&
+                m.part.end <= piece.end) {
+              received[{int(p), m.destination}] += m.elements;
+            }
+          }
+          if (m.source != m.destination) moved += m.elements;
+        }
+        for (const auto& p : band.old_parts) old_parts[p.rank] += p.count;
+        for (const auto& p : band.new_parts) new_parts[p.rank] += p.count;
+      }
+      EXPECT_EQ(moved, plan.elements_moved());
+      for (size_t p = 0; p < plan.pieces.size(); ++p) {
+        for (const auto& h : plan.pieces[p].holders[1]) {
+          EXPECT_EQ((received[{int(p), h.rank}]), plan.pieces[p].elements);
+        }
+      }
+      // The band parts cover each rank's tensors (not the alignment gaps between them).
+      const auto old_locals = layout::local_layouts(model, a);
+      const auto new_locals = layout::local_layouts(model, b);
+      for (int r = 0; r < 4; ++r) {
+        int64_t old_size = 0, new_size = 0;
+        if (old_locals[size_t(r)]) {
+          for (const auto& t : old_locals[size_t(r)]->tensors()) old_size += t.size;
+        }
+        if (new_locals[size_t(r)]) {
+          for (const auto& t : new_locals[size_t(r)]->tensors()) new_size += t.size;
+        }
+        EXPECT_EQ(old_parts[r], old_size) << "rank " << r;
+        EXPECT_EQ(new_parts[r], new_size) << "rank " << r;
+        EXPECT_LE(staged.predicted_extra_bytes[size_t(r)], bucket) << "rank " << r;
+      }
+    }
+  }
+  // With a small bucket the stage trade interleaves: bands do not run in tensor order.
+  const auto a = layout::plan_layout(parse(kForward), model);
+  const auto b = layout::plan_layout(parse(kSwapped), model);
+  const auto staged = layout::stage_redistribution(model, layout::plan_redistribution(model, a, b),
+                                                   a, b, 1 << 10, kBuffers, kElementBytes);
+  bool reordered = false;
+  for (size_t i = 1; i < staged.bands.size(); ++i) {
+    reordered = reordered || staged.bands[i].tensor < staged.bands[i - 1].tensor;
+  }
+  EXPECT_TRUE(reordered);
 }

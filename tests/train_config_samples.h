@@ -44,6 +44,7 @@ inline Json every_field_changed() {
               {"profile", "profile.json"},
               {"monitor_window", 5},
               {"replan_horizon", 20},
+              {"migration_bucket_bytes", 1048576},
               {"stragglers", {"1:2:3-4", "2:3:5-"}},
               {"straggler_trace", "trace.json"},
               {"watchdog", false},

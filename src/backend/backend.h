@@ -46,6 +46,10 @@ class Backend {
   virtual T* allocate(size_t count) = 0;
   virtual int32_t* allocate_tokens(size_t count) = 0;
   virtual void release(void* pointer) = 0;
+  // Returns the whole pages inside [data, data + bytes) of one allocation to the system; their
+  // values are lost (zero when touched again). A GPU backend would unmap the physical chunks of a
+  // reserved address range (cuMemUnmap), as CUDA's virtual memory management allows.
+  virtual void discard_pages(void* data, size_t bytes) = 0;
   virtual void copy_to_host(T* host, const T* source, size_t count) = 0;
   virtual void copy_from_host(T* destination, const T* host, size_t count) = 0;
   virtual void copy_tokens_from_host(int32_t* destination, const int32_t* host, size_t count) = 0;
@@ -123,10 +127,34 @@ class Backend {
                                       const T* sum_exp, const int32_t* targets, int vocab_begin,
                                       T loss_scale, int n, int vocab) = 0;
 
+  // ---- memory the ledger follows piece by piece (a live migration) -------------------------
+  // Every Buffer's booking, by address.
+  Allocations& allocations() { return allocations_; }
+  // Books [data, data + count) of an allocation made while deferring, before it is written.
+  void commit_range(const T* data, size_t count) {
+    allocations_.commit(data, static_cast<int64_t>(count * sizeof(T)));
+  }
+  // Gives back [data, data + count) of an allocation that will not be read again: unbooked, and
+  // its pages returned to the system.
+  void decommit_range(T* data, size_t count) {
+    allocations_.uncommit(data, static_cast<int64_t>(count * sizeof(T)));
+    discard_pages(data, count * sizeof(T));
+  }
+  // Gives back every allocation of `kind` (its values are lost).
+  void decommit_all(MemoryKind kind) {
+    for (const auto& [data, bytes] : allocations_.of_kind(kind)) {
+      allocations_.uncommit(data, bytes);
+      discard_pages(data, static_cast<size_t>(bytes));
+    }
+  }
+
   // ---- optimizer -----------------------------------------------------------------------------
   // One AdamW update of `count` parameters with moments m, v (state kept in T).
   virtual void adamw_update(T* param, const T* grad, T* m, T* v, size_t count,
                             const AdamWStep& step) = 0;
+
+ private:
+  Allocations allocations_;
 };
 
 // The CPU backend: OpenBLAS sgemm/dgemm for matmuls, OpenMP for our own kernels.
@@ -134,22 +162,21 @@ template <typename T>
 std::unique_ptr<Backend<T>> make_cpu_backend(int threads);
 
 // Owning handle for backend memory: values of T, or int32 tokens with Element = int32_t. Its
-// bytes are booked in the process's memory ledger under `kind` while it lives.
+// bytes are booked in the process's memory ledger under `kind` while it lives, through the
+// backend's Allocations (which a migration books and gives back range by range).
 template <typename T, typename Element = T>
 class Buffer {
   static_assert(std::is_same_v<Element, T> || std::is_same_v<Element, int32_t>);
 
  public:
   Buffer() = default;
-  Buffer(Backend<T>& backend, size_t count, MemoryKind kind)
-      : backend_(&backend),
-        size_(count),
-        booking_(kind, static_cast<int64_t>(count * sizeof(Element))) {
+  Buffer(Backend<T>& backend, size_t count, MemoryKind kind) : backend_(&backend), size_(count) {
     if constexpr (std::is_same_v<Element, T>) {
       data_ = backend.allocate(count);
     } else {
       data_ = backend.allocate_tokens(count);
     }
+    backend.allocations().add(data_, static_cast<int64_t>(count * sizeof(Element)), kind);
   }
   ~Buffer() { reset(); }
   Buffer(Buffer&& other) noexcept { *this = std::move(other); }
@@ -159,7 +186,6 @@ class Buffer {
       backend_ = other.backend_;
       data_ = other.data_;
       size_ = other.size_;
-      booking_ = std::move(other.booking_);
       other.data_ = nullptr;
       other.size_ = 0;
     }
@@ -174,15 +200,16 @@ class Buffer {
 
  private:
   void reset() {
-    if (data_ != nullptr) backend_->release(data_);
+    if (data_ != nullptr) {
+      backend_->allocations().remove(data_);
+      backend_->release(data_);
+    }
     data_ = nullptr;
     size_ = 0;
-    booking_.resize(0);
   }
   Backend<T>* backend_ = nullptr;
   Element* data_ = nullptr;
   size_t size_ = 0;
-  MemoryBooking booking_;
 };
 
 }  // namespace malleus::backend

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "common/error.h"
+
 namespace malleus::backend {
 
 namespace {
@@ -85,6 +87,60 @@ void MemoryBooking::resize(int64_t bytes) {
   if (bytes_ > 0) memory_ledger().remove(kind_, bytes_);
   bytes_ = bytes;
   if (bytes_ > 0) memory_ledger().add(kind_, bytes_);
+}
+
+void Allocations::add(const void* data, int64_t bytes, MemoryKind kind) {
+  std::lock_guard lock(mutex_);
+  Entry& entry = entries_[static_cast<const char*>(data)];
+  entry.bytes = bytes;
+  entry.kind = kind;
+  entry.booking = MemoryBooking(kind, deferring_ ? 0 : bytes);
+}
+
+void Allocations::remove(const void* data) {
+  std::lock_guard lock(mutex_);
+  entries_.erase(static_cast<const char*>(data));
+}
+
+Allocations::Entry& Allocations::containing(const void* data, int64_t bytes) {
+  const char* begin = static_cast<const char*>(data);
+  auto it = entries_.upper_bound(begin);
+  check(it != entries_.begin(), "memory ledger: a range outside every allocation");
+  --it;
+  check(begin + bytes <= it->first + it->second.bytes,
+        "memory ledger: a range runs past the end of its allocation");
+  return it->second;
+}
+
+void Allocations::commit(const void* data, int64_t bytes) {
+  std::lock_guard lock(mutex_);
+  Entry& entry = containing(data, bytes);
+  check(entry.booking.bytes() + bytes <= entry.bytes, "memory ledger: booked past an allocation");
+  entry.booking.resize(entry.booking.bytes() + bytes);
+}
+
+void Allocations::uncommit(const void* data, int64_t bytes) {
+  std::lock_guard lock(mutex_);
+  Entry& entry = containing(data, bytes);
+  check(entry.booking.bytes() >= bytes, "memory ledger: gave back more than was booked");
+  entry.booking.resize(entry.booking.bytes() - bytes);
+}
+
+void Allocations::commit_all() {
+  std::lock_guard lock(mutex_);
+  for (auto& [address, entry] : entries_) entry.booking.resize(entry.bytes);
+  deferring_ = false;
+}
+
+std::vector<std::pair<void*, int64_t>> Allocations::of_kind(MemoryKind kind) const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<void*, int64_t>> found;
+  for (const auto& [address, entry] : entries_) {
+    if (entry.kind == kind && entry.booking.bytes() > 0) {
+      found.emplace_back(const_cast<char*>(address), entry.bytes);
+    }
+  }
+  return found;
 }
 
 }  // namespace malleus::backend

@@ -12,7 +12,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace malleus::backend {
 
@@ -74,6 +78,39 @@ class MemoryBooking {
  private:
   MemoryKind kind_ = MemoryKind::kWorkspace;
   int64_t bytes_ = 0;
+};
+
+// The bookings of one backend's allocations, by address. A live migration moves state piece by
+// piece: it gives back ranges of the old engine's buffers as soon as they have been sent and
+// books ranges of the new engine's buffers as they are written, so the ledger follows it
+// (layout/staged_redistribution.h).
+class Allocations {
+ public:
+  // Books the allocation [data, data + bytes) under `kind`, unless deferring.
+  void add(const void* data, int64_t bytes, MemoryKind kind);
+  // Unbooks what is still booked of the allocation at `data`.
+  void remove(const void* data);
+  // While deferring, added allocations are booked only by commit() and commit_all(): an engine
+  // built for a migration holds nothing until the state arrives.
+  void set_deferring(bool deferring) { deferring_ = deferring; }
+  // Books / unbooks `bytes` inside one allocation (the caller keeps the ranges disjoint).
+  void commit(const void* data, int64_t bytes);
+  void uncommit(const void* data, int64_t bytes);
+  // Books every allocation in full and ends deferring.
+  void commit_all();
+  // Every allocation of `kind` with something booked, as (address, bytes).
+  std::vector<std::pair<void*, int64_t>> of_kind(MemoryKind kind) const;
+
+ private:
+  struct Entry {
+    int64_t bytes = 0;
+    MemoryKind kind = MemoryKind::kWorkspace;
+    MemoryBooking booking;
+  };
+  Entry& containing(const void* data, int64_t bytes);
+  mutable std::mutex mutex_;
+  std::map<const char*, Entry> entries_;  // by first byte
+  bool deferring_ = false;
 };
 
 }  // namespace malleus::backend

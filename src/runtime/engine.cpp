@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "layout/migration.h"
 #include "layout/redistribution.h"
+#include "layout/staged_redistribution.h"
 #include "plan/cost_model.h"
 #include "runtime/schedule.h"
 
@@ -49,11 +50,18 @@ int backward_tag(int micro_batch) {
 
 Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
                const EngineOptions& options)
+    : Engine(model, plan, std::move(world), options, false) {}
+
+Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
+               const EngineOptions& options, bool deferred)
     : model_config_(model),
       options_(options),
       state_(
           std::make_unique<ParallelState>(plan, model, std::move(world), options.core_lease.get())),
       backend_(backend::make_cpu_backend<float>(options.threads)) {
+  check(options.migration_bucket_bytes > 0, "migration_bucket_bytes must be positive, got " +
+                                                std::to_string(options.migration_bucket_bytes));
+  backend_->allocations().set_deferring(deferred);
   if (state_->role().idle()) {
     const size_t probe = size_t{kProbeSize} * kProbeSize;
     probe_a_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
@@ -392,18 +400,59 @@ double Engine::local_norm_squares() {
 
 std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
   const auto start = std::chrono::steady_clock::now();
-  auto next = std::make_unique<Engine>(model_config_, plan, state_->world(), options_);
+  backend::MemoryLedger& ledger = backend::memory_ledger();
+  const int64_t total_before = ledger.current().total();
+  // Only the state moves: what the next step recomputes goes first.
+  for (auto kind : {backend::MemoryKind::kGradients, backend::MemoryKind::kActivations,
+                    backend::MemoryKind::kWorkspace}) {
+    backend_->decommit_all(kind);
+  }
+  pack_buffer_ = {};
+  pack_booking_.resize(0);
+  // The memory only falls until the state moves, and after it only rises to the new engine's
+  // total: the peak is the state move's.
+  ledger.reset_peak();
+  const int64_t state_before = ledger.current().total();
+  std::unique_ptr<Engine> next(new Engine(model_config_, plan, state_->world(), options_, true));
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  const layout::LocalState<float> from = local_state();
+  const layout::LocalState<float> from = local_state(), to = next->local_state();
   check(from.buffers.empty() || from.buffers.size() == layout::kMigratedBuffers,
         "migration: the state that moves is not what layout::migration_volume counts");
-  const int64_t received = layout::redistribute<float>(
-      moves, state_->world(), layout::read_only(from), next->local_state());
+  const auto staged = layout::stage_redistribution(
+      model_config_, moves, state_->layout(), next->state_->layout(),
+      options_.migration_bucket_bytes, layout::kMigratedBuffers, sizeof(float));
+  layout::StateMemory memory;
+  memory.commit = [&](int64_t offset, int64_t count) {
+    for (float* buffer : to.buffers) next->backend_->commit_range(buffer + offset, size_t(count));
+  };
+  memory.release = [&](int64_t offset, int64_t count) {
+    for (float* buffer : from.buffers) backend_->decommit_range(buffer + offset, size_t(count));
+  };
+  const int64_t received = layout::redistribute_staged<float>(staged, state_->world(),
+                                                              layout::read_only(from), to, memory);
+  const int64_t state_peak = ledger.peak_total(), state_after = ledger.current().total();
   next->set_steps_done(steps_done_);
+  // This engine's memory goes before the new one books the rest of its own.
+  optimizer_.reset();
+  model_.reset();
+  probe_a_ = {};
+  probe_b_ = {};
+  probe_c_ = {};
+  next->backend_->allocations().commit_all();
+  const int64_t total_after = ledger.current().total();
   if (stats != nullptr) {
+    comm::Communicator& world = state_->world();
     stats->bytes_received = received;
-    stats->bytes_moved = state_->world().all_reduce_sum(received);
+    stats->bytes_moved = world.all_reduce_sum(received);
+    auto most = [&](int64_t bytes) {
+      return static_cast<int64_t>(
+          world.all_reduce_max(static_cast<double>(std::max<int64_t>(0, bytes))));
+    };
+    stats->peak_extra_bytes = most(state_peak - std::max(total_before, total_after));
+    stats->state_extra_bytes = most(state_peak - std::max(state_before, state_after));
+    stats->predicted_extra_bytes =
+        *std::max_element(staged.predicted_extra_bytes.begin(), staged.predicted_extra_bytes.end());
     stats->seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }

@@ -41,6 +41,9 @@ struct EngineOptions {
   // scratch per recomputing layer instead of one per stage (plan::memory_use). The last stage
   // recomputes in its backward as before: its gradient comes from its own loss, with no wait.
   bool shifted_recompute = false;
+  // A live migration's extra memory, over max(the memory before it, the memory after it), stays
+  // under this many bytes per rank (layout/staged_redistribution.h).
+  int64_t migration_bucket_bytes = int64_t{64} << 20;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.
@@ -82,6 +85,13 @@ struct MigrationStats {
   int64_t bytes_moved = 0;     // over all ranks (the same on every rank)
   int64_t bytes_received = 0;  // by this rank
   double seconds = 0;          // wall time, building the new communicators included
+  // The most any rank's memory ledger rose above max(its total before the migration, its total
+  // after it) while migrating (over all ranks). The old engine gives back its gradients,
+  // activations and workspace first, which leaves room; state_extra_bytes is the same peak
+  // measured against max(old state, new state) alone (the ledger's totals just before and just
+  // after the state moves), which the staged order bounds, and predicted_extra_bytes is that
+  // order's own prediction of it (layout::StagedRedistribution::predicted_extra_bytes).
+  int64_t peak_extra_bytes = 0, state_extra_bytes = 0, predicted_extra_bytes = 0;
 };
 
 // The full model state gathered on one rank (params, Adam moments in the full model's layout).
@@ -119,7 +129,11 @@ class Engine {
 
   // Collective. An engine for `plan` holding this engine's state (parameters, Adam moments, step
   // counter), moved through the layout algebra: pieces a rank already holds are copied locally,
-  // the rest travel once, batched per pair of ranks. This engine is left without use.
+  // the rest travel once, batched per pair of ranks. The move runs band by band
+  // (layout::redistribute_staged): this engine gives back its gradients, activations and
+  // workspace first, then each band of its state once sent, while the new engine books its state
+  // band by band as it arrives and the rest of its memory at the end, so the extra memory stays
+  // under options.migration_bucket_bytes. This engine is left without use (and without memory).
   std::unique_ptr<Engine> migrate(const plan::Plan& plan, MigrationStats* stats = nullptr);
 
   // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
@@ -129,6 +143,9 @@ class Engine {
   void set_steps_done(int64_t steps);
 
  private:
+  // While `deferred`, the engine's memory is reserved but not booked (a migration books it).
+  Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
+         const EngineOptions& options, bool deferred);
   void zero_grads();
   // Sums gradients over the refinement groups; returns this rank's (seconds, bytes) between hosts.
   std::pair<double, double> sync_gradients();

@@ -196,6 +196,11 @@ std::vector<ConfigField> make_fields() {
             "Steps in the straggler monitor's sliding median", at_least(1)),
       field(&C::replan_horizon, "replan_horizon", "--replan-horizon", P::kHonoured,
             "Steps over which a re-plan's gain must pay for its migration", at_least(1)),
+      field(&C::migration_bucket_bytes, "migration_bucket_bytes", "--migration-bucket-bytes",
+            P::kHonoured,
+            "Bytes a live migration may hold per rank above max(its memory before, after): the "
+            "state moves band by band within this",
+            positive<int64_t>()),
       field(&C::stragglers, "stragglers", "--straggler", P::kHonoured,
             "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable",
             straggler_specs()),

@@ -109,6 +109,9 @@ struct TrainConfig {
   std::string profile;
   int monitor_window = 3;   // steps in the monitor's sliding median
   int replan_horizon = 50;  // steps over which a re-plan's gain must pay for its migration
+  // A migration's extra memory per rank, over max(before, after), stays under this
+  // (runtime::EngineOptions::migration_bucket_bytes).
+  int64_t migration_bucket_bytes = int64_t{64} << 20;
   // Injected stragglers for experiments: "RANK:RATE:FROM-TO" entries and/or a trace file.
   std::vector<std::string> stragglers;
   std::string straggler_trace;

@@ -101,7 +101,9 @@ constexpr auto fields(const ReplanRecord*) {
                     Field<R, int64_t>{"horizon_steps", &R::horizon_steps},
                     Field<R, double>{"planning_s", &R::planning_s},
                     Field<R, int64_t>{"bytes_moved", &R::bytes_moved},
-                    Field<R, double>{"migration_s", &R::migration_s}};
+                    Field<R, double>{"migration_s", &R::migration_s},
+                    Field<R, int64_t>{"migration_peak_extra_bytes", &R::migration_peak_extra_bytes},
+                    Field<R, int64_t>{"migration_bucket_bytes", &R::migration_bucket_bytes}};
 }
 
 constexpr auto fields(const RestartRecord*) {

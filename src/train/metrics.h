@@ -63,6 +63,9 @@ struct ReplanRecord {
   double planning_s = kUnknown;
   int64_t bytes_moved = 0;        // measured by the engine (switched only)
   double migration_s = kUnknown;  // measured wall time (switched only)
+  // The most any rank's memory rose above max(its memory before, after) while migrating, from the
+  // memory ledger, and the bound it was given (switched only).
+  int64_t migration_peak_extra_bytes = 0, migration_bucket_bytes = 0;
 };
 
 // One restart of the job by `malleus launch` after it lost ranks: "event" is "restart".

@@ -39,6 +39,7 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.threads = resolve_threads(c.threads, ranks_on_this_node(world_size));
   options.adamw = {c.beta1, c.beta2, c.adam_eps, c.weight_decay};
   options.shifted_recompute = c.shifted_recompute;
+  options.migration_bucket_bytes = c.migration_bucket_bytes;
   return options;
 }
 
@@ -397,6 +398,8 @@ StepStats Trainer::train_step() {
       monitor_.note_replan();
       stats.replan->bytes_moved = migration.bytes_moved;
       stats.replan->migration_s = migration.seconds;
+      stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
+      stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
     }
   }
 

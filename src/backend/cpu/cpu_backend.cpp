@@ -8,15 +8,19 @@
 // linear layers) make no promise across thread counts.
 #include <cblas.h>
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -52,6 +56,11 @@ void gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, double al
           const double* a, int lda, const double* b, int ldb, double beta, double* c, int ldc) {
   cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+// Allocations from this size on are mappings of their own: zero pages the system provides when
+// first touched (nothing is written up front, so an engine built for a migration takes memory
+// only as its state arrives), and whose pages can be handed back one range at a time.
+constexpr size_t kMappedFrom = size_t{1} << 20;
 
 void* aligned_zeroed(size_t bytes) {
   // aligned_alloc wants a multiple of the alignment, and may return null for zero bytes.
@@ -109,11 +118,30 @@ class CpuBackend final : public Backend<T> {
   int num_threads() const override { return threads_; }
 
   // ---- memory ------------------------------------------------------------------------------
-  T* allocate(size_t count) override { return static_cast<T*>(aligned_zeroed(count * sizeof(T))); }
+  T* allocate(size_t count) override { return static_cast<T*>(zeroed(count * sizeof(T))); }
   int32_t* allocate_tokens(size_t count) override {
-    return static_cast<int32_t*>(aligned_zeroed(count * sizeof(int32_t)));
+    return static_cast<int32_t*>(zeroed(count * sizeof(int32_t)));
   }
-  void release(void* pointer) override { std::free(pointer); }
+  void release(void* pointer) override {
+    {
+      std::lock_guard lock(mapped_mutex_);
+      const auto it = mapped_.find(pointer);
+      if (it != mapped_.end()) {
+        ::munmap(pointer, it->second);
+        mapped_.erase(it);
+        return;
+      }
+    }
+    std::free(pointer);
+  }
+  void discard_pages(void* data, size_t bytes) override {
+    // Only whole pages inside the range: its neighbours may still be in use. MADV_DONTNEED on
+    // private anonymous memory (mappings and the heap alike) frees the pages; they read as zero.
+    const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
   void copy_to_host(T* host, const T* source, size_t count) override {
     if (count > 0) std::memcpy(host, source, count * sizeof(T));
   }
@@ -635,6 +663,19 @@ class CpuBackend final : public Backend<T> {
     }
   }
 
+  // Large allocations are mappings of their own (kMappedFrom); small ones come from the heap.
+  void* zeroed(size_t bytes) {
+    if (bytes < kMappedFrom) return aligned_zeroed(bytes);
+    void* pointer =
+        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (pointer == MAP_FAILED) throw std::bad_alloc();
+    std::lock_guard lock(mapped_mutex_);
+    mapped_[pointer] = bytes;
+    return pointer;
+  }
+
+  std::mutex mapped_mutex_;
+  std::unordered_map<void*, size_t> mapped_;  // mapping sizes, for munmap
   int threads_ = 1;
   std::vector<T> scratch_;  // attention backward: one seq×seq dS matrix per thread
   std::vector<RopeTable<T>> rope_tables_;
