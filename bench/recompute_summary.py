@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Summary of scripts/bench_recompute.sh: per mode, the median step time (steps after the first,
-over all runs) with min-max, and per rank the peak memory the runtime measured (largest over the
+over all runs; all of them when runs have one step) with min-max, and per rank the peak memory the runtime measured (largest over the
 steps and runs) against the cost model's prediction. For modes "X-shifted", a second table: per
 round of runs, the shifted run's median step time over mode X's of the same round (side by side),
 and on each rank the recomputation done ahead of the gradient and its part done while the
@@ -24,6 +24,11 @@ def steps_of(path):
     return [r for r in records if "step_time_s" in r]
 
 
+def timed(steps):
+    """The steps whose time counts: after the first, or the only one."""
+    return steps[1:] if len(steps) > 1 else steps
+
+
 def runs_of(mode):
     """{run number: step records} of a mode."""
     runs = {}
@@ -37,7 +42,7 @@ print("|---|---|---|---|---|---|")
 for mode in modes:
     times, peaks = [], {}
     for steps in runs_of(mode).values():
-        times += [r["step_time_s"] for r in steps[1:]]
+        times += [r["step_time_s"] for r in timed(steps)]
         for r in steps:
             for rank, bytes_ in enumerate(r.get("peak_memory_bytes", [])):
                 peaks[rank] = max(peaks.get(rank, 0), bytes_)
@@ -61,13 +66,13 @@ for mode in shifted_modes:
     shifted, unshifted = runs_of(mode), runs_of(mode[: -len("-shifted")])
     ratios = []
     for run in sorted(set(shifted) & set(unshifted)):
-        a = [r["step_time_s"] for r in shifted[run][1:]]
-        b = [r["step_time_s"] for r in unshifted[run][1:]]
+        a = [r["step_time_s"] for r in timed(shifted[run])]
+        b = [r["step_time_s"] for r in timed(unshifted[run])]
         if a and b:
             ratios.append(statistics.median(a) / statistics.median(b))
     ahead, overlapped = {}, {}
     for steps in shifted.values():
-        for r in steps[1:]:
+        for r in timed(steps):
             for rank, (x, y) in enumerate(zip(r.get("recompute_ahead_s", []),
                                               r.get("recompute_overlapped_s", []))):
                 ahead.setdefault(rank, []).append(x)
