@@ -12,8 +12,8 @@
 # time over the unshifted one's of the same mode.
 #
 # Usage: scripts/bench_recompute.sh [runs (3)] [steps (1)] [seq_len (1024)]
-# (one step per run keeps the whole benchmark near 15 minutes at sequence 1024, about 40 s a step
-# on a loaded machine; its first step is not slower than the next ones there.)
+# (one step per run: 24 minutes at sequence 1024 on the loaded 2-core machine, 30–60 s a step;
+# a run's first step was not slower than the next ones there.)
 # Results go to runs/bench-recompute (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
