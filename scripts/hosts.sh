@@ -99,6 +99,14 @@ cmd_up() {
     ip -n "$ns" link set lo up
     ip -n "$ns" addr add "$(address "$i")/24" dev eth0
     ip -n "$ns" link set eth0 up
+    # TCP as cluster hosts usually set it: loss-based congestion control (CUBIC) and no slow
+    # start after idle. The machine's default here is BBR, whose paced bandwidth estimate stays at
+    # a throttled link's rate long after the limit is removed (the job's short bursts never probe
+    # above it); and with slow start after idle, every step's burst would start from the initial
+    # window up to the ssthresh the throttled period left, so a recovered link would read 3-5
+    # times slower for the rest of the run. No cached metrics of a throttled period either.
+    ip netns exec "$ns" sysctl -qw net.ipv4.tcp_congestion_control=cubic \
+      net.ipv4.tcp_slow_start_after_idle=0 net.ipv4.tcp_no_metrics_save=1 2> /dev/null || true
     local cpus
     cpus=$(cpus_of "$i" "$n")
     if [[ $cpus != "0-$(($(nproc --all) - 1))" ]]; then
@@ -132,10 +140,12 @@ cmd_shape() {
   require_host "$host"
   [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kmg]?bit|[kmg]?bps)$ ]] ||
     die "shape: rate '$rate': expected a number with a tc unit (kbit, mbit, gbit, kbps, mbps...)"
-  # The bucket holds 10 ms at the rate (at least 64 KiB, so a TSO burst fits); a 200 ms queue.
+  # The bucket holds 1 ms at the rate (at least 64 KiB, so a TSO burst fits), so a slow link is
+  # slow from its first bytes on as a slow NIC would be (a larger bucket lets the first part of
+  # every transfer through at full speed); a 200 ms queue.
   local bits
   bits=$(tc_bits "$rate")
-  local burst=$((bits / 8 / 100))
+  local burst=$((bits / 8 / 1000))
   ((burst >= 65536)) || burst=65536
   local dev ns
   for dev in "eth0@$prefix-h$host" "port$host@$switch_ns"; do

@@ -292,16 +292,15 @@ TEST(SwitchRule, GainOverTheHorizonAgainstTheSwitchCost) {
   EXPECT_EQ(replan::weigh_switch(q).reason, "the current plan is still the best");
 }
 
-// The link monitor rates each node's link against its own healthy time per byte, apart from the
-// compute rates: a link ten times slower from step 6 shows within the window (3 steps) on both
-// nodes of the one link, a slow device's compute does not move it, and recovery shows too.
+// The link monitor rates each node's link against its own healthy time per byte of the probe,
+// apart from the compute rates: a link ten times slower from step 6 shows within the window (3
+// steps) on both nodes of the one link, and recovery shows too.
 TEST(LinkMonitor, ASlowLinkShowsWithinTheWindowAndRecovers) {
   elastic::LinkMonitor links({0, 0, 1, 1}, elastic::MonitorOptions{.window = 3});
-  const std::vector<std::string> geometries(4, "sync 2x1000");
   auto step = [&](double seconds_per_mb) {
     std::vector<double> m(8, 1e6);  // (seconds, bytes) per rank
     for (size_t r = 0; r < 4; ++r) m[2 * r] = seconds_per_mb;
-    return links.observe(m, geometries);
+    return links.observe(m);
   };
   for (int s = 1; s <= 5; ++s) step(0.004);
   EXPECT_EQ(links.node_rates(), (std::vector<double>{1.0, 1.0}));
@@ -315,21 +314,41 @@ TEST(LinkMonitor, ASlowLinkShowsWithinTheWindowAndRecovers) {
   EXPECT_NEAR(links.node_rates()[1], 10.0, 1e-9);
   for (int s = 13; s <= 16; ++s) step(0.004);
   EXPECT_NEAR(links.node_rates()[1], 1.0, 1e-9);
-  // Ranks that move nothing between hosts (geometry "none", 0 s) leave their node's rate alone.
+  // A step without measurements (timing off) leaves the rates alone.
   const std::vector<double> nothing(8, 0.0);
-  links.observe(nothing, std::vector<std::string>(4, "none"));
+  links.observe(nothing);
   EXPECT_NEAR(links.node_rates()[1], 1.0, 1e-9);
 }
 
-TEST(LinkMonitor, GeometriesNameOnlyCollectivesBetweenHosts) {
-  layout::GradSyncPlan sync;
-  sync.groups.push_back({{0, 2}, {}, 1000});  // across hosts 0 and 1
-  sync.groups.push_back({{1, 3}, {}, 500});   // across
-  sync.groups.push_back({{0, 1}, {}, 700});   // inside host 0
-  const auto g = elastic::link_geometries(sync, {0, 0, 1, 1});
-  EXPECT_EQ(g,
-            (std::vector<std::string>{"sync 2x1000", "sync 2x500", "sync 2x1000", "sync 2x500"}));
-  EXPECT_EQ(elastic::link_geometries(sync, {0, 0, 0, 0}), std::vector<std::string>(4, "none"));
+// The controller re-plans for a link only when every reading of the window moved the same way:
+// the step that was only partly slowed (1.3) does not fire it, nor is it planned for when compute
+// fires first; the settled reading is. Recovery fires it again, planning for the healthy link.
+TEST(Controller, ReplansForALinkOnlyWhenItsReadingsSettled) {
+  const auto model = model::load_model_config("demo");
+  plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
+  cluster.nodes = 2;
+  cluster.devices_per_node = 2;
+  elastic::Controller controller(plan::CostModel(model, cluster, plan::BatchConfig{16, 1, 128}),
+                                 elastic::ControllerOptions{.min_samples = 3});
+  const std::vector<double> healthy(4, 1.0);
+  const int monitored = 10;
+  for (int s = 0; s < 5; ++s) EXPECT_FALSE(controller.trigger(healthy, monitored, 50, {1.0, 1.0}));
+  // The partly slowed step: compute fires here, the links are planned at their last settled
+  // rates, not at 1.3.
+  EXPECT_TRUE(controller.trigger({1.0, 3.0, 1.0, 1.0}, monitored, 50, {1.3, 1.3}));
+  EXPECT_EQ(controller.planning_link_rates(), (std::vector<double>{1.0, 1.0}));
+  EXPECT_FALSE(controller.trigger(healthy, monitored, 50, {9.0, 9.0}));
+  // Every reading of the window above 1.3 and the last two agreeing: settled, planned at the
+  // latest.
+  EXPECT_TRUE(controller.trigger(healthy, monitored, 50, {9.5, 9.4}));
+  EXPECT_EQ(controller.planning_link_rates(), (std::vector<double>{9.5, 9.4}));
+  // Still climbing (5 → 10): not settled.
+  for (double r : {2.0, 5.0}) EXPECT_FALSE(controller.trigger(healthy, monitored, 50, {1, r}));
+  EXPECT_FALSE(controller.trigger(healthy, monitored, 50, {1.0, 10.0}));
+  EXPECT_TRUE(controller.trigger(healthy, monitored, 50, {1.0, 10.5}));
+  EXPECT_EQ(controller.planning_link_rates(), (std::vector<double>{1.0, 10.5}));
+  // Not enough monitored steps since the last re-plan: no question yet.
+  EXPECT_FALSE(controller.trigger(healthy, 2, 50, {10.0, 9.8}));
 }
 
 // The controller plans for the measured link rates with the same switch rule: a slow link under

@@ -631,7 +631,10 @@ TEST(Runtime, PredictedMemoryMatchesWhatEachRankAllocates) {
   }
   const auto model = malleus::testing::parallel_test_model();
   plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
-  cluster.devices_per_node = world.size();
+  // The nodes the job runs on (on the multi-host test bed ranks also hold the link probe).
+  const std::vector<int> hosts = runtime::host_indices(world);
+  cluster.nodes = *std::max_element(hosts.begin(), hosts.end()) + 1;
+  cluster.devices_per_node = world.size() / cluster.nodes;
   plan::CostModel cost(
       model, cluster,
       plan::BatchConfig{base.global_batch_size, base.micro_batch_size, base.seq_len});

@@ -40,6 +40,7 @@ inline Json every_field_changed() {
               {"tp", 2},
               {"pp", 2},
               {"replan", false},
+              {"replan_links", false},
               {"cluster", "a800-4x8"},
               {"profile", "profile.json"},
               {"monitor_window", 5},

@@ -44,30 +44,57 @@ std::vector<double> Controller::effective(const std::vector<double>& rates) cons
   return e;
 }
 
-Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
-                            const std::vector<double>& rates, int monitored_steps, int64_t step,
-                            int64_t remaining_steps, const std::vector<double>& link_rates) {
-  // Every rank sees the same rates (the monitor all-gathers them), so the trigger agrees
+bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
+                         int64_t remaining_steps, const std::vector<double>& link_rates) {
+  // Every rank sees the same rates (the monitors all-gather them), so the trigger agrees
   // everywhere and the broadcast happens only when it fires.
   // Hysteresis on the measured rates themselves, relative to the rate planned for: thresholding
   // first would turn noise around the threshold (1.19 vs 1.31) into a jump.
+  auto moved_from = [&](double planned, double now) {
+    const double was = std::max(1.0, planned), is = std::max(1.0, now);
+    return std::abs(is - was) < options_.hysteresis * was ? 0 : is > was ? 1 : -1;
+  };
   bool moved = false;
   for (size_t r = 0; r < rates.size(); ++r) {
-    const double was = std::max(1.0, planned_rates_[r]), is = std::max(1.0, rates[r]);
-    moved = moved || std::abs(is - was) >= options_.hysteresis * was;
+    moved = moved || moved_from(planned_rates_[r], rates[r]) != 0;
   }
-  // Links by the same rule (the same hysteresis against the rate planned for).
+  // Links by the same rule, on every one of the last min_samples readings, in one direction.
+  // (decide() records what was planned for; trigger() alone changes nothing but the history.)
   planned_link_rates_.resize(link_rates.size(), 1.0);
-  for (size_t n = 0; n < link_rates.size(); ++n) {
-    const double was = std::max(1.0, planned_link_rates_[n]), is = std::max(1.0, link_rates[n]);
-    moved = moved || std::abs(is - was) >= options_.hysteresis * was;
+  link_history_.push_back(link_rates);
+  while (link_history_.size() > static_cast<size_t>(std::max(1, options_.min_samples))) {
+    link_history_.pop_front();
   }
-  if (!moved || monitored_steps < options_.min_samples || remaining_steps <= 0) return {};
+  const bool full = link_history_.size() == static_cast<size_t>(std::max(1, options_.min_samples));
+  planning_link_rates_ = planned_link_rates_;
+  for (size_t n = 0; n < link_rates.size(); ++n) {
+    const int direction = moved_from(planned_link_rates_[n], link_rates[n]);
+    bool settled = full && direction != 0;
+    for (const auto& reading : link_history_) {
+      settled = settled && reading.size() == link_rates.size() &&
+                moved_from(planned_link_rates_[n], reading[n]) == direction;
+    }
+    // ... and no longer climbing or falling: the last two readings agree.
+    if (settled && link_history_.size() >= 2) {
+      const double before = std::max(1.0, link_history_[link_history_.size() - 2][n]);
+      settled = std::abs(std::max(1.0, link_rates[n]) - before) < options_.hysteresis * before;
+    }
+    if (settled) planning_link_rates_[n] = link_rates[n];
+    moved = moved || settled;
+  }
+  return moved && monitored_steps >= options_.min_samples && remaining_steps > 0;
+}
+
+Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
+                            const std::vector<double>& rates, int monitored_steps, int64_t step,
+                            int64_t remaining_steps, const std::vector<double>& link_rates) {
+  if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
+  const std::vector<double> links = planning_link_rates_;
 
   Decision decision;
   std::string plan_text;  // the plan to switch to, if any
   if (world.rank() == 0) {
-    decision = propose(current, rates, step, remaining_steps, link_rates);
+    decision = propose(current, rates, step, remaining_steps, links);
     if (decision.plan) plan_text = decision.plan->to_json().dump();
   }
   int64_t length = static_cast<int64_t>(plan_text.size());
@@ -75,7 +102,7 @@ Decision Controller::decide(comm::Communicator& world, const plan::Plan& current
   plan_text.resize(static_cast<size_t>(length));
   world.broadcast(plan_text.data(), plan_text.size(), 0);
   planned_rates_ = rates;
-  planned_link_rates_ = link_rates;
+  planned_link_rates_ = links;
 
   decision.asked = true;
   if (world.rank() != 0 && !plan_text.empty()) {

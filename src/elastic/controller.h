@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -46,11 +47,21 @@ class Controller {
   // `cost` models this job's cluster (its devices are the ranks), model and batch.
   Controller(plan::CostModel cost, ControllerOptions options);
 
-  // Collective: asks the planner on rank 0 when the rates or the link rates (per node of the
-  // cost model's cluster; empty: not measured) moved enough, and broadcasts its plan.
+  // Collective: asks the planner on rank 0 when trigger() fires, and broadcasts its plan.
   Decision decide(comm::Communicator& world, const plan::Plan& current,
                   const std::vector<double>& rates, int monitored_steps, int64_t step,
                   int64_t remaining_steps, const std::vector<double>& link_rates = {});
+  // Called once per step (decide() calls it): whether to ask the planner. Compute rates: when one
+  // moved by the hysteresis from the rate last planned for. Link rates (per node of the cost
+  // model's cluster; empty: not measured): when a node's link read moved by the hysteresis, the
+  // same way, on each of the last `min_samples` steps and its last two readings agree within it
+  // (settled) — a link reading jumps from 1 to 10 within the monitor's window, and a plan made
+  // for the partly slowed step between (1.3) is wrong for the next step already. A link that has
+  // not settled is planned at the rate last planned for.
+  // After it fires, planning_link_rates() are the link rates to plan for.
+  bool trigger(const std::vector<double>& rates, int monitored_steps, int64_t remaining_steps,
+               const std::vector<double>& link_rates = {});
+  const std::vector<double>& planning_link_rates() const { return planning_link_rates_; }
   // What rank 0 decides for `rates` and `link_rates` (measured; thresholded here), whether or
   // not they moved: the planner and the switch rule see the links at their measured rates.
   Decision propose(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
@@ -66,6 +77,8 @@ class Controller {
   ControllerOptions options_;
   std::unique_ptr<plan::Strategy> strategy_;
   std::vector<double> planned_rates_, planned_link_rates_;
+  std::deque<std::vector<double>> link_history_;  // the last min_samples link readings
+  std::vector<double> planning_link_rates_;
   double measured_migration_s_ = -1;
 };
 

@@ -1,6 +1,7 @@
 #include "elastic/monitor.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "common/error.h"
 #include "common/stats.h"
@@ -86,9 +87,13 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
   return rates_;
 }
 
+// Ranks' probe times differ by their place in the collective, not by their links' health, so a
+// rank is never rated against a peer's first calibration (as a slow device would be): every
+// rank's reference is its own.
 LinkMonitor::LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options)
     : node_of_rank_(std::move(node_of_rank)),
-      ranks_(static_cast<int>(node_of_rank_.size()), options) {
+      ranks_(static_cast<int>(node_of_rank_.size()),
+             (options.calibration_tolerance = std::numeric_limits<double>::infinity(), options)) {
   int nodes = 0;
   for (int n : node_of_rank_) {
     check(n >= 0, "link monitor: a rank's node must not be negative");
@@ -97,9 +102,9 @@ LinkMonitor::LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options)
   node_rates_.assign(static_cast<size_t>(nodes), 1.0);
 }
 
-const std::vector<double>& LinkMonitor::observe(const std::vector<double>& link_measurements,
-                                                const std::vector<std::string>& geometries) {
-  const std::vector<double>& rates = ranks_.observe(link_measurements, geometries);
+const std::vector<double>& LinkMonitor::observe(const std::vector<double>& link_measurements) {
+  const std::vector<double>& rates =
+      ranks_.observe(link_measurements, std::vector<std::string>(node_of_rank_.size(), "probe"));
   std::vector<std::vector<double>> by_node(node_rates_.size());
   for (size_t r = 0; r < rates.size(); ++r) {
     if (link_measurements[2 * r] > 0 && link_measurements[2 * r + 1] > 0) {
@@ -110,28 +115,6 @@ const std::vector<double>& LinkMonitor::observe(const std::vector<double>& link_
     if (!by_node[n].empty()) node_rates_[n] = median(by_node[n]);
   }
   return node_rates_;
-}
-
-std::vector<std::string> link_geometries(const layout::GradSyncPlan& sync,
-                                         const std::vector<int>& hosts) {
-  std::vector<std::string> geometries(hosts.size());
-  for (const auto& group : sync.groups) {
-    bool between_hosts = false;
-    for (int r : group.ranks) {
-      between_hosts = between_hosts || hosts.at(static_cast<size_t>(r)) !=
-                                           hosts.at(static_cast<size_t>(group.ranks.front()));
-    }
-    if (!between_hosts) continue;
-    for (int r : group.ranks) {
-      std::string& g = geometries.at(static_cast<size_t>(r));
-      g += (g.empty() ? "sync " : ", ") + std::to_string(group.ranks.size()) + "x" +
-           std::to_string(group.elements);
-    }
-  }
-  for (auto& g : geometries) {
-    if (g.empty()) g = "none";
-  }
-  return geometries;
 }
 
 std::vector<std::string> work_geometries(const layout::Layout& layout) {

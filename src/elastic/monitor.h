@@ -32,7 +32,6 @@
 #include <string>
 #include <vector>
 
-#include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
 
 namespace malleus::elastic {
@@ -80,21 +79,22 @@ class Monitor {
 
 // The link monitor: how many times slower each node's link to the other nodes now is than it
 // was when healthy (1 = healthy), measured separately from the compute rates. Each step every
-// rank reports the elapsed time and the bytes of its gradient-sync collectives between hosts
-// (runtime::StepResult::link_measurements: timed after the members met, so a slow device's late
-// arrival is not counted); a Monitor rates each rank's time per byte against its own healthy
-// time per byte with the same references, windows and geometries as compute (the geometry being
-// the collectives' sizes), and a node's link rate is the median over its ranks that moved bytes
-// between hosts in the step. A node whose ranks move nothing between hosts under the plan keeps
-// its last rate. With two nodes both read the slowdown of the one link between them; with more,
-// a ring through every node slows all of them (see docs/elastic.md, "Slow links").
+// rank reports the elapsed time and the bytes of the engine's link probe
+// (runtime::StepResult::link_measurements: a fixed all-reduce across the job, timed after the
+// ranks met, so a slow device's late arrival is not counted); a Monitor rates each rank's time
+// per byte against its own healthy time per byte with the same references and windows as compute
+// (one geometry: the probe is the same under every plan, so a plan that sends nothing across a
+// link still sees it, and a re-plan never reseeds a reference), and a node's link rate is the
+// median over its ranks. With two nodes both read the slowdown of the one link between them;
+// with more, the probe's ring through every node slows all of them (docs/elastic.md, "Slow
+// links").
 class LinkMonitor {
  public:
   // `node_of_rank`: the cluster node of each rank (the cost model's numbering).
   LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options = {});
-  // Adds one step; returns every node's link rate.
-  const std::vector<double>& observe(const std::vector<double>& link_measurements,
-                                     const std::vector<std::string>& geometries);
+  // Adds one step: every rank's (seconds, bytes) of its probe (0, 0: not measured). Returns every
+  // node's link rate.
+  const std::vector<double>& observe(const std::vector<double>& link_measurements);
   const std::vector<double>& node_rates() const { return node_rates_; }
   const std::vector<double>& rank_rates() const { return ranks_.rates(); }
 
@@ -103,11 +103,6 @@ class LinkMonitor {
   Monitor ranks_;
   std::vector<double> node_rates_;
 };
-
-// The geometry of every rank's traffic between hosts under a gradient-sync plan: the sizes of its
-// collectives whose members span hosts ("none" when it has none).
-std::vector<std::string> link_geometries(const layout::GradSyncPlan& sync,
-                                         const std::vector<int>& hosts);
 
 // The geometry of every rank's work under `layout`: its shard's shape (layers, head / FFN /
 // vocabulary shares, embedding, LM head; not its position in the model), or "probe" when idle.

@@ -127,7 +127,8 @@ void MemoryFootprint::include(const MemoryFootprint& o) {
 }
 
 MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
-                     const model::Recompute& recompute, bool synced, bool recompute_ahead) {
+                     const model::Recompute& recompute, bool synced, bool recompute_ahead,
+                     bool probed) {
   MemoryUse use;
   const double params =
       layers * f.params_per_layer + (first ? f.embedding_params : 0) + (last ? f.head_params : 0);
@@ -145,8 +146,9 @@ MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last
   use.workspace = f.layer_workspace + (last ? f.head_workspace : 0);
   // The runtime packs gradients in fp32 (gradient_bytes per element).
   const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
-  use.communication =
-      std::max(largest, synced ? std::min(params, kGradSyncChunkElements) : 0.0) * f.gradient_bytes;
+  use.communication = std::max({largest, synced ? std::min(params, kGradSyncChunkElements) : 0.0,
+                                probed ? kLinkProbeElements : 0.0}) *
+                      f.gradient_bytes;
   return use;
 }
 
@@ -358,7 +360,8 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
   auto memory = [&](const model::Recompute& r) {
-    return memory_use(g.memory, layers, first, last, n, r, synced, shifted_recompute_ && !last)
+    return memory_use(g.memory, layers, first, last, n, r, synced, shifted_recompute_ && !last,
+                      cluster_.nodes > 1)
         .total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),
@@ -498,7 +501,7 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P > 1, shifted_recompute_ && !last)
+                       P > 1, shifted_recompute_ && !last, cluster_.nodes > 1)
                 .total();
       }
     }
@@ -560,7 +563,7 @@ std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
         if (r < 0 || r >= plan.world_size) continue;
         out[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
-                       synced, shifted_recompute_ && j < S - 1);
+                       synced, shifted_recompute_ && j<S - 1, cluster_.nodes> 1);
       }
     }
   }

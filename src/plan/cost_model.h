@@ -95,6 +95,12 @@ struct MemoryFootprint {
 // The runtime sums gradients across pipelines in packed chunks of at most this many elements (a
 // larger single piece alone), which bounds its packing buffer.
 inline constexpr double kGradSyncChunkElements = 16.0 * 1024 * 1024;
+// On several nodes every rank also all-reduces a fixed probe of this many fp32 elements (512 KiB)
+// twice across the whole job each step, timed for the link monitor (runtime::Engine), through the
+// same packing buffer. 1 MiB through the links in all: large against a token-bucket shaper's
+// burst, so that a throttled link shows at its rate, and small against a step (a few ms on the
+// test bed's healthy links).
+inline constexpr double kLinkProbeElements = 128.0 * 1024;
 
 // Bytes by kind, as backend::MemoryKind names them.
 struct MemoryUse {
@@ -110,9 +116,11 @@ struct MemoryUse {
 // rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise the pack
 // buffer only ever holds one tensor, for the gradient norm). `recompute_ahead`: the stage
 // recomputes ahead of its backward (the shifted schedule), with a scratch per recomputing layer.
+// `probed`: the job spans several nodes, so the packing buffer also holds the link probe
+// (kLinkProbeElements).
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
                      int in_flight, const model::Recompute& recompute, bool synced,
-                     bool recompute_ahead = false);
+                     bool recompute_ahead = false, bool probed = false);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -212,8 +213,11 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   {
     // Packing gradients and summing squares is computing too: on a shared core, in turn.
     CoreLease::Hold turn(lease());
-    if (model_) std::tie(result.link_seconds, result.link_bytes) = sync_gradients();
+    if (model_) sync_gradients();
     shared[1] = local_norm_squares();
+    if (options_.measure && !options_.hosts.empty()) {
+      std::tie(result.link_seconds, result.link_bytes) = probe_links();
+    }
   }
   const size_t me = static_cast<size_t>(world.rank());
   double* mine = shared.data() + 2 + 2 * me;
@@ -313,21 +317,13 @@ double Engine::evaluate(const SampleFn& sample, int count) {
 // Sums every gradient piece over its holders: one all-reduce per holder set, pieces packed.
 // Replicated copies beyond the first of each tensor-parallel group add zero, so each pipeline
 // counts once.
-std::pair<double, double> Engine::sync_gradients() {
+void Engine::sync_gradients() {
   ParallelState& st = *state_;
   const auto& sync = st.grad_sync();
   const int me = st.rank();
-  double link_seconds = 0, link_bytes = 0;
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
-    bool between_hosts = false;
-    if (options_.measure && !options_.hosts.empty()) {
-      for (int r : group.ranks) {
-        between_hosts = between_hosts || options_.hosts.at(static_cast<size_t>(r)) !=
-                                             options_.hosts.at(static_cast<size_t>(me));
-      }
-    }
     // In chunks of at most plan::kGradSyncChunkElements (a piece larger than that alone), so the
     // packing buffer stays bounded however much the rank holds.
     const auto& ids = group.pieces;
@@ -348,19 +344,7 @@ std::pair<double, double> Engine::sync_gradients() {
         }
         cursor += piece.elements;
       }
-      if (between_hosts) {
-        // Meet first, so the timed all-reduce is the transfer (the slowest member's arrival is
-        // compute, measured elsewhere).
-        double token = 0;
-        all_reduce_sum(st.grad_sync_comm(g), &token, 1, lease());
-        const auto start = Clock::now();
-        all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
-        link_seconds += seconds_since(start);
-        const double n = static_cast<double>(group.ranks.size());
-        link_bytes += 2 * (n - 1) / n * static_cast<double>(pack_buffer_.size() * sizeof(float));
-      } else {
-        all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
-      }
+      all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
       cursor = pack_buffer_.data();
       for (size_t i = begin; i < end; ++i) {
         const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
@@ -369,7 +353,26 @@ std::pair<double, double> Engine::sync_gradients() {
       }
     }
   }
-  return {link_seconds, link_bytes};
+}
+
+std::pair<double, double> Engine::probe_links() {
+  comm::Communicator& world = state_->world();
+  // Meet first, so the timed all-reduces are the transfer (the slowest rank's arrival is compute,
+  // measured elsewhere). Two halves, the faster one counted twice: a delay that hits one of them
+  // (a time slice lost on a shared core) is not taken for the link.
+  double token = 0;
+  all_reduce_sum(world, &token, 1, lease());
+  const size_t elements = static_cast<size_t>(plan::kLinkProbeElements);
+  float* probe = pack_buffer(elements);
+  double fastest = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 2; ++i) {
+    std::fill_n(probe, elements, 0.0f);
+    const auto start = Clock::now();
+    all_reduce_sum(world, probe, elements, lease());
+    fastest = std::min(fastest, seconds_since(start));
+  }
+  const double n = world.size();
+  return {2 * fastest, 2 * 2 * (n - 1) / n * static_cast<double>(elements * sizeof(float))};
 }
 
 float* Engine::pack_buffer(size_t elements) {

@@ -32,8 +32,8 @@ struct EngineOptions {
   // Time the compute sections for the straggler monitor (off only to measure what timing costs;
   // an injected slowdown still times the sections it lengthens).
   bool measure = true;
-  // The host each rank runs on (host_indices(world)); gradient-sync collectives between hosts are
-  // timed for the link monitor. Empty: one host, nothing timed.
+  // The host each rank runs on (host_indices(world)); on several hosts every step also times a
+  // fixed probe all-reduce across the job for the link monitor. Empty: one host, nothing timed.
   std::vector<int> hosts;
   // The shifted critical path (Merak) for stages that recompute activations: a stage other than
   // the last posts the receive of a micro-batch's output gradient, recomputes that micro-batch's
@@ -63,11 +63,13 @@ struct StepResult {
   // its own allocations (backend::memory_ledger), in rank order: by kind, and the peak total.
   std::vector<backend::MemoryFigures> peak_memory;
   std::vector<double> peak_memory_total;
-  // This rank's traffic between hosts, for the link monitor: the elapsed time of its gradient-sync
-  // all-reduces whose members span hosts, each timed after its members met (an untimed one-number
-  // all-reduce first), so it is the transfer and not the wait for the slowest member; and the
-  // bytes a ring all-reduce moves through each member's link (2·(n−1)/n × the buffer). 0 when
-  // the plan gives it no such collective.
+  // This rank's link probe, for the link monitor (on several hosts; 0 on one): the elapsed time of
+  // all-reducing plan::kLinkProbeElements floats over every rank twice (the faster counted
+  // twice), timed after the ranks met (an untimed one-number all-reduce first), so it is
+  // the transfer and not the wait for the slowest rank; and the bytes a ring all-reduce moves
+  // through each member's link (2·(n−1)/n × the buffer). The same probe under every plan: a link is
+  // measured whether or not the plan sends anything across it, and its healthy reference never
+  // changes with the plan.
   double link_seconds = 0, link_bytes = 0;
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> link_measurements;
@@ -147,8 +149,10 @@ class Engine {
   Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
          const EngineOptions& options, bool deferred);
   void zero_grads();
-  // Sums gradients over the refinement groups; returns this rank's (seconds, bytes) between hosts.
-  std::pair<double, double> sync_gradients();
+  // Sums gradients over the refinement groups.
+  void sync_gradients();
+  // Collective over the world: times the link probe; returns this rank's (seconds, bytes).
+  std::pair<double, double> probe_links();
   double local_norm_squares();
   // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
   // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).

@@ -188,6 +188,9 @@ std::vector<ConfigField> make_fields() {
             positive<int>()),
       field(&C::replan, "replan", "--replan", P::kHonoured,
             "Re-plan around slow ranks (--no-replan keeps the starting plan)"),
+      field(&C::replan_links, "replan_links", "--replan-links", P::kHonoured,
+            "Re-plan around slow links between hosts too (--no-replan-links: links are measured "
+            "and logged, the controller plans as if they were healthy)"),
       field(&C::cluster, "cluster", "--cluster", P::kHonoured,
             "Cluster preset or file the controller plans for", non_empty()),
       field(&C::profile, "profile", "--profile", P::kHonoured,

@@ -102,6 +102,7 @@ struct TrainConfig {
   // Straggler tolerance: re-plan when the monitored rates move (elastic/controller.h), planning
   // for the cluster preset `cluster` with one device per rank.
   bool replan = true;
+  bool replan_links = true;  // the controller plans for measured link rates (several hosts)
   std::string cluster = "cpu-local";
   // A `malleus profile` file: the controller's cost model then uses these measured layer times
   // instead of the cluster's peak × MFU (scaled by each rank's share of the cores when more ranks

@@ -380,14 +380,14 @@ StepStats Trainer::train_step() {
     break;
   }
   if (link_monitor_) {
-    stats.link_rates = link_monitor_->observe(
-        r.link_measurements,
-        elastic::link_geometries(engine_->state().grad_sync(), engine_options_.hosts));
+    stats.link_rates = link_monitor_->observe(r.link_measurements);
   }
   if (controller_) {
-    const elastic::Decision decision =
-        controller_->decide(world_, engine_->plan(), stats.rates, monitor_.samples(), step_,
-                            config_.steps - step_, stats.link_rates);
+    // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
+    const std::vector<double> no_links;
+    const elastic::Decision decision = controller_->decide(
+        world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_,
+        config_.replan_links ? stats.link_rates : no_links);
     if (decision.asked) stats.replan = replan_record(decision);
     if (decision.plan) {
       plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
