@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Slow links benchmark on the multi-host test bed (scripts/hosts.sh): 2 emulated hosts × 2 ranks,
+# the demo model (seq 128, micro-batch 1, global batch 16) from the uniform plan dp4, host 1's
+# link throttled to a tenth of the bed's 0.335 GB/s (268mbit) once step SHAPE_AT is logged, to the
+# end of the run. Three ways of running, interleaved, RUNS runs each:
+#   uniform       --no-replan: the uniform plan kept
+#   compute-only  --no-replan-links: re-planning on compute rates only (links measured, ignored)
+#   link-aware    the default: re-planning on compute and link rates
+# Throughput after the throttle = tokens of steps SHAPE_AT+1..STEPS / their wall time (detection,
+# planning and migration included). Ideal = the healthy throughput of dp4 (steps 3..SHAPE_AT of
+# every run, median) × the cost model's healthy dp4 step time / its best step time for the
+# slowed cluster (`malleus plan` with --link-rates '{"1": 10}' on cpu-bed-2x2): what the healthy
+# run would do if it lost only what the best plan for the slow link must lose.
+#   scripts/bench_links.sh [runs] [steps] [shape-at]   (default 3 30 8; about 15 min on 2 cores)
+# MALLEUS_BINARY: the malleus to run (default build/malleus, built first).
+# Needs root (network namespaces); exits 77 where they cannot be made. Run it under
+# `flock /work/notes/bench.lock` on a shared machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-3} steps=${2:-30} shape_at=${3:-8}
+rate=268mbit slowdown=10
+cluster=configs/clusters/cpu-bed-2x2.json
+malleus=${MALLEUS_BINARY:-build/malleus}
+[[ -n ${MALLEUS_BINARY:-} ]] || cmake --build build --target malleus > /dev/null
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+export MALLEUS_HOSTS_PREFIX=${MALLEUS_HOSTS_PREFIX:-mk} MALLEUS_HOSTS_SUBNET=${MALLEUS_HOSTS_SUBNET:-198.18.16}
+scratch=$(mktemp -d /tmp/bench_links.XXXXXX)
+job=""
+cleanup() {
+  [[ -z $job ]] || kill "$job" 2> /dev/null || true
+  scripts/hosts.sh down || true
+  rm -rf "$scratch"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+
+echo "# bench_links: 2 hosts x 2 ranks, host 1's link to $rate after step $shape_at of $steps;" \
+  "$runs runs each; $(uptime | sed 's/.*load/load/')"
+timeout 300 "$malleus" prepare-data --output "$scratch/data" > /dev/null
+
+one_run() { # name flags...
+  local name=$1
+  shift
+  local out="$scratch/$name"
+  scripts/hosts.sh up 2 > /dev/null
+  timeout -k 10 600 scripts/hosts.sh mpirun -np 4 "$malleus" train --model demo --seq-len 128 \
+    --micro-batch 1 --global-batch 16 --threads 1 --steps "$steps" --warmup-steps 2 --lr 1e-3 \
+    --eval-every 0 --checkpoint-every 0 --val-data '' --train-data "$scratch/data/train_*.bin" \
+    --dp 4 --cluster "$cluster" --out "$out" "$@" > "$scratch/$name.log" 2>&1 &
+  job=$!
+  local deadline=$((SECONDS + 500))
+  until grep -q "\"step\":$shape_at," "$out/metrics.jsonl" 2> /dev/null; do
+    if ! kill -0 "$job" 2> /dev/null || ((SECONDS > deadline)); then
+      cat "$scratch/$name.log" >&2
+      echo "bench_links: run $name ended or stalled before step $shape_at" >&2
+      exit 1
+    fi
+    sleep 0.2
+  done
+  scripts/hosts.sh shape 1 "$rate"
+  wait "$job" || { cat "$scratch/$name.log" >&2; exit 1; }
+  job=""
+  scripts/hosts.sh down
+}
+
+for ((i = 1; i <= runs; ++i)); do
+  one_run "uniform-$i" --no-replan
+  one_run "compute-only-$i" --no-replan-links
+  one_run "link-aware-$i"
+  echo "round $i done ($(uptime | sed 's/.*load/load/'))"
+done
+
+# The cost model's healthy dp4 and best slowed step times.
+"$malleus" plan --strategy uniform --base dp4,tp1,pp1 --cluster "$cluster" --model demo \
+  --global-batch 16 --micro-batch 1 --seq-len 128 --out "$scratch/dp4.json" > /dev/null
+healthy_dp4=$("$malleus" simulate --plan "$scratch/dp4.json" --cluster "$cluster" \
+  --model demo --global-batch 16 --micro-batch 1 --seq-len 128 --json |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["predicted_iteration_s"])')
+"$malleus" plan --strategy malleus --cluster "$cluster" --link-rates "{\"1\": $slowdown}" \
+  --model demo --global-batch 16 --micro-batch 1 --seq-len 128 --out "$scratch/best.json" \
+  > /dev/null
+best_slowed=$("$malleus" simulate --plan "$scratch/best.json" --cluster "$cluster" \
+  --link-rates "{\"1\": $slowdown}" --model demo --global-batch 16 --micro-batch 1 \
+  --seq-len 128 --json |
+  python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["predicted_iteration_s"])')
+
+python3 - "$scratch" "$runs" "$shape_at" "$healthy_dp4" "$best_slowed" << 'EOF'
+import json, statistics, sys
+scratch, runs, shape_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+healthy_dp4, best_slowed = float(sys.argv[4]), float(sys.argv[5])
+def read(name):
+    steps, decisions = {}, []
+    for line in open(f"{scratch}/{name}/metrics.jsonl"):
+        r = json.loads(line)
+        if r.get("event") in ("replan", "replan_declined"):
+            decisions.append(r)
+        elif "step_time_s" in r:
+            steps[r["step"]] = r
+    return steps, decisions
+def tokens_per_s(steps, first, last):
+    chosen = [steps[s] for s in range(first, last + 1)]
+    return sum(s["tokens_per_s"] * s["step_time_s"] for s in chosen) / sum(
+        s["step_time_s"] for s in chosen)
+arms = ["uniform", "compute-only", "link-aware"]
+healthy, after, notes = [], {a: [] for a in arms}, {a: [] for a in arms}
+for arm in arms:
+    for i in range(1, runs + 1):
+        steps, decisions = read(f"{arm}-{i}")
+        last = max(steps)
+        healthy.append(tokens_per_s(steps, 3, shape_at))
+        after[arm].append(tokens_per_s(steps, shape_at + 1, last))
+        switched = [d for d in decisions if d["event"] == "replan" and d["step"] > shape_at]
+        links = steps[last].get("link_rates", [])
+        notes[arm].append(f"links at the end {[round(x, 1) for x in links]}; " + (
+            "; ".join(f"step {d['step']}: {d['new_plan']}" for d in switched) or "no switch"))
+ideal = statistics.median(healthy) * healthy_dp4 / best_slowed
+print(f"healthy dp4 (steps 3-{shape_at}, median of {len(healthy)} runs): "
+      f"{statistics.median(healthy):.0f} tokens/s")
+print(f"cost model: healthy dp4 {healthy_dp4:.3f} s/step, best plan with host 1's link 10x "
+      f"slower {best_slowed:.3f} s/step -> ideal {ideal:.0f} tokens/s")
+print()
+print("| running | tokens/s after the throttle (median of %d) | runs | fraction of ideal |" % runs)
+print("|---|---:|---|---:|")
+for arm in arms:
+    m = statistics.median(after[arm])
+    print(f"| {arm} | {m:.0f} | {', '.join(f'{x:.0f}' for x in after[arm])} | {m / ideal:.2f} |")
+print()
+for arm in arms:
+    for i, n in enumerate(notes[arm], 1):
+        print(f"{arm} {i}: {n}")
+EOF
+echo "($(uptime | sed 's/.*load/load/'))"
