@@ -87,13 +87,21 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
   return rates_;
 }
 
+namespace {
+
 // Ranks' probe times differ by their place in the collective, not by their links' health, so a
 // rank is never rated against a peer's first calibration (as a slow device would be): every
 // rank's reference is its own.
+MonitorOptions own_references_only(MonitorOptions options) {
+  options.calibration_tolerance = std::numeric_limits<double>::infinity();
+  return options;
+}
+
+}  // namespace
+
 LinkMonitor::LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options)
     : node_of_rank_(std::move(node_of_rank)),
-      ranks_(static_cast<int>(node_of_rank_.size()),
-             (options.calibration_tolerance = std::numeric_limits<double>::infinity(), options)) {
+      ranks_(static_cast<int>(node_of_rank_.size()), own_references_only(options)) {
   int nodes = 0;
   for (int n : node_of_rank_) {
     check(n >= 0, "link monitor: a rank's node must not be negative");

@@ -358,8 +358,8 @@ void Engine::sync_gradients() {
 std::pair<double, double> Engine::probe_links() {
   comm::Communicator& world = state_->world();
   // Meet first, so the timed all-reduces are the transfer (the slowest rank's arrival is compute,
-  // measured elsewhere). Two halves, the faster one counted twice: a delay that hits one of them
-  // (a time slice lost on a shared core) is not taken for the link.
+  // measured elsewhere). Twice, the faster counted twice: a delay that hits one of them (a time
+  // slice lost on a shared core) is not taken for the link.
   double token = 0;
   all_reduce_sum(world, &token, 1, lease());
   const size_t elements = static_cast<size_t>(plan::kLinkProbeElements);
