@@ -333,3 +333,64 @@ TEST(CostModel, SlowLinksSlowOnlyTheTransfersThroughThem) {
   EXPECT_THROW(healthy.with_link_rates({1.0, 0.5}), Error);
   EXPECT_THROW(healthy.with_link_rates({1.0, 1.0, 1.0}), Error);
 }
+
+// Sub-pipelined tensor parallelism: a layer's 2 forward (and 2 backward) all-reduces become 4 of
+// half the activations, each but the last hidden up to the compute of the other half that runs
+// meanwhile (cost_model.h). The compute shares are written out here from the model's shapes.
+TEST(CostModel, SubpipelinedTensorParallelismHidesHalfReductionsBehindTheOtherHalf) {
+  const auto m = model::load_model_config("llama-70b");
+  const double h = m.hidden_size, kv = m.kv_dim(), f = m.ffn_hidden_size, s = 4096;
+  // Per token on an even tp8 shard: the o projection, q/k/v, the attention core, the MLP.
+  const double o = 2 * h * h / 8, qkv = 2 * (h * h + 2 * h * kv) / 8, core = 2 * h * s / 8,
+               mlp = 2 * 3 * h * f / 8;
+  const double all = o + qkv + core + mlp;
+  for (int micro_batch : {1, 2}) {
+    auto cluster = plan::load_cluster("a800-8x8");
+    CostModel cost(m, cluster, plan::BatchConfig{64, micro_batch, 4096});
+    const plan::Stage tp8 = group(cost, {0, 1, 2, 3, 4, 5, 6, 7});
+    const auto g = cost.group_cost(tp8, plan::Rates(8, 1.0));
+    EXPECT_NEAR(g.attention_share, (o + qkv + core) / all, 1e-12);
+    EXPECT_NEAR(g.o_proj_share, o / all, 1e-12);
+    EXPECT_NEAR(g.qkv_share, qkv / all, 1e-12);
+    EXPECT_DOUBLE_EQ(g.layer_comm_half,
+                     cost.allreduce_time(tp8.ranks, cost.activation_message_bytes() / 2));
+    const auto plain = cost.stage_cost(g, 10, false, false, 1);
+    EXPECT_DOUBLE_EQ(cost.exposed_layer_comm(g, false), 2 * g.layer_comm);
+
+    cost.set_tp_subpipeline(true);
+    const double c2 = g.layer_comm_half, F = g.layer_forward / 2, B = g.layer_backward / 2;
+    auto hidden = [&](double compute) { return std::max(0.0, c2 - compute); };
+    const double att = (o + qkv + core) / all, ffn = mlp / all;
+    const double forward = micro_batch >= 2 ? c2 + hidden(att * F) + 2 * hidden(ffn * F)
+                                            : c2 + hidden(o / all * F) + 2 * hidden(ffn * F);
+    const double backward =
+        micro_batch >= 2 ? c2 + hidden(ffn * B) + 2 * hidden(att * B)
+                         : c2 + hidden(ffn * B) + hidden(o / all * B) + hidden(qkv / all * B);
+    EXPECT_NEAR(cost.exposed_layer_comm(g, false), forward, 1e-15) << micro_batch;
+    EXPECT_NEAR(cost.exposed_layer_comm(g, true), backward, 1e-15) << micro_batch;
+    // On NVLink the halves hide almost entirely behind a 70B layer's compute: about one half
+    // all-reduce per layer and direction is left, far less than the two whole ones.
+    EXPECT_LT(cost.exposed_layer_comm(g, false), g.layer_comm);
+    const auto overlapped = cost.stage_cost(g, 10, false, false, 1);
+    EXPECT_NEAR(plain.forward - overlapped.forward,
+                10 * (2 * g.layer_comm - cost.exposed_layer_comm(g, false)), 1e-12);
+    EXPECT_NEAR(plain.comm - overlapped.comm,
+                10 * (4 * g.layer_comm - cost.exposed_layer_comm(g, false) -
+                      cost.exposed_layer_comm(g, true)),
+                1e-12);
+
+    // A link so slow that no half hides: 4 half-reductions cost more than 2 whole ones (latency
+    // counts twice), less the compute they overlap.
+    cluster.intra_node_bandwidth /= 1e4;
+    CostModel slow(m, cluster, plan::BatchConfig{64, micro_batch, 4096});
+    slow.set_tp_subpipeline(true);
+    const auto gs = slow.group_cost(tp8, plan::Rates(8, 1.0));
+    const double Fs = gs.layer_forward / 2;
+    const double overlap = micro_batch >= 2 ? (att + 2 * ffn) * Fs : (o / all + 2 * ffn) * Fs;
+    EXPECT_NEAR(slow.exposed_layer_comm(gs, false), 4 * gs.layer_comm_half - overlap,
+                1e-9 * gs.layer_comm);
+    // Without a tensor-parallel group nothing changes.
+    const auto alone = cost.group_cost(group(cost, {0}), plan::Rates(8, 1.0));
+    EXPECT_EQ(cost.exposed_layer_comm(alone, false), 0);
+  }
+}

@@ -39,6 +39,7 @@ inline Json every_field_changed() {
               {"dp", 2},
               {"tp", 2},
               {"pp", 2},
+              {"tp_subpipeline", true},
               {"replan", false},
               {"replan_links", false},
               {"cluster", "a800-4x8"},

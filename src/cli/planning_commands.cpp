@@ -37,7 +37,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 struct SetupArgs {
   std::string cluster, model, rates, link_rates, profile, base;
   int nodes = 0, global_batch = 64, micro_batch = 1, seq_len = 0;
-  bool json = false, shifted_recompute = false;
+  bool json = false, shifted_recompute = false, tp_subpipeline = false;
 
   void add_to(CLI::App& app, bool need_cluster) {
     auto* c = app.add_option("--cluster", cluster,
@@ -65,6 +65,8 @@ struct SetupArgs {
     app.add_flag("--shifted-recompute,!--no-shifted-recompute", shifted_recompute,
                  "The runtime recomputes ahead of the gradient (the training option of that "
                  "name): memory and time with it");
+    app.add_flag("--tp-subpipeline,!--no-tp-subpipeline", tp_subpipeline,
+                 "Predict sub-pipelined tensor parallelism (the training option of that name)");
   }
 
   plan::CostModel cost_model() const {
@@ -81,6 +83,7 @@ struct SetupArgs {
     if (!profile.empty()) p = plan::Profile::from_json(read_json_file(profile), profile);
     plan::CostModel cost(m, c, batch, p);
     cost.set_shifted_recompute(shifted_recompute);
+    cost.set_tp_subpipeline(tp_subpipeline);
     return cost;
   }
   plan::Shape shape() const { return base.empty() ? plan::Shape{} : plan::Shape::parse(base); }

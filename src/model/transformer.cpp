@@ -349,84 +349,200 @@ void Transformer<T>::block_recompute(const BlockPointers& a, int index, const T*
 }
 
 template <typename T>
+typename Transformer<T>::Parts Transformer<T>::parts(int batch, int seq) const {
+  Parts p;
+  const bool split = subpipeline_ && tp_ != nullptr && tp_->size() > 1;
+  if (split && batch >= 2) {
+    const int half = batch / 2;
+    p.by_sequence = true;
+    p.parts = {{0, half, 0, half * seq}, {half, batch - half, half * seq, (batch - half) * seq}};
+  } else if (split && batch == 1 && seq >= 2) {
+    const int half = seq / 2;
+    p.parts = {{0, 1, 0, half}, {0, 1, half, seq - half}};
+  } else {
+    p.parts = {{0, batch, 0, batch * seq}};
+  }
+  return p;
+}
+
+template <typename T>
+typename Transformer<T>::PendingSum Transformer<T>::start_sum(T* data, size_t count,
+                                                              const Parts& parts) {
+  if (tp_ == nullptr || tp_->size() <= 1) return nullptr;
+  if (!parts.split()) {
+    tp_->all_reduce_sum(data, count);
+    return nullptr;
+  }
+  return tp_->start_all_reduce_sum(data, count);
+}
+
+template <typename T>
+void Transformer<T>::finish(PendingSum& sum) {
+  if (sum) sum->wait();
+  sum.reset();
+}
+
+// Under sub-pipelined tensor parallelism each step below runs part by part, each part's
+// all-reduce started as soon as its rows are ready and waited for only before the next step of
+// the same part: the reduction of the first part runs while the second computes.
+template <typename T>
 void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x, T* out,
                                    const Positions& at) {
   auto& be = backend_;
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
-  const int n = at.batch * at.seq, c = config_.hidden_size, hd = config_.head_dim();
+  const int c = config_.hidden_size, hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
-  const size_t nc = static_cast<size_t>(n) * c;
+  const int keys = at.past + at.seq;  // per sequence
   // New keys and values go after the `past` ones (only one sequence has past positions).
   T* k_new = at.k + static_cast<size_t>(at.past) * kv;
   T* v_new = at.v + static_cast<size_t>(at.past) * kv;
+  const Part whole{0, at.batch, 0, at.batch * at.seq};
+  // Cached inference runs one part: only whole training sequences (past 0) split.
+  const Parts split = at.past == 0 ? parts(at.batch, at.seq) : Parts{{whole}, false};
+  auto row = [](auto* data, const Part& p, int width) {
+    return data + static_cast<size_t>(p.row_begin) * width;
+  };
+  std::vector<PendingSum> sums(split.parts.size());
 
   // Attention: q/k/v are column-parallel (this rank's heads), o_proj row-parallel; the partial
-  // outputs are summed over the group before the residual is added (once).
-  be.rmsnorm_forward(a.ln1, a.rstd1, x, param(w.attn_norm), n, c, config_.norm_eps);
-  be.matmul_forward(a.q, a.ln1, param(w.q_proj), n, c, q);
-  be.matmul_forward(k_new, a.ln1, param(w.k_proj), n, c, kv);
-  be.matmul_forward(v_new, a.ln1, param(w.v_proj), n, c, kv);
-  be.rope_forward(a.q, at.batch, at.seq, heads_, hd, config_.rope_theta, at.past);
-  be.rope_forward(k_new, at.batch, at.seq, kv_heads_, hd, config_.rope_theta, at.past);
-  be.attention_forward(a.attn, a.probs, a.q, at.k, at.v, at.batch, at.seq, at.past, heads_,
-                       kv_heads_, hd);
-  be.matmul_forward(a.mid, a.attn, param(w.o_proj), n, q, c);
-  all_reduce_sum(a.mid, nc);
-  be.add(a.mid, x, nc);  // mid = x + o_proj(attention)
+  // outputs are summed over the group before the residual is added (once). Split along token
+  // rows, the first part runs the attention (and what feeds it) for all rows.
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    if (split.by_sequence || i == 0) {
+      const Part& core = split.by_sequence ? p : whole;
+      const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * at.seq * keys;
+      be.rmsnorm_forward(row(a.ln1, core, c), row(a.rstd1, core, 1), row(x, core, c),
+                         param(w.attn_norm), core.rows, c, config_.norm_eps);
+      be.matmul_forward(row(a.q, core, q), row(a.ln1, core, c), param(w.q_proj), core.rows, c, q);
+      be.matmul_forward(row(k_new, core, kv), row(a.ln1, core, c), param(w.k_proj), core.rows, c,
+                        kv);
+      be.matmul_forward(row(v_new, core, kv), row(a.ln1, core, c), param(w.v_proj), core.rows, c,
+                        kv);
+      be.rope_forward(row(a.q, core, q), core.batch, at.seq, heads_, hd, config_.rope_theta,
+                      at.past);
+      be.rope_forward(row(k_new, core, kv), core.batch, at.seq, kv_heads_, hd, config_.rope_theta,
+                      at.past);
+      be.attention_forward(row(a.attn, core, q), a.probs + probs, row(a.q, core, q),
+                           row(at.k, core, kv), row(at.v, core, kv), core.batch, at.seq, at.past,
+                           heads_, kv_heads_, hd);
+    }
+    be.matmul_forward(row(a.mid, p, c), row(a.attn, p, q), param(w.o_proj), p.rows, q, c);
+    sums[i] = start_sum(row(a.mid, p, c), static_cast<size_t>(p.rows) * c, split);
+  }
 
   // SwiGLU MLP: gate/up column-parallel, down row-parallel.
-  be.rmsnorm_forward(a.ln2, a.rstd2, a.mid, param(w.mlp_norm), n, c, config_.norm_eps);
-  be.matmul_forward(a.gate, a.ln2, param(w.gate_proj), n, c, ffn_);
-  be.matmul_forward(a.up, a.ln2, param(w.up_proj), n, c, ffn_);
-  be.swiglu_forward(a.act, a.gate, a.up, static_cast<size_t>(n) * ffn_);
-  if (out == nullptr) return;
-  be.matmul_forward(out, a.act, param(w.down_proj), n, ffn_, c);
-  all_reduce_sum(out, nc);
-  be.add(out, a.mid, nc);  // out = mid + down_proj(act)
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    const size_t pc = static_cast<size_t>(p.rows) * c;
+    finish(sums[i]);
+    be.add(row(a.mid, p, c), row(x, p, c), pc);  // mid = x + o_proj(attention)
+    be.rmsnorm_forward(row(a.ln2, p, c), row(a.rstd2, p, 1), row(a.mid, p, c), param(w.mlp_norm),
+                       p.rows, c, config_.norm_eps);
+    be.matmul_forward(row(a.gate, p, ffn_), row(a.ln2, p, c), param(w.gate_proj), p.rows, c, ffn_);
+    be.matmul_forward(row(a.up, p, ffn_), row(a.ln2, p, c), param(w.up_proj), p.rows, c, ffn_);
+    be.swiglu_forward(row(a.act, p, ffn_), row(a.gate, p, ffn_), row(a.up, p, ffn_),
+                      static_cast<size_t>(p.rows) * ffn_);
+    if (out == nullptr) continue;
+    be.matmul_forward(row(out, p, c), row(a.act, p, ffn_), param(w.down_proj), p.rows, ffn_, c);
+    sums[i] = start_sum(row(out, p, c), pc, split);
+  }
+  if (out == nullptr) return;  // all backward needs (full recomputation)
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    finish(sums[i]);
+    be.add(row(out, p, c), row(a.mid, p, c), static_cast<size_t>(p.rows) * c);  // out = mid + down
+  }
 }
 
 // On entry dres holds dLoss/d(block output); on exit dLoss/d(block input x). Both are the same on
 // every rank of the group: the partial input gradients of the column-parallel matmuls are summed
-// before the (replicated) norms.
+// before the (replicated) norms. Sub-pipelined as the forward.
 template <typename T>
 void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres, bool recomputed) {
   auto& be = backend_;
   const BlockPointers a = block_storage(slot, index);
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
-  const int n = tokens_per_micro_batch(), c = config_.hidden_size, hd = config_.head_dim();
+  const int c = config_.hidden_size, hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
-  const size_t nc = static_cast<size_t>(n) * c;
   if (!recomputed) block_recompute(a, index, x);
+  const Parts split = parts(micro_batch_, seq_len_);
+  const Part whole{0, micro_batch_, 0, tokens_per_micro_batch()};
+  auto row = [](auto* data, const Part& p, int width) {
+    return data + static_cast<size_t>(p.row_begin) * width;
+  };
+  std::vector<PendingSum> sums(split.parts.size());
 
   // MLP branch: out = mid + down(silu(gate(ln2)) * up(ln2)).
-  be.matmul_backward(dact_.data(), grad(w.down_proj), dres, a.act, param(w.down_proj), n, ffn_, c);
-  be.swiglu_backward(dgate_.data(), dup_.data(), dact_.data(), a.gate, a.up,
-                     static_cast<size_t>(n) * ffn_);
-  be.matmul_backward(dnorm_.data(), grad(w.gate_proj), dgate_.data(), a.ln2, param(w.gate_proj), n,
-                     c, ffn_);
-  be.matmul_backward(dnorm2_.data(), grad(w.up_proj), dup_.data(), a.ln2, param(w.up_proj), n, c,
-                     ffn_);
-  be.add(dnorm_.data(), dnorm2_.data(), nc);
-  all_reduce_sum(dnorm_.data(), nc);
-  be.rmsnorm_backward(dtmp_.data(), grad(w.mlp_norm), dnorm_.data(), a.mid, param(w.mlp_norm),
-                      a.rstd2, n, c);
-  be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/d(mid)
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    T* dnorm = row(dnorm_.data(), p, c);
+    be.matmul_backward(row(dact_.data(), p, ffn_), grad(w.down_proj), row(dres, p, c),
+                       row(a.act, p, ffn_), param(w.down_proj), p.rows, ffn_, c);
+    be.swiglu_backward(row(dgate_.data(), p, ffn_), row(dup_.data(), p, ffn_),
+                       row(dact_.data(), p, ffn_), row(a.gate, p, ffn_), row(a.up, p, ffn_),
+                       static_cast<size_t>(p.rows) * ffn_);
+    be.matmul_backward(dnorm, grad(w.gate_proj), row(dgate_.data(), p, ffn_), row(a.ln2, p, c),
+                       param(w.gate_proj), p.rows, c, ffn_);
+    be.matmul_backward(row(dnorm2_.data(), p, c), grad(w.up_proj), row(dup_.data(), p, ffn_),
+                       row(a.ln2, p, c), param(w.up_proj), p.rows, c, ffn_);
+    be.add(dnorm, row(dnorm2_.data(), p, c), static_cast<size_t>(p.rows) * c);
+    sums[i] = start_sum(dnorm, static_cast<size_t>(p.rows) * c, split);
+  }
 
   // Attention branch: mid = x + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
-  be.matmul_backward(dattn_.data(), grad(w.o_proj), dres, a.attn, param(w.o_proj), n, q, c);
-  be.attention_backward(dq_.data(), dk_.data(), dv_.data(), dattn_.data(), a.probs, a.q, a.k, a.v,
-                        micro_batch_, seq_len_, heads_, kv_heads_, hd);
-  be.rope_backward(dq_.data(), micro_batch_, seq_len_, heads_, hd, config_.rope_theta);
-  be.rope_backward(dk_.data(), micro_batch_, seq_len_, kv_heads_, hd, config_.rope_theta);
-  be.matmul_backward(dnorm_.data(), grad(w.q_proj), dq_.data(), a.ln1, param(w.q_proj), n, c, q);
-  be.matmul_backward(dnorm2_.data(), grad(w.k_proj), dk_.data(), a.ln1, param(w.k_proj), n, c, kv);
-  be.add(dnorm_.data(), dnorm2_.data(), nc);
-  be.matmul_backward(dnorm2_.data(), grad(w.v_proj), dv_.data(), a.ln1, param(w.v_proj), n, c, kv);
-  be.add(dnorm_.data(), dnorm2_.data(), nc);
-  all_reduce_sum(dnorm_.data(), nc);
-  be.rmsnorm_backward(dtmp_.data(), grad(w.attn_norm), dnorm_.data(), x, param(w.attn_norm),
-                      a.rstd1, n, c);
-  be.add(dres, dtmp_.data(), nc);  // dres is now dLoss/dx
+  // The attention core of `core`'s sequences, then the q/k/v projections of part p's rows.
+  auto attention_core = [&](const Part& core) {
+    const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * seq_len_ * seq_len_;
+    be.attention_backward(row(dq_.data(), core, q), row(dk_.data(), core, kv),
+                          row(dv_.data(), core, kv), row(dattn_.data(), core, q), a.probs + probs,
+                          row(a.q, core, q), row(a.k, core, kv), row(a.v, core, kv), core.batch,
+                          seq_len_, heads_, kv_heads_, hd);
+    be.rope_backward(row(dq_.data(), core, q), core.batch, seq_len_, heads_, hd,
+                     config_.rope_theta);
+    be.rope_backward(row(dk_.data(), core, kv), core.batch, seq_len_, kv_heads_, hd,
+                     config_.rope_theta);
+  };
+  auto projections = [&](size_t i) {
+    const Part& p = split.parts[i];
+    const size_t pc = static_cast<size_t>(p.rows) * c;
+    T* dnorm = row(dnorm_.data(), p, c);
+    T* dnorm2 = row(dnorm2_.data(), p, c);
+    be.matmul_backward(dnorm, grad(w.q_proj), row(dq_.data(), p, q), row(a.ln1, p, c),
+                       param(w.q_proj), p.rows, c, q);
+    be.matmul_backward(dnorm2, grad(w.k_proj), row(dk_.data(), p, kv), row(a.ln1, p, c),
+                       param(w.k_proj), p.rows, c, kv);
+    be.add(dnorm, dnorm2, pc);
+    be.matmul_backward(dnorm2, grad(w.v_proj), row(dv_.data(), p, kv), row(a.ln1, p, c),
+                       param(w.v_proj), p.rows, c, kv);
+    be.add(dnorm, dnorm2, pc);
+    sums[i] = start_sum(dnorm, pc, split);
+  };
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    finish(sums[i]);
+    be.rmsnorm_backward(row(dtmp_.data(), p, c), grad(w.mlp_norm), row(dnorm_.data(), p, c),
+                        row(a.mid, p, c), param(w.mlp_norm), row(a.rstd2, p, 1), p.rows, c);
+    be.add(row(dres, p, c), row(dtmp_.data(), p, c), static_cast<size_t>(p.rows) * c);
+    // dres is now dLoss/d(mid)
+    be.matmul_backward(row(dattn_.data(), p, q), grad(w.o_proj), row(dres, p, c), row(a.attn, p, q),
+                       param(w.o_proj), p.rows, q, c);
+    if (split.by_sequence) {
+      attention_core(p);
+      projections(i);
+    }
+  }
+  if (!split.by_sequence) {
+    attention_core(whole);
+    for (size_t i = 0; i < split.parts.size(); ++i) projections(i);
+  }
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    const Part& p = split.parts[i];
+    finish(sums[i]);
+    be.rmsnorm_backward(row(dtmp_.data(), p, c), grad(w.attn_norm), row(dnorm_.data(), p, c),
+                        row(x, p, c), param(w.attn_norm), row(a.rstd1, p, 1), p.rows, c);
+    be.add(row(dres, p, c), row(dtmp_.data(), p, c), static_cast<size_t>(p.rows) * c);
+  }  // dres is now dLoss/dx
 }
 
 // Vocabulary-parallel head: each rank computes logits for its vocabulary rows; the softmax

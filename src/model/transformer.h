@@ -13,11 +13,19 @@
 // only one block runs at a time) holds what is computed again; or, to recompute a micro-batch
 // ahead of its backward (the shifted schedule), one scratch block per recomputing block.
 //
+// Sub-pipelined tensor parallelism (Merak; set_tp_subpipeline): inside each block a micro-batch
+// runs as two parts, so that the all-reduce of one part's activations (or their gradient) is in
+// flight while the other part computes. The parts are halves of the micro-batch's sequences when
+// it has two or more, otherwise halves of its token rows; split along token rows, only the
+// row-independent work (norms, projections, MLP) runs per part, and the attention core, which
+// mixes a sequence's positions, runs once for both.
+//
 // Inference (forward_cached) runs the same layer code on one sequence, keeping every layer's keys
 // and values so that each new token costs one position instead of the whole sequence again.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "backend/backend.h"
@@ -50,6 +58,11 @@ class Transformer {
   int slots() const { return static_cast<int>(slots_.size()); }
   int tokens_per_micro_batch() const { return micro_batch_ * seq_len_; }
   const Recompute& recompute() const { return recompute_; }
+  // Sub-pipelined tensor parallelism (above): every rank of the group must set the same. Takes
+  // effect only with a tensor-parallel group of two or more ranks. The numerics are those of the
+  // whole micro-batch up to fp32 summation order (weight gradients are summed part by part).
+  void set_tp_subpipeline(bool on) { subpipeline_ = on; }
+  bool tp_subpipeline() const { return subpipeline_; }
 
   // Flat buffers of layout().total_size() elements (backend memory).
   T* params() { return params_.data(); }
@@ -129,6 +142,25 @@ class Transformer {
     T *k, *v;  // [batch, past + seq, this shard's kv heads, head_dim]; rows from `past` are written
   };
 
+  // One part of a micro-batch under sub-pipelined tensor parallelism, or the whole of it.
+  struct Part {
+    int batch_begin, batch;  // its sequences (all of them when split along token rows)
+    int row_begin, rows;     // its token rows
+  };
+  // How a block runs `batch` sequences of `seq` positions: one part, or two split along
+  // sequences (`by_sequence`) or along token rows.
+  struct Parts {
+    std::vector<Part> parts;
+    bool by_sequence = false;
+    bool split() const { return parts.size() > 1; }
+  };
+  Parts parts(int batch, int seq) const;
+  using PendingSum = std::unique_ptr<typename TensorParallelGroup<T>::Pending>;
+  // A sum over the group of one part's rows: blocking when the micro-batch is one part, started
+  // (and finished by finish()) when it is split.
+  PendingSum start_sum(T* data, size_t count, const Parts& parts);
+  static void finish(PendingSum& sum);
+
   void all_reduce_sum(T* data, size_t count);
   std::vector<T> host_losses(const Slot& slot);
   void check_tokens(const int32_t* tokens, size_t n, const char* what) const;
@@ -155,6 +187,7 @@ class Transformer {
   Recompute recompute_;
   bool recompute_ahead_ = false;
   int recomputed_slot_ = -1;  // the slot recompute_ahead() last filled, until its backward
+  bool subpipeline_ = false;
 
   backend::Buffer<T> params_, grads_;
   std::vector<Slot> slots_;

@@ -319,6 +319,15 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
     const Shares shares = Shares::of(stage, i, model_);
     const double layer = plan::layer_forward_flops(model_, b, s, shares);
     const double head = plan::head_forward_flops(model_, b, s, shares);
+    if (layer / layer_flops_per_s_fwd_ * rate >= g.layer_forward) {
+      // The slowest member's split of its work (per token, as layer_forward_flops counts it).
+      const double h = model_.hidden_size, tokens = double(b) * s;
+      const double o_proj = 2 * h * h * shares.heads, qkv = 2 * (h * h + 2 * h * model_.kv_dim());
+      g.attention_share =
+          tokens * (2 * layer_matmuls(model_).attention + 2 * h * s) * shares.heads / layer;
+      g.o_proj_share = tokens * o_proj / layer;
+      g.qkv_share = tokens * qkv * shares.heads / layer;
+    }
     g.layer_forward = std::max(g.layer_forward, layer / layer_flops_per_s_fwd_ * rate);
     g.layer_backward =
         std::max(g.layer_backward, kBackwardPerForward * layer / layer_flops_per_s_bwd_ * rate);
@@ -331,6 +340,7 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
     g.memory.include(footprint(stage, i));
   }
   g.layer_comm = allreduce_time(stage.ranks, activation_message_bytes());
+  g.layer_comm_half = allreduce_time(stage.ranks, activation_message_bytes() / 2);
   if (g.gone) {
     g.layer_forward = g.layer_backward = g.head_forward = g.head_backward = kInf;
     g.attention_core_forward = kInf;
@@ -349,6 +359,29 @@ std::vector<double> CostModel::member_load(const Stage& stage, const Rates& rate
   }
   for (double& x : load) x = worst > 0 && std::isfinite(worst) ? x / worst : 1.0;
   return load;
+}
+
+double CostModel::exposed_layer_comm(const GroupCost& g, bool backward) const {
+  const bool split =
+      tp_subpipeline_ && g.tp > 1 && (batch_.micro_batch >= 2 || batch_.seq_len >= 2);
+  if (!split) return 2 * g.layer_comm;
+  const double half = (backward ? g.layer_backward : g.layer_forward) / 2;  // one part's compute
+  const double attention = g.attention_share * half, mlp = (1 - g.attention_share) * half;
+  const bool by_sequence = batch_.micro_batch >= 2;
+  // The compute that runs while each of the layer's first three half-reductions is in flight.
+  double overlapped[3];
+  if (!backward && by_sequence) {
+    overlapped[0] = attention, overlapped[1] = overlapped[2] = mlp;
+  } else if (!backward) {
+    overlapped[0] = g.o_proj_share * half, overlapped[1] = overlapped[2] = mlp;
+  } else if (by_sequence) {
+    overlapped[0] = mlp, overlapped[1] = overlapped[2] = attention;
+  } else {
+    overlapped[0] = mlp, overlapped[1] = g.o_proj_share * half, overlapped[2] = g.qkv_share * half;
+  }
+  double exposed = g.layer_comm_half;  // the last one
+  for (double compute : overlapped) exposed += std::max(0.0, g.layer_comm_half - compute);
+  return exposed;
 }
 
 StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
@@ -396,12 +429,15 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   c.recompute_ahead = shifted_recompute_ && !last && chosen.layers > 0;
   c.memory_bytes = memory(chosen);
   c.fits = c.memory_bytes <= cap;
-  const double layer_fwd = g.layer_forward + 2 * g.layer_comm;
-  c.forward = l * layer_fwd + (first ? g.layer_comm : 0) + (last ? g.head_forward : 0);
-  c.backward = l * (g.layer_backward + 2 * g.layer_comm) +
+  const double forward_comm = exposed_layer_comm(g, false);
+  const double backward_comm = exposed_layer_comm(g, true);
+  c.forward = l * (g.layer_forward + forward_comm) + (first ? g.layer_comm : 0) +
+              (last ? g.head_forward : 0);
+  c.backward = l * (g.layer_backward + backward_comm) +
                (last ? g.head_backward + g.layer_comm : 0) + extra_time(chosen);
   const int recomputed_comm = chosen.mode == RecomputeMode::kFull ? chosen.layers : 0;
-  c.comm = (4 * l + (first ? 1 : 0) + (last ? 1 : 0) + recomputed_comm) * g.layer_comm;
+  c.comm = l * (forward_comm + backward_comm) +
+           ((first ? 1 : 0) + (last ? 1 : 0) + recomputed_comm) * g.layer_comm;
   return c;
 }
 

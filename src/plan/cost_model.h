@@ -32,6 +32,18 @@
 // the TP group; norm and residual tensors split over the group only with sequence parallelism)
 // and the stage output, the tokens on the first stage and the logits and loss statistics on the
 // last; the backward workspace shared by all micro-batches; the gradient-sync packing buffer.
+// Sub-pipelined tensor parallelism (set_tp_subpipeline, model/transformer.h): a layer's
+// micro-batch runs as two parts, so each of its 2 forward and 2 backward all-reduces becomes two
+// of half the activations, c/2 = allreduce(b·s·h/2) each, and every half-reduction but the last
+// of the layer runs while the other part computes: it costs max(0, c/2 − that compute), the last
+// costs c/2. Split along sequences (b ≥ 2), forward overlaps the attention of the second part,
+// then the MLP of the first and of the second; backward the MLP's, then the attention's. Split
+// along token rows (b = 1) the attention core runs whole, so the row-wise work that overlaps is
+// smaller: the o_proj of the second part (forward) and, backward, the o_proj and then the q/k/v
+// projections of one part (model/transformer.cpp's order). Compute shares come from the FLOP
+// count. This assumes the reduction progresses on its own (a GPU's copy engines and NICs);
+// on CPU ranks it does not (docs/performance.md).
+//
 // Recomputation (model/recompute.h) keeps less per layer: selective drops the attention scores
 // and output, full keeps only the layer's input; what is recomputed lives in one scratch layer
 // per stage (per recomputing layer on stages before the last under the shifted schedule, which
@@ -150,10 +162,14 @@ struct GroupCost {
   int tp = 1;
   double layer_forward = 0, layer_backward = 0;  // compute, slowest member, rates applied
   double layer_comm = 0;                         // one all-reduce of b·s·h activations
-  double attention_core_forward = 0;             // scores and weighted values: selective recompute
-  double head_forward = 0, head_backward = 0;    // last stage
-  MemoryFootprint memory;                        // of the fullest member
-  bool gone = false;                             // a member has rate ∞
+  double layer_comm_half = 0;                    // one of half of them (sub-pipelined TP)
+  // Shares of a layer's compute (slowest member) in its attention (q/k/v/o projections and the
+  // core), its o projection and its q/k/v projections: what overlaps sub-pipelined reductions.
+  double attention_share = 0, o_proj_share = 0, qkv_share = 0;
+  double attention_core_forward = 0;           // scores and weighted values: selective recompute
+  double head_forward = 0, head_backward = 0;  // last stage
+  MemoryFootprint memory;                      // of the fullest member
+  bool gone = false;                           // a member has rate ∞
 };
 
 struct StageCost {
@@ -202,6 +218,13 @@ class CostModel {
   // stages before the last then hold a recomputation scratch per recomputing layer.
   void set_shifted_recompute(bool shifted) { shifted_recompute_ = shifted; }
   bool shifted_recompute() const { return shifted_recompute_; }
+  // Whether the runtime runs sub-pipelined tensor parallelism (header comment; off by default,
+  // as the runtime's option).
+  void set_tp_subpipeline(bool on) { tp_subpipeline_ = on; }
+  bool tp_subpipeline() const { return tp_subpipeline_; }
+  // A layer's TP all-reduce time that its compute does not hide, forward or backward: 2 ×
+  // layer_comm, or with sub-pipelining the overlap of the header comment.
+  double exposed_layer_comm(const GroupCost& group, bool backward) const;
   // This model on the same cluster whose nodes' links are `link_rates` times slower
   // (ClusterSpec::link_rates; empty: all healthy). Throws Error for a rate below 1.
   CostModel with_link_rates(std::vector<double> link_rates) const;
@@ -261,6 +284,7 @@ class CostModel {
   std::optional<Profile> profile_;
   bool recompute_allowed_ = true;
   bool shifted_recompute_ = false;
+  bool tp_subpipeline_ = false;
   double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
   double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
 };

@@ -76,6 +76,7 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       model, *state_->shard(), *backend_, plan.micro_batch_size, options.seq_len, slots,
       state_->tensor_parallel(), state_->stage().recompute,
       options.shifted_recompute && !state_->last_stage());
+  model_->set_tp_subpipeline(options.tp_subpipeline);
   optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout(), options.adamw);
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);

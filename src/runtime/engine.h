@@ -44,6 +44,9 @@ struct EngineOptions {
   // A live migration's extra memory, over max(the memory before it, the memory after it), stays
   // under this many bytes per rank (layout/staged_redistribution.h).
   int64_t migration_bucket_bytes = int64_t{64} << 20;
+  // Sub-pipelined tensor parallelism (model::Transformer::set_tp_subpipeline): every rank of the
+  // job must set the same.
+  bool tp_subpipeline = false;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.

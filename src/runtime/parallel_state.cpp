@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <map>
 
 #include "common/error.h"
@@ -24,6 +25,43 @@ void MpiTensorParallelGroup::all_reduce_sum(float* data, size_t count) {
   const auto start = Clock::now();
   runtime::all_reduce_sum(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);
+}
+
+namespace {
+
+// A started MPI_Iallreduce of the group; waiting adds to the group's time inside collectives.
+class PendingMpiSum final : public model::TensorParallelGroup<float>::Pending {
+ public:
+  PendingMpiSum(comm::Request request, CoreLease* lease, double* wait_seconds)
+      : request_(std::move(request)), lease_(lease), wait_seconds_(wait_seconds) {}
+  ~PendingMpiSum() override {
+    if (request_.pending()) wait();
+  }
+  void wait() override {
+    const auto start = Clock::now();
+    runtime::wait(request_, lease_);
+    *wait_seconds_ += seconds_since(start);
+  }
+
+ private:
+  comm::Request request_;
+  CoreLease* lease_;
+  double* wait_seconds_;
+};
+
+}  // namespace
+
+std::unique_ptr<model::TensorParallelGroup<float>::Pending>
+MpiTensorParallelGroup::start_all_reduce_sum(float* data, size_t count) {
+  if (count > static_cast<size_t>(INT_MAX)) {
+    all_reduce_sum(data, count);
+    return nullptr;
+  }
+  const auto start = Clock::now();
+  comm::Request request = comm_.iall_reduce_sum(data, count);
+  wait_seconds_ += seconds_since(start);
+  ++started_sums_;
+  return std::make_unique<PendingMpiSum>(std::move(request), lease_, &wait_seconds_);
 }
 
 void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {

@@ -34,13 +34,20 @@ class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
   int size() const override { return comm_.size(); }
   void all_reduce_sum(float* data, size_t count) override;
   void all_reduce_max(float* data, size_t count) override;
+  // MPI_Iallreduce; the time to start it and to wait for it counts as time inside collectives
+  // (the compute in between does not). Waiting gives back the core lease as the blocking forms
+  // do. Above INT_MAX elements, the blocking sum (and null).
+  std::unique_ptr<Pending> start_all_reduce_sum(float* data, size_t count) override;
   // Wall seconds spent inside collectives (and taking the core lease back after them) so far.
   double wait_seconds() const { return wait_seconds_; }
+  // Sums started with start_all_reduce_sum so far.
+  int64_t started_sums() const { return started_sums_; }
 
  private:
   comm::Communicator comm_;
   CoreLease* lease_;
   double wait_seconds_ = 0;
+  int64_t started_sums_ = 0;
 };
 
 // Which host each rank of `world` runs on: hosts numbered in the order of their lowest rank, a

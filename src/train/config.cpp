@@ -186,6 +186,9 @@ std::vector<ConfigField> make_fields() {
             positive<int>()),
       field(&C::pp, "pp", "--pp", P::kResharded, "Pipeline stages of the uniform plan",
             positive<int>()),
+      field(&C::tp_subpipeline, "tp_subpipeline", "--tp-subpipeline", P::kHonoured,
+            "Sub-pipelined tensor parallelism: overlap one half-micro-batch's TP all-reduce with "
+            "the other half's compute (--no-tp-subpipeline: whole micro-batches)"),
       field(&C::replan, "replan", "--replan", P::kHonoured,
             "Re-plan around slow ranks (--no-replan keeps the starting plan)"),
       field(&C::replan_links, "replan_links", "--replan-links", P::kHonoured,

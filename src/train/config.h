@@ -98,6 +98,10 @@ struct TrainConfig {
   // pipelines as the ranks allow).
   std::string plan;
   int dp = 0, tp = 1, pp = 1;
+  // Sub-pipelined tensor parallelism (model/transformer.h, runtime/engine.h): each micro-batch
+  // runs as two parts inside a tensor-parallel block so that one part's all-reduce overlaps the
+  // other's compute. Off by default: on CPU ranks it does not pay (docs/performance.md).
+  bool tp_subpipeline = false;
 
   // Straggler tolerance: re-plan when the monitored rates move (elastic/controller.h), planning
   // for the cluster preset `cluster` with one device per rank.

@@ -40,6 +40,7 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.adamw = {c.beta1, c.beta2, c.adam_eps, c.weight_decay};
   options.shifted_recompute = c.shifted_recompute;
   options.migration_bucket_bytes = c.migration_bucket_bytes;
+  options.tp_subpipeline = c.tp_subpipeline;
   return options;
 }
 
@@ -165,6 +166,7 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
     plan::CostModel cost(model, elastic::local_cluster(config.cluster, world_size),
                          batch_config(config));
     cost.set_shifted_recompute(config.shifted_recompute);
+    cost.set_tp_subpipeline(config.tp_subpipeline);
     plan::Plan p = plan::make_strategy("malleus")->plan(cost, {}).plan;
     plan::validate(p, model, world_size, config.global_batch_size, "the planner's plan");
     return p;
@@ -247,6 +249,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
     plan::CostModel cost(model_config, elastic::local_cluster(config_.cluster, world_.size()),
                          batch, profile);
     cost.set_shifted_recompute(config_.shifted_recompute);
+    cost.set_tp_subpipeline(config_.tp_subpipeline);
     controller_ = std::make_unique<elastic::Controller>(std::move(cost), options);
   }
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
