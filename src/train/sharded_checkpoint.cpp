@@ -1,10 +1,18 @@
 // Sharded checkpoints (format version 3): one file per rank holding the pieces it owns, and the
 // manifest that says where each piece lies (train/checkpoint.h describes the format).
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <future>
+#include <memory>
+#include <tuple>
 #include <unordered_map>
 
 #include "common/checksum.h"
@@ -279,6 +287,44 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifes
   }
 }
 
+namespace {
+
+// One stored buffer of one piece that a rank needs: where it lies, and where it goes.
+struct Region {
+  const std::string* file = nullptr;
+  int64_t offset = 0, bytes = 0;  // in the file
+  size_t buffer = 0;              // params, adam_m, adam_v
+  const model::TensorSpec* local = nullptr;
+  const model::TensorSpec* full = nullptr;
+  layout::Piece stored, part;  // the stored piece, and the part of it held here
+  const std::string* xxh3 = nullptr;
+};
+
+// Regions next to each other in one file, read with one call.
+struct Span {
+  size_t first = 0, last = 0;  // regions [first, last)
+  int64_t offset = 0, bytes = 0;
+};
+
+// Reads go in spans of at most this much (a region larger than that alone): large enough for the
+// disk's sequential speed, small enough that two of them (one on its way from the disk, one being
+// checked and unpacked) cost little memory.
+constexpr int64_t kSpanBytes = int64_t{32} << 20;
+
+// A file open for reading, closed with the object.
+class ReadOnlyFile {
+ public:
+  ReadOnlyFile() = default;
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+  ~ReadOnlyFile() {
+    if (fd >= 0) ::close(fd);
+  }
+  int fd = -1;
+};
+
+}  // namespace
+
 int64_t CheckpointIndex::read(const model::ParameterLayout& local,
                               const std::vector<float*>& buffers) const {
   const std::string where = "checkpoint " + dir_.string();
@@ -291,10 +337,44 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
   std::unordered_map<std::string, int> index;
   for (size_t i = 0; i < full.tensors().size(); ++i) index[full.tensors()[i].name] = int(i);
 
-  std::map<std::string, std::ifstream> open_files;
-  auto stream = [&](const std::string& name) -> std::ifstream& {
-    auto it = open_files.find(name);
-    if (it != open_files.end()) return it->second;
+  // Every stored buffer of every piece that overlaps what this rank holds, in file order, so
+  // each file is read front to back in large sequential reads.
+  std::vector<Region> regions;
+  for (const auto& local_spec : local.tensors()) {
+    const int t = index.at(local_spec.name);
+    for (const StoredPiece& p : pieces_[static_cast<size_t>(t)]) {
+      const std::optional<layout::Piece> part = layout::overlap(p.piece, local_spec);
+      if (!part) continue;
+      const int64_t bytes = layout::piece_elements(full, p.piece) * int64_t{sizeof(float)};
+      for (size_t b = 0; b < buffers.size(); ++b) {
+        regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, b,
+                           &local_spec, &full.tensor(t), p.piece, *part, &p.xxh3[b]});
+      }
+    }
+  }
+  std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) {
+    return std::tie(*a.file, a.offset) < std::tie(*b.file, b.offset);
+  });
+  std::vector<Span> spans;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const Region& r = regions[i];
+    if (!spans.empty()) {
+      Span& span = spans.back();
+      if (*regions[span.first].file == *r.file && span.offset + span.bytes == r.offset &&
+          span.bytes + r.bytes <= kSpanBytes) {
+        span.bytes += r.bytes;
+        span.last = i + 1;
+        continue;
+      }
+    }
+    spans.push_back({i, i + 1, r.offset, r.bytes});
+  }
+
+  // Each file opened once, its size checked against the manifest before anything is read.
+  std::map<std::string, ReadOnlyFile> files;
+  for (const Span& span : spans) {
+    const std::string& name = *regions[span.first].file;
+    if (files.count(name) > 0) continue;
     const fs::path path = dir_ / name;
     std::error_code ec;
     check(fs::is_regular_file(path, ec), where + ": " + name + " is missing");
@@ -305,44 +385,60 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
                                 " bytes, manifest says " + std::to_string(expected));
     check(size == expected, where + ": " + name + " has trailing data: " + std::to_string(size) +
                                 " bytes, manifest says " + std::to_string(expected));
-    std::ifstream& in = open_files[name];
-    in.open(path, std::ios::binary);
-    check(in.good(), where + ": cannot open " + name);
-    return in;
+    ReadOnlyFile& file = files[name];
+    file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    check(file.fd >= 0, where + ": cannot open " + name + ": " + std::strerror(errno));
+    ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  }
+  auto read_span = [&](const Span& span, float* into) {
+    const std::string& name = *regions[span.first].file;
+    const int fd = files.at(name).fd;
+    auto* bytes = reinterpret_cast<char*>(into);
+    for (int64_t done = 0; done < span.bytes;) {
+      const ssize_t n = ::pread(fd, bytes + done, static_cast<size_t>(span.bytes - done),
+                                static_cast<off_t>(span.offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      check(n > 0, where + ": cannot read " + name + " (it shrank while reading)");
+      done += n;
+    }
   };
 
+  // The next span comes from the disk (another thread) while this one is checked and unpacked,
+  // so the disk does not wait for the checksums and copies.
+  int64_t largest = 0;
+  for (const Span& span : spans) largest = std::max(largest, span.bytes);
+  const auto staging_elements = static_cast<size_t>(largest) / sizeof(float);
+  std::array<std::unique_ptr<float[]>, 2> staging;
+  for (auto& s : staging) s.reset(new float[spans.empty() ? 0 : staging_elements]);
+  std::vector<float> cut;
   int64_t bytes_read = 0;
-  std::vector<float> stored, cut;
-  for (const auto& local_spec : local.tensors()) {
-    const auto& full_spec = full.tensor(index.at(local_spec.name));
-    for (const StoredPiece& p : pieces_[static_cast<size_t>(index.at(local_spec.name))]) {
-      const std::optional<layout::Piece> part = layout::overlap(p.piece, local_spec);
-      if (!part) continue;
-      const int64_t elements = layout::piece_elements(full, p.piece);
-      const auto bytes = elements * int64_t{sizeof(float)};
-      const model::TensorSpec as_stored = layout::piece_tensor(full_spec, p.piece);
-      std::ifstream& in = stream(p.file);
-      stored.resize(static_cast<size_t>(elements));
-      for (size_t b = 0; b < buffers.size(); ++b) {
-        in.seekg(p.offset + static_cast<int64_t>(b) * bytes);
-        in.read(reinterpret_cast<char*>(stored.data()), bytes);
-        check(in.gcount() == bytes,
-              where + ": cannot read " + p.file + " (it shrank while reading)");
-        bytes_read += bytes;
-        const std::string actual = checksum_hex(stored.data(), static_cast<size_t>(bytes));
-        check(actual == p.xxh3[b], where + ": " + p.file +
-                                       " is corrupt: " + piece_text(full_spec.name, p.piece) +
-                                       " (" + kBufferNames[b] + ") has checksum " + actual +
-                                       ", expected " + p.xxh3[b] + " (from manifest.json)");
-        if (part->begin == p.piece.begin && part->end == p.piece.end) {
-          layout::unpack_piece(stored.data(), local_spec, *part, buffers[b]);
-        } else {
-          // Only part of the stored piece is held here (another plan's cuts): cut it out.
-          cut.resize(static_cast<size_t>(layout::piece_elements(full, *part)));
-          layout::pack_piece(stored.data(), as_stored, *part, cut.data());
-          layout::unpack_piece(cut.data(), local_spec, *part, buffers[b]);
-        }
+  std::future<void> next;
+  if (!spans.empty()) next = std::async(std::launch::async, read_span, spans[0], staging[0].get());
+  for (size_t k = 0; k < spans.size(); ++k) {
+    next.get();
+    const float* ready = staging[k % 2].get();
+    if (k + 1 < spans.size()) {
+      next = std::async(std::launch::async, read_span, spans[k + 1], staging[(k + 1) % 2].get());
+    }
+    const Span& span = spans[k];
+    for (size_t i = span.first; i < span.last; ++i) {
+      const Region& r = regions[i];
+      const float* stored = ready + (r.offset - span.offset) / int64_t{sizeof(float)};
+      const std::string actual = checksum_hex(stored, static_cast<size_t>(r.bytes));
+      check(actual == *r.xxh3, where + ": " + *r.file +
+                                   " is corrupt: " + piece_text(r.full->name, r.stored) + " (" +
+                                   kBufferNames[r.buffer] + ") has checksum " + actual +
+                                   ", expected " + *r.xxh3 + " (from manifest.json)");
+      if (r.part.begin == r.stored.begin && r.part.end == r.stored.end) {
+        layout::unpack_piece(stored, *r.local, r.part, buffers[r.buffer]);
+      } else {
+        // Only part of the stored piece is held here (another plan's cuts): cut it out.
+        const model::TensorSpec as_stored = layout::piece_tensor(*r.full, r.stored);
+        cut.resize(static_cast<size_t>(layout::piece_elements(full, r.part)));
+        layout::pack_piece(stored, as_stored, r.part, cut.data());
+        layout::unpack_piece(cut.data(), *r.local, r.part, buffers[r.buffer]);
       }
+      bytes_read += r.bytes;
     }
   }
   return bytes_read;
