@@ -327,11 +327,12 @@ typename Transformer<T>::BlockPointers Transformer<T>::block_storage(Slot& slot,
 }
 
 template <typename T>
-void Transformer<T>::recompute_ahead(int slot_index) {
+void Transformer<T>::recompute_ahead(int slot_index, const std::function<void()>& between_blocks) {
   check(recompute_ahead_, "recompute_ahead: the shard was built without a scratch per block");
   Slot& slot = slots_.at(slot_index);
   for (int b = 0; b < recompute_.layers; ++b) {
     block_recompute(block_storage(slot, b), b, slot.residual[static_cast<size_t>(b)].data());
+    if (between_blocks) between_blocks();
   }
   recomputed_slot_ = slot_index;
 }

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -89,8 +90,9 @@ class Transformer {
   // What the recomputing blocks of the micro-batch in `slot` recompute for its backward, done
   // now (the shifted critical path: while the gradient from the next stage is on its way); the
   // next backward(slot) then skips it. Needs `recompute_ahead`; nothing to do without
-  // recomputation. The same operations on the same inputs, so the same values.
-  void recompute_ahead(int slot);
+  // recomputation. The same operations on the same inputs, so the same values. `between_blocks`
+  // (optional) runs after each recomputed block: the caller's chance to let MPI progress.
+  void recompute_ahead(int slot, const std::function<void()>& between_blocks = {});
   bool recomputes_ahead() const { return recompute_ahead_; }
 
   T* input_activation(int slot);         // [micro_batch × seq_len × hidden]

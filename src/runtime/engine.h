@@ -77,8 +77,8 @@ struct StepResult {
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> link_measurements;
   // This rank's recomputation issued ahead of the gradient it waits for (shifted_recompute):
-  // its elapsed time, and the part of it done while the gradient had not yet arrived (a lower
-  // bound: recomputations the gradient did not arrive during count in full, the others not).
+  // its elapsed time, and the part of it done while the gradient had not yet arrived (to the
+  // layer: the receive is tested after each recomputed layer).
   double recompute_ahead_seconds = 0, recompute_overlapped_seconds = 0;
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> recompute_ahead_measurements;
