@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
   // A full training step: accum micro-batches of forward + backward, grad norm, AdamW.
   model::Transformer<float> model(config, *backend, micro, seq);
   model.init_parameters(1);
-  runtime::AdamW optimizer(*backend, model.layout(), {0.9f, 0.95f, 1e-8f, 0.1f});
+  runtime::AdamW optimizer(*backend, model.layout().total_size(), {0.9f, 0.95f, 1e-8f, 0.1f});
   std::mt19937_64 rng(5);
   std::vector<int32_t> inputs(static_cast<size_t>(tokens)), targets(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     }
     const double norm =
         std::sqrt(backend->sum_squares(model.grads(), size_t(model.layout().total_size())));
-    optimizer.step(model.params(), model.grads(), 1e-4f,
+    optimizer.step(model.layout(), model.params(), model.grads(), 1e-4f,
                    static_cast<float>(norm > 1 ? 1 / norm : 1));
   };
   step();  // warm-up: page in activations, build caches

@@ -408,6 +408,29 @@ TEST(CliMpi, ShardedCheckpointFromFourRanksResumesOnThreeSlow) {
     ASSERT_TRUE(resumed_losses.count(step)) << step;
     EXPECT_NEAR(resumed_losses.at(step), straight.at(step), 2e-4) << "step " << step;
   }
+
+  // Both plans have two pipelines, so the moments were saved from the distributed optimizer's
+  // shards: resumed with whole moments, the same losses; and saved whole, resumed split.
+  const auto whole = run_mpi(3, "train --resume " + checkpoint.string() + " --plan " + three +
+                                    " --steps 4 --no-distributed-optimizer --out " +
+                                    (dir / "resumed-whole").string());
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto whole_losses = step_losses(whole.output);
+  const auto saved_whole =
+      run_mpi(4, "train " + tiny_flags(dir, "run-whole", 4) + " --plan " + four +
+                     " --checkpoint-every 2 --no-distributed-optimizer");
+  ASSERT_EQ(saved_whole.exit_code, 0) << saved_whole.output;
+  const auto split = run_mpi(
+      3, "train --resume " + (dir / "run-whole" / "checkpoints" / checkpoint_name(2)).string() +
+             " --plan " + three + " --steps 4 --out " + (dir / "resumed-split").string());
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const auto split_losses = step_losses(split.output);
+  for (int step : {3, 4}) {
+    ASSERT_TRUE(whole_losses.count(step)) << step;
+    ASSERT_TRUE(split_losses.count(step)) << step;
+    EXPECT_NEAR(whole_losses.at(step), straight.at(step), 2e-4) << "split to whole, step " << step;
+    EXPECT_NEAR(split_losses.at(step), straight.at(step), 2e-4) << "whole to split, step " << step;
+  }
 }
 
 TEST(CliMpi, RankKilledDuringASaveLeavesThePreviousCheckpointLatestSlow) {

@@ -115,6 +115,51 @@ TEST_F(Comm, AllReduceSumFloatAndDouble) {
   world.all_reduce_sum(static_cast<double*>(nullptr), 0);
 }
 
+// Uneven parts, as the distributed optimizer cuts its chunks (an empty part included).
+TEST_F(Comm, ReduceScatterAndAllGatherWithUnevenParts) {
+  const Communicator world = Communicator::world();
+  const int rank = world.rank(), size = world.size();
+  std::vector<int> counts, displacements;
+  int total = 0;
+  for (int r = 0; r < size; ++r) {
+    counts.push_back(r == 1 ? 0 : 3 + 2 * r);
+    displacements.push_back(total);
+    total += counts.back();
+  }
+  std::vector<float> send(static_cast<size_t>(total));
+  for (int i = 0; i < total; ++i) send[size_t(i)] = static_cast<float>((rank + 1) * (i + 1));
+  std::vector<float> mine(static_cast<size_t>(counts[size_t(rank)]) + 1, -1.0f);
+  const float ranks_sum = static_cast<float>(size * (size + 1) / 2);
+  for (int nonblocking = 0; nonblocking < 2; ++nonblocking) {
+    if (nonblocking) {
+      auto request = world.ireduce_scatter_sum(send.data(), mine.data(), counts);
+      request.wait();
+    } else {
+      world.reduce_scatter_sum(send.data(), mine.data(), counts);
+    }
+    for (int i = 0; i < counts[size_t(rank)]; ++i) {
+      EXPECT_EQ(mine[size_t(i)], ranks_sum * float(displacements[size_t(rank)] + i + 1));
+    }
+    EXPECT_EQ(mine.back(), -1.0f);  // nothing past this rank's part
+    std::vector<float> gathered(static_cast<size_t>(total), 0.0f);
+    std::copy_n(mine.data(), counts[size_t(rank)], gathered.data() + displacements[size_t(rank)]);
+    if (nonblocking) {
+      auto request = world.iall_gather_in_place(gathered.data(), counts, displacements);
+      request.wait();
+    } else {
+      world.all_gather_in_place(gathered.data(), counts, displacements);
+    }
+    for (int i = 0; i < total; ++i) EXPECT_EQ(gathered[size_t(i)], ranks_sum * float(i + 1));
+  }
+  EXPECT_THROW(world.reduce_scatter_sum(send.data(), mine.data(), std::vector<int>(size + 1U, 1)),
+               Error);
+  std::vector<int> shifted = displacements;
+  shifted.back() += 1;
+  if (size > 1) {
+    EXPECT_THROW(world.all_gather_in_place(send.data(), counts, shifted), Error);
+  }
+}
+
 TEST_F(Comm, AllReduceMaxFloatAndDouble) {
   const Communicator world = Communicator::world();
   const int rank = world.rank();

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "layout/grad_sync_plan.h"
+#include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "layout/staged_redistribution.h"
 
@@ -102,6 +103,54 @@ TEST(Layout, GradSyncCountsEachPipelineOnceAndEachElementOnceInTheNorm) {
   EXPECT_TRUE(found);
   for (size_t i = 1; i < sync.groups.size(); ++i)
     EXPECT_LT(sync.groups[i - 1].ranks, sync.groups[i].ranks);
+}
+
+// The distributed optimizer's layout: every element of every holder set's packed chunks is owned
+// by exactly one member, slices of one chunk differ by at most one element, and a rank's shard is
+// its slices end to end; with small chunks too (a chunk limit below the larger pieces).
+TEST(Layout, OptimizerShardOwnsEachElementOnce) {
+  const auto model = small_model();
+  const auto layout = layout::plan_layout(parse(kPlanA), model);
+  const auto sync = layout::plan_grad_sync(model, layout);
+  for (const double chunk_elements : {1e9, 300.0}) {
+    std::map<std::pair<int, std::vector<int>>, std::vector<int64_t>> owned;  // elements per member
+    std::map<int, int64_t> group_elements;
+    for (int rank = 0; rank < layout.world_size(); ++rank) {
+      const auto shard = layout::optimizer_shard(sync, rank, chunk_elements);
+      int64_t offset = 0;
+      for (const auto& chunk : shard.chunks) {
+        EXPECT_EQ(chunk.shard_offset, offset);
+        offset += chunk.slice_elements();
+        ASSERT_GE(chunk.group, 0);  // two pipelines: no piece has a single holder
+        const auto& group = sync.groups[size_t(chunk.group)];
+        EXPECT_EQ(group.ranks[size_t(chunk.member)], rank);
+        EXPECT_EQ(chunk.bounds.front(), 0);
+        EXPECT_EQ(chunk.bounds.back(), chunk.elements);
+        for (size_t i = 0; i + 1 < chunk.bounds.size(); ++i) {
+          const int64_t part = chunk.bounds[i + 1] - chunk.bounds[i];
+          EXPECT_LE(std::abs(part - chunk.elements / int64_t(group.ranks.size())), 1);
+        }
+        int64_t sum = 0;
+        for (int p : chunk.pieces) sum += sync.pieces[size_t(p)].elements;
+        EXPECT_EQ(sum, chunk.elements);
+        EXPECT_TRUE(double(chunk.elements) <= chunk_elements || chunk.pieces.size() == 1);
+        owned[{chunk.group, chunk.pieces}].push_back(chunk.slice_elements());
+      }
+      EXPECT_EQ(shard.elements, offset);
+    }
+    for (const auto& [key, slices] : owned) {
+      const auto& group = sync.groups[size_t(key.first)];
+      EXPECT_EQ(slices.size(), group.ranks.size());  // every member took its slice
+      int64_t total = 0, expected = 0;
+      for (int64_t s : slices) total += s;
+      for (int p : key.second) expected += sync.pieces[size_t(p)].elements;
+      EXPECT_EQ(total, expected);
+      group_elements[key.first] += total;
+    }
+    for (size_t g = 0; g < sync.groups.size(); ++g) {
+      EXPECT_EQ(group_elements[int(g)], sync.groups[g].elements) << "group " << g;
+    }
+  }
 }
 
 TEST(Layout, RedistributionMovesExactlyTheElementsNewHoldersLack) {

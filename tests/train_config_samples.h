@@ -32,6 +32,7 @@ inline Json every_field_changed() {
               {"eval_samples", 16},
               {"checkpoint_every", 11},
               {"async_checkpoints", false},
+              {"distributed_optimizer", false},
               {"out_dir", "runs/other"},
               {"threads", 1},
               {"shifted_recompute", true},

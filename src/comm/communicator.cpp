@@ -279,6 +279,67 @@ int64_t Communicator::all_reduce_sum(int64_t value) const {
   return value;
 }
 
+namespace {
+
+// The parts of an uneven reduce-scatter / all-gather: one per rank, laid end to end.
+void check_parts(int ranks, const std::vector<int>& counts, const std::vector<int>* displacements,
+                 const char* call) {
+  check(static_cast<int>(counts.size()) == ranks,
+        std::string("Communicator::") + call + ": " + std::to_string(counts.size()) +
+            " counts for a communicator of " + std::to_string(ranks) + " ranks");
+  int64_t total = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    check(counts[i] >= 0, std::string("Communicator::") + call + ": negative count");
+    check(displacements == nullptr || (*displacements)[i] == total,
+          std::string("Communicator::") + call + ": the parts are not laid end to end");
+    total += counts[i];
+  }
+  check(displacements == nullptr || displacements->size() == counts.size(),
+        std::string("Communicator::") + call + ": counts and displacements differ in length");
+  check(total <= INT_MAX, std::string("Communicator::") + call + ": " + std::to_string(total) +
+                              " elements exceed INT_MAX");
+}
+
+}  // namespace
+
+void Communicator::reduce_scatter_sum(const float* send, float* receive,
+                                      const std::vector<int>& counts) const {
+  const State& s = live_state();
+  check_parts(s.size, counts, nullptr, "reduce_scatter_sum");
+  mpi_check(MPI_Reduce_scatter(send, receive, counts.data(), MPI_FLOAT, MPI_SUM, s.comm),
+            "MPI_Reduce_scatter");
+}
+
+Request Communicator::ireduce_scatter_sum(const float* send, float* receive,
+                                          const std::vector<int>& counts) const {
+  const State& s = live_state();
+  check_parts(s.size, counts, nullptr, "ireduce_scatter_sum");
+  MPI_Request request = MPI_REQUEST_NULL;
+  mpi_check(MPI_Ireduce_scatter(send, receive, counts.data(), MPI_FLOAT, MPI_SUM, s.comm, &request),
+            "MPI_Ireduce_scatter");
+  return Request(request, false, 0, -1, 0);
+}
+
+void Communicator::all_gather_in_place(float* data, const std::vector<int>& counts,
+                                       const std::vector<int>& displacements) const {
+  const State& s = live_state();
+  check_parts(s.size, counts, &displacements, "all_gather_in_place");
+  mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+                           displacements.data(), MPI_FLOAT, s.comm),
+            "MPI_Allgatherv");
+}
+
+Request Communicator::iall_gather_in_place(float* data, const std::vector<int>& counts,
+                                           const std::vector<int>& displacements) const {
+  const State& s = live_state();
+  check_parts(s.size, counts, &displacements, "iall_gather_in_place");
+  MPI_Request request = MPI_REQUEST_NULL;
+  mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+                            displacements.data(), MPI_FLOAT, s.comm, &request),
+            "MPI_Iallgatherv");
+  return Request(request, false, 0, -1, 0);
+}
+
 void Communicator::broadcast(void* data, size_t bytes, int root) const {
   const State& s = live_state();
   check(root >= 0 && root < s.size, "Communicator::broadcast: root " + std::to_string(root) +

@@ -110,6 +110,21 @@ class Communicator {
   Request iall_reduce_sum(double* data, size_t count) const;
   Request iall_reduce_max(float* data, size_t count) const;
 
+  // Reduce-scatter and all-gather with uneven parts (the distributed optimizer's slices): rank i's
+  // part is `counts[i]` elements at `displacements[i]` of a buffer of the parts laid end to end
+  // (displacements[i] = Σ counts[<i]). reduce_scatter_sum sums `send` (the whole buffer) over all
+  // ranks and leaves this rank's part in `receive`; all_gather_in_place fills every rank's part of
+  // `data` from its owner (this rank's part must already be in place). At most INT_MAX elements
+  // in all (checked). The nonblocking forms read `counts` and `displacements` until the request
+  // completes: keep them alive until then.
+  void reduce_scatter_sum(const float* send, float* receive, const std::vector<int>& counts) const;
+  void all_gather_in_place(float* data, const std::vector<int>& counts,
+                           const std::vector<int>& displacements) const;
+  Request ireduce_scatter_sum(const float* send, float* receive,
+                              const std::vector<int>& counts) const;
+  Request iall_gather_in_place(float* data, const std::vector<int>& counts,
+                               const std::vector<int>& displacements) const;
+
   // Copies `bytes` bytes from rank `root`'s buffer into every other rank's buffer.
   void broadcast(void* data, size_t bytes, int root) const;
   void barrier() const;

@@ -119,7 +119,7 @@ Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rat
   std::vector<PipelineEval> evals;
   for (const auto& stages : base.pipelines) {
     if (uneven_layers) {
-      PipelineEval e = evaluate_pipeline(cost, stages, rates);
+      PipelineEval e = evaluate_pipeline(cost, stages, rates, to_int(base.pipelines.size()));
       if (e.feasible) {
         evals.push_back(std::move(e));
         continue;

@@ -127,14 +127,16 @@ void MemoryFootprint::include(const MemoryFootprint& o) {
 }
 
 MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
-                     const model::Recompute& recompute, bool synced, bool recompute_ahead,
-                     bool probed) {
+                     const model::Recompute& recompute, int pipelines, bool distributed_optimizer,
+                     bool recompute_ahead, bool probed) {
   MemoryUse use;
+  const bool synced = pipelines > 1;
   const double params =
       layers * f.params_per_layer + (first ? f.embedding_params : 0) + (last ? f.head_params : 0);
+  const double holders = synced && distributed_optimizer ? pipelines : 1;
   use.parameters = params * f.parameter_bytes;
-  use.gradients = params * f.gradient_bytes;
-  use.optimizer = params * f.optimizer_bytes;
+  use.gradients = params * f.gradient_bytes * (holders > 1 ? 1 + 1 / holders : 1);
+  use.optimizer = params * f.optimizer_bytes / holders;
   const auto mode = static_cast<size_t>(recompute.mode);
   const int recomputed =
       recompute.mode == model::RecomputeMode::kNone ? 0 : std::clamp(recompute.layers, 0, layers);
@@ -386,15 +388,15 @@ double CostModel::exposed_layer_comm(const GroupCost& g, bool backward) const {
 
 StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
                                 int in_flight, const model::Recompute& planned,
-                                bool choose_recompute, bool synced) const {
+                                bool choose_recompute, int pipelines) const {
   using model::RecomputeMode;
   StageCost c;
   const double l = layers;
   const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
   auto memory = [&](const model::Recompute& r) {
-    return memory_use(g.memory, layers, first, last, n, r, synced, shifted_recompute_ && !last,
-                      cluster_.nodes > 1)
+    return memory_use(g.memory, layers, first, last, n, r, pipelines, distributed_optimizer_,
+                      shifted_recompute_ && !last, cluster_.nodes > 1)
         .total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),
@@ -517,8 +519,8 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       }
       StagePrediction sp;
       const int in_flight = std::min(S - j, p.micro_batches);
-      sp.cost = stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute,
-                           P > 1);
+      sp.cost =
+          stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute, P);
       if (!sp.cost.fits && out.fits) {
         out.fits = false;
         if (out.problem.empty()) {
@@ -537,7 +539,7 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P > 1, shifted_recompute_ && !last, cluster_.nodes > 1)
+                       P, distributed_optimizer_, shifted_recompute_ && !last, cluster_.nodes > 1)
                 .total();
       }
     }
@@ -566,8 +568,11 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
           out.grad_sync_time = std::max(out.grad_sync_time, t);
         }
         const double rate = rate_of(rates, s.ranks[i]);
-        const double opt = params * 2 * cluster_.state_bytes_per_param / cluster_.memory_bandwidth *
-                           (std::isfinite(rate) ? rate : 1.0);
+        // The distributed optimizer's reduce-scatter and all-gather move what the all-reduce
+        // above does; each holder updates 1/P of the parameters.
+        const double updated = distributed_optimizer_ && P > 1 ? params / P : params;
+        const double opt = updated * 2 * cluster_.state_bytes_per_param /
+                           cluster_.memory_bandwidth * (std::isfinite(rate) ? rate : 1.0);
         out.optimizer_time = std::max(out.optimizer_time, opt);
       }
     }
@@ -588,7 +593,7 @@ void CostModel::write_recompute(Plan& plan, const Prediction& prediction) {
 
 std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
   std::vector<MemoryUse> out(static_cast<size_t>(plan.world_size));
-  const bool synced = plan.pipelines.size() > 1;
+  const int P = static_cast<int>(plan.pipelines.size());
   for (const auto& p : plan.pipelines) {
     const int S = static_cast<int>(p.stages.size());
     for (int j = 0; j < S; ++j) {
@@ -599,7 +604,7 @@ std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
         if (r < 0 || r >= plan.world_size) continue;
         out[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
-                       synced, shifted_recompute_ && j<S - 1, cluster_.nodes> 1);
+                       P, distributed_optimizer_, shifted_recompute_ && j<S - 1, cluster_.nodes> 1);
       }
     }
   }

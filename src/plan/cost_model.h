@@ -124,15 +124,17 @@ struct MemoryUse {
 };
 
 // A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
-// `recompute` applied to its first layers; `synced`: the plan has more than one pipeline, so the
-// rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise the pack
-// buffer only ever holds one tensor, for the gradient norm). `recompute_ahead`: the stage
-// recomputes ahead of its backward (the shifted schedule), with a scratch per recomputing layer.
-// `probed`: the job spans several nodes, so the packing buffer also holds the link probe
-// (kLinkProbeElements).
+// `recompute` applied to its first layers, in a plan of `pipelines` pipelines. With more than
+// one, the rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise
+// the pack buffer only ever holds one tensor, for the gradient norm), and with the distributed
+// optimizer (ZeRO-1) every piece has `pipelines` holders: each keeps 1/pipelines of the
+// optimizer state (fp32 master weights and moments, optimizer_bytes) and of the summed gradients
+// (a shard of its own next to the full gradients). `recompute_ahead`: the stage recomputes ahead
+// of its backward (the shifted schedule), with a scratch per recomputing layer. `probed`: the job
+// spans several nodes, so the packing buffer also holds the link probe (kLinkProbeElements).
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
-                     int in_flight, const model::Recompute& recompute, bool synced,
-                     bool recompute_ahead = false, bool probed = false);
+                     int in_flight, const model::Recompute& recompute, int pipelines,
+                     bool distributed_optimizer, bool recompute_ahead = false, bool probed = false);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step
@@ -225,6 +227,10 @@ class CostModel {
   // A layer's TP all-reduce time that its compute does not hide, forward or backward: 2 ×
   // layer_comm, or with sub-pipelining the overlap of the header comment.
   double exposed_layer_comm(const GroupCost& group, bool backward) const;
+  // Whether plans of several pipelines split the optimizer state among the holders of each piece
+  // (the runtime's distributed optimizer, on by default as there).
+  void use_distributed_optimizer(bool on) { distributed_optimizer_ = on; }
+  bool distributed_optimizer() const { return distributed_optimizer_; }
   // This model on the same cluster whose nodes' links are `link_rates` times slower
   // (ClusterSpec::link_rates; empty: all healthy). Throws Error for a rate below 1.
   CostModel with_link_rates(std::vector<double> link_rates) const;
@@ -248,9 +254,10 @@ class CostModel {
   std::vector<double> member_load(const Stage& stage, const Rates& rates) const;
   // `in_flight`: micro-batches whose activations the stage holds at once. `planned`: the stage's
   // recomputation; when none and `choose_recompute`, the cheapest one that makes it fit.
+  // `pipelines`: of the plan (memory_use).
   StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last, int in_flight,
                        const model::Recompute& planned = {}, bool choose_recompute = true,
-                       bool synced = false) const;
+                       int pipelines = 1) const;
 
   // 1F1B closed form from per-stage F, B and P2P times (see the header comment).
   static PipelinePrediction pipeline_time(std::vector<StagePrediction> stages, int micro_batches);
@@ -285,6 +292,7 @@ class CostModel {
   bool recompute_allowed_ = true;
   bool shifted_recompute_ = false;
   bool tp_subpipeline_ = false;
+  bool distributed_optimizer_ = true;
   double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
   double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
 };

@@ -12,8 +12,8 @@ namespace malleus::plan {
 
 namespace detail {
 
-PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
-                               const Rates& rates) {
+PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages, const Rates& rates,
+                               int pipelines) {
   PipelineEval out;
   const int S = to_int(stages.size());
   const int L = cost.model().num_layers;
@@ -27,8 +27,8 @@ PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
   std::vector<std::function<double(int)>> fns;
   for (int j = 0; j < S; ++j) {
     fns.emplace_back([&, j](int l) {
-      const StageCost c =
-          cost.stage_cost(groups[static_cast<size_t>(j)], l, j == 0, j == S - 1, S - j);
+      const StageCost c = cost.stage_cost(groups[static_cast<size_t>(j)], l, j == 0, j == S - 1,
+                                          S - j, {}, true, pipelines);
       return c.fits ? c.forward + c.backward : kInf;
     });
   }
@@ -39,7 +39,7 @@ PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
   for (int j = 0; j < S; ++j) {
     StagePrediction p;
     p.cost = cost.stage_cost(groups[static_cast<size_t>(j)], counts[static_cast<size_t>(j)], j == 0,
-                             j == S - 1, S - j);
+                             j == S - 1, S - j, {}, true, pipelines);
     if (j + 1 < S) {
       p.p2p_next =
           cost.p2p_time(stages[static_cast<size_t>(j)], stages[static_cast<size_t>(j + 1)]);

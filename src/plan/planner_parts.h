@@ -42,9 +42,10 @@ struct PipelineEval {
 
 // Assigns layers to an ordered list of TP groups (exactly, for the closed form's bottleneck),
 // assuming the pipeline gets at least as many micro-batches as stages (in-flight activations are
-// then S − j on stage j).
-PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
-                               const Rates& rates);
+// then S − j on stage j), in a plan of `pipelines` pipelines (memory_use: the distributed
+// optimizer's share).
+PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages, const Rates& rates,
+                               int pipelines = 1);
 // Max of T_i(m_i) over the pipelines given micro-batches.
 double allocation_time(const std::vector<double>& first, const std::vector<double>& period,
                        const std::vector<int>& m);

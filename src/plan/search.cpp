@@ -188,7 +188,10 @@ class BaseSearch {
       const RegionOption& o = options_[p][r][static_cast<size_t>(choice[r])];
       for (const auto& g : o.groups) stages.push_back(make_group(cost_, g, o.balance, rates_));
     }
-    return cache.emplace(choice, evaluate_pipeline(cost_, std::move(stages), rates_)).first->second;
+    return cache
+        .emplace(choice,
+                 evaluate_pipeline(cost_, std::move(stages), rates_, to_int(options_.size())))
+        .first->second;
   }
 
   double objective(std::vector<int>* micro_batches) {
@@ -258,7 +261,7 @@ class MalleusSearch {
         for (int r = g * t; r < (g + 1) * t; ++r) ranks.push_back(r);
         stages.push_back(make_group(cost_, ranks, false, healthy_));
       }
-      if (evaluate_pipeline(cost_, stages, healthy_).feasible) return S;
+      if (evaluate_pipeline(cost_, stages, healthy_, std::max(1, groups / S)).feasible) return S;
     }
     return 0;
   }

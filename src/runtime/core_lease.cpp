@@ -183,6 +183,29 @@ void all_reduce_max(const comm::Communicator& comm, float* data, size_t count, C
           &comm::Communicator::all_reduce_max));
 }
 
+void reduce_scatter_sum(const comm::Communicator& comm, const float* send, float* receive,
+                        const std::vector<int>& counts, CoreLease* lease) {
+  CoreLease::Gap gap(lease);
+  if (lease == nullptr) {
+    comm.reduce_scatter_sum(send, receive, counts);
+    return;
+  }
+  comm::Request request = comm.ireduce_scatter_sum(send, receive, counts);
+  poll_gently([&] { return request.test(); });
+}
+
+void all_gather_in_place(const comm::Communicator& comm, float* data,
+                         const std::vector<int>& counts, const std::vector<int>& displacements,
+                         CoreLease* lease) {
+  CoreLease::Gap gap(lease);
+  if (lease == nullptr) {
+    comm.all_gather_in_place(data, counts, displacements);
+    return;
+  }
+  comm::Request request = comm.iall_gather_in_place(data, counts, displacements);
+  poll_gently([&] { return request.test(); });
+}
+
 CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per_rank) {
   check(threads_per_rank >= 1, "core sharing: threads per rank must be at least 1");
   const int me = world.rank(), ranks = world.size();

@@ -84,6 +84,12 @@ void wait_all(std::vector<comm::Request>& requests, CoreLease* lease);
 void all_reduce_sum(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease);
 void all_reduce_sum(const comm::Communicator& comm, double* data, size_t count, CoreLease* lease);
 void all_reduce_max(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease);
+// Communicator::reduce_scatter_sum and all_gather_in_place, waited for in the same way.
+void reduce_scatter_sum(const comm::Communicator& comm, const float* send, float* receive,
+                        const std::vector<int>& counts, CoreLease* lease);
+void all_gather_in_place(const comm::Communicator& comm, float* data,
+                         const std::vector<int>& counts, const std::vector<int>& displacements,
+                         CoreLease* lease);
 
 // How this job's ranks sit on the machine's cores.
 struct CoreSharing {

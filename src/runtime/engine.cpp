@@ -59,7 +59,11 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       options_(options),
       state_(
           std::make_unique<ParallelState>(plan, model, std::move(world), options.core_lease.get())),
-      backend_(backend::make_cpu_backend<float>(options.threads)) {
+      backend_(backend::make_cpu_backend<float>(options.threads)),
+      // Where it saves memory: with several pipelines every piece has a holder in each (a single
+      // pipeline's holder sets of two or more ranks are its tensor-parallel groups' copies of the
+      // norm gains, too small to split).
+      distributed_optimizer_(options.distributed_optimizer && plan.pipelines.size() > 1) {
   check(options.migration_bucket_bytes > 0, "migration_bucket_bytes must be positive, got " +
                                                 std::to_string(options.migration_bucket_bytes));
   backend_->allocations().set_deferring(deferred);
@@ -77,7 +81,15 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       state_->tensor_parallel(), state_->stage().recompute,
       options.shifted_recompute && !state_->last_stage());
   model_->set_tp_subpipeline(options.tp_subpipeline);
-  optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout(), options.adamw);
+  if (distributed_optimizer_) {
+    shard_ =
+        layout::optimizer_shard(state_->grad_sync(), state_->rank(), plan::kGradSyncChunkElements);
+    optimizer_ = std::make_unique<AdamW>(*backend_, shard_->elements, options.adamw);
+    grad_shard_ = backend::Buffer<float>(*backend_, static_cast<size_t>(shard_->elements),
+                                         backend::MemoryKind::kGradients);
+  } else {
+    optimizer_ = std::make_unique<AdamW>(*backend_, model_->layout().total_size(), options.adamw);
+  }
   const size_t tokens = static_cast<size_t>(plan.micro_batch_size) * options.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
@@ -139,6 +151,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
   const float loss_scale = 1.0f / static_cast<float>(global_tokens);
   double loss_sum = 0;
+  release_local_state();                  // moments lent out since the last step
   backend::memory_ledger().reset_peak();  // this step's peak, measured from here
 
   if (model_) {
@@ -268,7 +281,12 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     // emulated slow device is slow here too.
     CoreLease::Hold turn(lease());
     const auto start = Clock::now();
-    optimizer_->step(model_->params(), model_->grads(), lr, static_cast<float>(clip));
+    if (shard_) {
+      distributed_update(lr, static_cast<float>(clip));
+    } else {
+      optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr,
+                       static_cast<float>(clip));
+    }
     if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
   }
   ++steps_done_;
@@ -327,38 +345,70 @@ double Engine::evaluate(const SampleFn& sample, int count) {
   return st.world().all_reduce_sum(loss_sum) / (static_cast<double>(count) * seq);
 }
 
-// Sums every gradient piece over its holders: one all-reduce per holder set, pieces packed.
-// Replicated copies beyond the first of each tensor-parallel group add zero, so each pipeline
-// counts once.
+namespace {
+
+// The parts of a chunk cut among its group's members, as the uneven collectives take them.
+void slice_parts(const layout::ShardChunk& chunk, std::vector<int>* counts,
+                 std::vector<int>* displacements) {
+  counts->clear();
+  displacements->clear();
+  for (size_t i = 0; i + 1 < chunk.bounds.size(); ++i) {
+    counts->push_back(static_cast<int>(chunk.bounds[i + 1] - chunk.bounds[i]));
+    displacements->push_back(static_cast<int>(chunk.bounds[i]));
+  }
+}
+
+}  // namespace
+
+// Sums every gradient piece over its holders: one all-reduce per holder set, pieces packed (with
+// the distributed optimizer a reduce-scatter, each member keeping the sum of its slice in
+// grad_shard_). Replicated copies beyond the first of each tensor-parallel group add zero, so
+// each pipeline counts once.
 void Engine::sync_gradients() {
   ParallelState& st = *state_;
   const auto& sync = st.grad_sync();
   const int me = st.rank();
+  // Packs pieces [begin, end) of `ids` into the pack buffer: this rank's gradient, or zeros where
+  // another holder of the same replica group contributes.
+  auto pack = [&](const std::vector<int>& ids, size_t begin, size_t end, float* cursor) {
+    for (size_t i = begin; i < end; ++i) {
+      const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
+      if (layout::contributes(piece, me)) {
+        layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
+      } else {
+        std::fill_n(cursor, piece.elements, 0.0f);
+      }
+      cursor += piece.elements;
+    }
+  };
+  if (shard_) {
+    std::vector<int> counts, displacements;
+    for (const layout::ShardChunk& chunk : shard_->chunks) {
+      float* summed = grad_shard_.data() + chunk.shard_offset;
+      if (chunk.group < 0) {  // held by this rank alone: its gradient is the sum
+        pack(chunk.pieces, 0, chunk.pieces.size(), summed);
+        continue;
+      }
+      float* packed = pack_buffer(static_cast<size_t>(chunk.elements));
+      pack(chunk.pieces, 0, chunk.pieces.size(), packed);
+      slice_parts(chunk, &counts, &displacements);
+      reduce_scatter_sum(st.grad_sync_comm(static_cast<size_t>(chunk.group)), packed, summed,
+                         counts, lease());
+    }
+    return;
+  }
   for (size_t g = 0; g < sync.groups.size(); ++g) {
     const auto& group = sync.groups[g];
     if (std::find(group.ranks.begin(), group.ranks.end(), me) == group.ranks.end()) continue;
     // In chunks of at most plan::kGradSyncChunkElements (a piece larger than that alone), so the
     // packing buffer stays bounded however much the rank holds.
     const auto& ids = group.pieces;
-    for (size_t begin = 0, end = 0; begin < ids.size(); begin = end) {
+    for (const auto& [begin, end] : layout::pack_chunks(sync, ids, plan::kGradSyncChunkElements)) {
       int64_t elements = 0;
-      for (end = begin; end < ids.size(); ++end) {
-        const int64_t next = sync.pieces[static_cast<size_t>(ids[end])].elements;
-        if (end > begin && double(elements + next) > plan::kGradSyncChunkElements) break;
-        elements += next;
-      }
-      float* cursor = pack_buffer(static_cast<size_t>(elements));
-      for (size_t i = begin; i < end; ++i) {
-        const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
-        if (layout::contributes(piece, me)) {
-          layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
-        } else {
-          std::fill_n(cursor, piece.elements, 0.0f);
-        }
-        cursor += piece.elements;
-      }
+      for (size_t i = begin; i < end; ++i) elements += sync.pieces[size_t(ids[i])].elements;
+      pack(ids, begin, end, pack_buffer(static_cast<size_t>(elements)));
       all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
-      cursor = pack_buffer_.data();
+      const float* cursor = pack_buffer_.data();
       for (size_t i = begin; i < end; ++i) {
         const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
         layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
@@ -388,6 +438,43 @@ std::pair<double, double> Engine::probe_links() {
   return {2 * fastest, 2 * 2 * (n - 1) / n * static_cast<double>(elements * sizeof(float))};
 }
 
+// Each rank updates its slice of every chunk (parameters packed as the gradients were, moments
+// and summed gradients from its shard), range by range within tensors, so norm gains keep their
+// exemption from weight decay; then the members gather each other's slices.
+void Engine::distributed_update(float lr, float grad_scale) {
+  const auto& sync = state_->grad_sync();
+  optimizer_->begin_step();
+  std::vector<int> counts, displacements;
+  for (const layout::ShardChunk& chunk : shard_->chunks) {
+    float* packed = pack_buffer(static_cast<size_t>(chunk.elements));
+    int64_t at = 0;
+    for (int p : chunk.pieces) {
+      const auto& piece = sync.pieces[static_cast<size_t>(p)];
+      const int64_t begin = std::max(at, chunk.slice_begin());
+      const int64_t end = std::min(at + piece.elements, chunk.slice_end());
+      if (begin < end) {
+        const model::TensorSpec& part = my_part(piece);
+        layout::pack_piece(model_->params(), part, piece.piece, packed + at);
+        const int64_t offset = chunk.shard_offset + (begin - chunk.slice_begin());
+        optimizer_->update(packed + begin, grad_shard_.data() + offset, offset, end - begin,
+                           part.weight_decay, lr, grad_scale);
+      }
+      at += piece.elements;
+    }
+    if (chunk.group >= 0) {
+      slice_parts(chunk, &counts, &displacements);
+      all_gather_in_place(state_->grad_sync_comm(static_cast<size_t>(chunk.group)), packed, counts,
+                          displacements, lease());
+    }
+    at = 0;
+    for (int p : chunk.pieces) {
+      const auto& piece = sync.pieces[static_cast<size_t>(p)];
+      layout::unpack_piece(packed + at, my_part(piece), piece.piece, model_->params());
+      at += piece.elements;
+    }
+  }
+}
+
 float* Engine::pack_buffer(size_t elements) {
   pack_buffer_.resize(elements);
   pack_booking_.resize(static_cast<int64_t>(pack_buffer_.capacity() * sizeof(float)));
@@ -402,6 +489,9 @@ const model::TensorSpec& Engine::my_part(const layout::RefinedPiece& piece) cons
 // Σ g² over the pieces this rank counts, so the global norm sees every element exactly once.
 double Engine::local_norm_squares() {
   if (!model_) return 0;
+  // Every element of the shards once: each holder set's sums cut among its members, and the
+  // pieces held alone.
+  if (shard_) return backend_->sum_squares(grad_shard_.data(), grad_shard_.size());
   const auto& sync = state_->grad_sync();
   const int me = state_->rank();
   double sum = 0;
@@ -432,7 +522,7 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   std::unique_ptr<Engine> next(new Engine(model_config_, plan, state_->world(), options_, true));
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  const layout::LocalState<float> from = local_state(), to = next->local_state();
+  const layout::LocalState<float> from = local_state(), to = next->writable_local_state();
   check(from.buffers.empty() || from.buffers.size() == layout::kMigratedBuffers,
         "migration: the state that moves is not what layout::migration_volume counts");
   const auto staged = layout::stage_redistribution(
@@ -448,6 +538,10 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   const int64_t received = layout::redistribute_staged<float>(staged, state_->world(),
                                                               layout::read_only(from), to, memory);
   const int64_t state_peak = ledger.peak_total(), state_after = ledger.current().total();
+  // With the distributed optimizer the moments moved in the local layout (local_state()); the
+  // new engine keeps its own slices of them.
+  next->commit_local_state();
+  release_local_state();
   next->set_steps_done(steps_done_);
   // This engine's memory goes before the new one books the rest of its own.
   optimizer_.reset();
@@ -476,9 +570,73 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
 }
 
 layout::LocalState<float> Engine::local_state() {
+  layout::LocalState<float> state = writable_local_state();
+  if (!shard_) return state;
+  // Each member's slices of the moments to every member of its holder sets, unpacked into the
+  // local layout.
+  const auto& sync = state_->grad_sync();
+  std::vector<int> counts, displacements;
+  for (const layout::ShardChunk& chunk : shard_->chunks) {
+    for (auto [moment, staged] : {std::pair{optimizer_->first_moment(), staged_m_.data()},
+                                  std::pair{optimizer_->second_moment(), staged_v_.data()}}) {
+      float* packed = pack_buffer(static_cast<size_t>(chunk.elements));
+      std::copy_n(moment + chunk.shard_offset, chunk.slice_elements(),
+                  packed + chunk.slice_begin());
+      if (chunk.group >= 0) {
+        slice_parts(chunk, &counts, &displacements);
+        all_gather_in_place(state_->grad_sync_comm(static_cast<size_t>(chunk.group)), packed,
+                            counts, displacements, lease());
+      }
+      int64_t at = 0;
+      for (int p : chunk.pieces) {
+        const auto& piece = sync.pieces[static_cast<size_t>(p)];
+        layout::unpack_piece(packed + at, my_part(piece), piece.piece, staged);
+        at += piece.elements;
+      }
+    }
+  }
+  return state;
+}
+
+layout::LocalState<float> Engine::writable_local_state() {
   if (!model_) return {};
-  return {&model_->layout(),
-          {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()}};
+  if (!shard_) {
+    return {&model_->layout(),
+            {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()}};
+  }
+  const size_t total = static_cast<size_t>(model_->layout().total_size());
+  if (staged_m_.size() != total) {
+    staged_m_ = backend::Buffer<float>(*backend_, total, backend::MemoryKind::kOptimizer);
+    staged_v_ = backend::Buffer<float>(*backend_, total, backend::MemoryKind::kOptimizer);
+  }
+  return {&model_->layout(), {model_->params(), staged_m_.data(), staged_v_.data()}};
+}
+
+void Engine::commit_local_state() {
+  if (!shard_ || staged_m_.size() == 0) return;
+  const auto& sync = state_->grad_sync();
+  for (const layout::ShardChunk& chunk : shard_->chunks) {
+    for (auto [moment, staged] : {std::pair{optimizer_->first_moment(), staged_m_.data()},
+                                  std::pair{optimizer_->second_moment(), staged_v_.data()}}) {
+      float* packed = pack_buffer(static_cast<size_t>(chunk.elements));
+      int64_t at = 0;
+      for (int p : chunk.pieces) {
+        const auto& piece = sync.pieces[static_cast<size_t>(p)];
+        if (at < chunk.slice_end() && chunk.slice_begin() < at + piece.elements) {
+          layout::pack_piece(staged, my_part(piece), piece.piece, packed + at);
+        }
+        at += piece.elements;
+      }
+      std::copy_n(packed + chunk.slice_begin(), chunk.slice_elements(),
+                  moment + chunk.shard_offset);
+    }
+  }
+  release_local_state();
+}
+
+void Engine::release_local_state() {
+  staged_m_ = {};
+  staged_v_ = {};
 }
 
 void Engine::set_steps_done(int64_t steps) {
@@ -502,6 +660,7 @@ FullState Engine::gather(int root) {
     to = {&*full_layout, {full.params.data(), full.adam_m.data(), full.adam_v.data()}};
   }
   layout::redistribute<float>(plan, st.world(), layout::read_only(local_state()), to);
+  release_local_state();
   return full;
 }
 
@@ -518,7 +677,8 @@ void Engine::scatter(const FullState& full, int64_t steps_done, int root) {
           "model state does not match the model's parameter layout");
     from = {&*full_layout, {full.params.data(), full.adam_m.data(), full.adam_v.data()}};
   }
-  layout::redistribute<float>(plan, st.world(), from, local_state());
+  layout::redistribute<float>(plan, st.world(), from, writable_local_state());
+  commit_local_state();
   set_steps_done(steps_done);
 }
 

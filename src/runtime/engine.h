@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "model/transformer.h"
 #include "runtime/optimizer.h"
@@ -47,6 +48,10 @@ struct EngineOptions {
   // Sub-pipelined tensor parallelism (model::Transformer::set_tp_subpipeline): every rank of the
   // job must set the same.
   bool tp_subpipeline = false;
+  // ZeRO-1: Adam moments and the update split among the holders of each piece
+  // (layout::OptimizerShard); gradients reduce-scattered, parameters all-gathered. Used where it
+  // saves memory: in plans of two or more pipelines (plan::memory_use models the same).
+  bool distributed_optimizer = true;
 };
 
 // Fills inputs and targets [seq_len] of sequence `index` (0-based) of the current global batch.
@@ -143,7 +148,21 @@ class Engine {
 
   // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
   // between plans and to and from checkpoints (each rank writing and reading its own part).
+  // With the distributed optimizer the moments are gathered within each holder set into buffers
+  // of the whole local layout (collective over the ranks holding state; the extra memory is the
+  // moments of the local layout, what the rank held before the distributed optimizer), kept
+  // until release_local_state(), commit_local_state() or the next step.
   layout::LocalState<float> local_state();
+  // The same buffers to be written (nothing gathered, not collective); commit_local_state() then
+  // takes this rank's slices of the moments from them.
+  layout::LocalState<float> writable_local_state();
+  void commit_local_state();
+  void release_local_state();
+  // Whether this plan's Adam moments are split among holders (EngineOptions and the plan; on idle
+  // ranks too, which hold none).
+  bool distributed_optimizer() const { return distributed_optimizer_; }
+  // Elements of Adam moments (each of the two) this rank holds.
+  int64_t optimizer_elements() const { return optimizer_ ? optimizer_->elements() : 0; }
   // The optimizer steps done, after the state was set from a checkpoint.
   void set_steps_done(int64_t steps);
 
@@ -157,6 +176,8 @@ class Engine {
   // Collective over the world: times the link probe; returns this rank's (seconds, bytes).
   std::pair<double, double> probe_links();
   double local_norm_squares();
+  // The distributed optimizer's update of this rank's slices, then the all-gather of parameters.
+  void distributed_update(float lr, float grad_scale);
   // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
   // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).
   template <typename Section>
@@ -179,6 +200,12 @@ class Engine {
   std::unique_ptr<backend::Backend<float>> backend_;
   std::unique_ptr<model::Transformer<float>> model_;  // null when idle
   std::unique_ptr<AdamW> optimizer_;
+  // The distributed optimizer: this rank's shard, and its summed gradients in that shard's order.
+  bool distributed_optimizer_ = false;
+  std::optional<layout::OptimizerShard> shard_;  // none on idle ranks
+  backend::Buffer<float> grad_shard_;
+  // Both moments in the local layout, while local_state() lends them out.
+  backend::Buffer<float> staged_m_, staged_v_;
   int64_t steps_done_ = 0;  // kept on idle ranks too
   std::vector<float> pack_buffer_;
   backend::MemoryBooking pack_booking_{backend::MemoryKind::kCommunication, 0};  // pack_buffer_'s

@@ -180,6 +180,11 @@ std::vector<ConfigField> make_fields() {
       field(&C::plan, "plan", "--plan", P::kResharded,
             "Parallel plan file (docs/plan-format.md); \"auto\": the planner's plan for the "
             "job's ranks; \"\": the uniform plan of --dp/--tp/--pp"),
+      field(&C::distributed_optimizer, "distributed_optimizer", "--distributed-optimizer",
+            P::kResharded,
+            "Split Adam moments and the update among the ranks holding the same parameters "
+            "(ZeRO-1), where some are held by two or more (--no-distributed-optimizer: every "
+            "holder keeps whole moments)"),
       field(&C::dp, "dp", "--dp", P::kResharded,
             "Pipelines of the uniform plan (0: as many as the ranks allow)", not_negative<int>()),
       field(&C::tp, "tp", "--tp", P::kResharded, "Tensor-parallel degree of the uniform plan",

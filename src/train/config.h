@@ -87,6 +87,9 @@ struct TrainConfig {
   // Write checkpoints in the background: the saving step waits only for the copy of each rank's
   // pieces to host memory (train/checkpoint_writer.h).
   bool async_checkpoints = true;
+  // ZeRO-1: Adam moments and the update split among each parameter piece's holders
+  // (runtime::EngineOptions::distributed_optimizer).
+  bool distributed_optimizer = true;
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
   // Stages that recompute activations, other than the last, recompute a micro-batch's forward

@@ -41,6 +41,7 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.shifted_recompute = c.shifted_recompute;
   options.migration_bucket_bytes = c.migration_bucket_bytes;
   options.tp_subpipeline = c.tp_subpipeline;
+  options.distributed_optimizer = c.distributed_optimizer;
   return options;
 }
 
@@ -295,7 +296,7 @@ void Trainer::restore(const Checkpoint& checkpoint) {
   if (checkpoint.sharded) {
     // Every rank reads the pieces its own shard needs under this plan, whatever the plan and
     // world size that wrote them; nothing goes through rank 0.
-    const layout::LocalState<float> state = engine_->local_state();
+    const layout::LocalState<float> state = engine_->writable_local_state();
     std::string error;
     try {
       if (state.layout != nullptr) checkpoint.sharded->read(*state.layout, state.buffers);
@@ -311,6 +312,7 @@ void Trainer::restore(const Checkpoint& checkpoint) {
       }
       throw Error(world_.broadcast_text(first, 0));
     }
+    engine_->commit_local_state();
     engine_->set_steps_done(checkpoint.step);
   } else {
     runtime::FullState full;
@@ -444,6 +446,7 @@ void Trainer::save(const std::filesystem::path& root) {
   const layout::LocalState<float> state = engine_->local_state();
   writer_.begin(root, header, state.layout, {state.buffers.begin(), state.buffers.end()},
                 engine_->state().grad_sync().pieces, config_.async_checkpoints);
+  engine_->release_local_state();  // the writer copied what it writes
   report_saved();
 }
 
