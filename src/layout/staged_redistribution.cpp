@@ -221,6 +221,22 @@ struct Message {
   backend::MemoryBooking booking;
 };
 
+// Calls fn(first, end, elements) for each run of moves [first, end) between the same pair of ranks
+// (the moves are sorted by source, then destination): each run travels as one message.
+template <typename Fn>
+void for_each_message(const std::vector<BandMove>& moves, Fn&& fn) {
+  for (size_t first = 0; first < moves.size();) {
+    size_t end = first;
+    int64_t elements = 0;
+    while (end < moves.size() && moves[end].source == moves[first].source &&
+           moves[end].destination == moves[first].destination) {
+      elements += moves[end++].elements;
+    }
+    fn(first, end, elements);
+    first = end;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -262,55 +278,41 @@ int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicat
     }
     // Receives first (every rank posts its own before sending, so the sends below always find
     // them), one message per source holding all its pieces, buffer after buffer per piece.
-    std::vector<std::pair<size_t, Message<T>>> incoming;  // (first move, message)
+    struct Incoming {
+      size_t first, end;  // its moves
+      Message<T> message;
+    };
+    std::vector<Incoming> incoming;
     std::vector<comm::Request> requests;
-    for (size_t i = 0; i < band.moves.size();) {
-      const BandMove& first = band.moves[i];
-      size_t j = i;
-      int64_t elements = 0;
-      while (j < band.moves.size() && band.moves[j].source == first.source &&
-             band.moves[j].destination == first.destination) {
-        elements += band.moves[j++].elements;
+    for_each_message(band.moves, [&](size_t first, size_t end, int64_t elements) {
+      const BandMove& m = band.moves[first];
+      if (m.destination == me && m.source != me) {
+        incoming.push_back({first, end, Message<T>(static_cast<size_t>(elements) * buffers)});
       }
-      if (first.destination == me && first.source != me) {
-        incoming.emplace_back(i, Message<T>(static_cast<size_t>(elements) * buffers));
-      }
-      i = j;
-    }
-    for (auto& [index, message] : incoming) {
-      requests.push_back(world.irecv(message.values.data(), message.values.size() * sizeof(T),
-                                     band.moves[index].source, 0));
-      received += static_cast<int64_t>(message.values.size() * sizeof(T));
+    });
+    for (Incoming& in : incoming) {
+      requests.push_back(world.irecv(in.message.values.data(), in.message.values.size() * sizeof(T),
+                                     band.moves[in.first].source, 0));
+      received += static_cast<int64_t>(in.message.values.size() * sizeof(T));
     }
     // Sends one message at a time, so at most one is held.
-    for (size_t i = 0; i < band.moves.size();) {
-      const BandMove& first = band.moves[i];
-      size_t j = i;
-      int64_t elements = 0;
-      while (j < band.moves.size() && band.moves[j].source == first.source &&
-             band.moves[j].destination == first.destination) {
-        elements += band.moves[j++].elements;
+    for_each_message(band.moves, [&](size_t first, size_t end, int64_t elements) {
+      const BandMove& m = band.moves[first];
+      if (m.source != me || m.destination == me) return;
+      Message<T> message(static_cast<size_t>(elements) * buffers);
+      T* cursor = message.values.data();
+      for (size_t k = first; k < end; ++k) {
+        pack(band.moves[k], cursor);
+        cursor += static_cast<size_t>(band.moves[k].elements) * buffers;
       }
-      if (first.source == me && first.destination != me) {
-        Message<T> message(static_cast<size_t>(elements) * buffers);
-        T* cursor = message.values.data();
-        for (size_t k = i; k < j; ++k) {
-          pack(band.moves[k], cursor);
-          cursor += static_cast<size_t>(band.moves[k].elements) * buffers;
-        }
-        comm::Request send = world.isend(message.values.data(), message.values.size() * sizeof(T),
-                                         first.destination, 0);
-        send.wait();
-      }
-      i = j;
-    }
+      comm::Request send =
+          world.isend(message.values.data(), message.values.size() * sizeof(T), m.destination, 0);
+      send.wait();
+    });
     comm::Request::wait_all(requests);
-    for (auto& [index, message] : incoming) {
-      const T* cursor = message.values.data();
-      for (size_t k = index;
-           k < band.moves.size() && band.moves[k].source == band.moves[index].source &&
-           band.moves[k].destination == me;
-           ++k) {
+    for (const Incoming& in : incoming) {
+      const T* cursor = in.message.values.data();
+      for (size_t k = in.first; k < in.end; ++k) {
         unpack(band.moves[k], cursor);
         cursor += static_cast<size_t>(band.moves[k].elements) * buffers;
       }
