@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench_args.h"
+#include "bench_models.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/error.h"
@@ -44,19 +45,6 @@ namespace {
 
 double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// LLaMA-shaped, 8 layers of hidden 768 and a 32000-token vocabulary: 106M parameters.
-model::ModelConfig bench_model() {
-  return model::ModelConfig::from_json(Json{{"name", "bench-106m"},
-                                            {"vocab_size", 32000},
-                                            {"hidden_size", 768},
-                                            {"num_layers", 8},
-                                            {"num_heads", 12},
-                                            {"num_kv_heads", 12},
-                                            {"ffn_hidden_size", 2048},
-                                            {"max_seq_len", 256}},
-                                       "bench model");
 }
 
 // Drops a file's pages from the page cache (after an fsync they are clean), so the next read
@@ -124,7 +112,7 @@ int main(int argc, char** argv) {
   const int rounds = bench::positive_arg(argc, argv, 1, 3);
   const fs::path dir = argc > 2 ? fs::path(argv[2]) : fs::path("bench-checkpoint");
   const int me = world.rank(), ranks = world.size();
-  const model::ModelConfig model = bench_model();
+  const model::ModelConfig model = bench::model_106m();
   const model::ParameterLayout full(model);
 
   // Saving plan: data parallel, every rank holds everything. Loading plan: one pipeline, a

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "bench_models.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/json.h"
@@ -20,20 +21,6 @@ using namespace malleus;
 
 namespace {
 
-// LLaMA-shaped, 8 layers of hidden 768 and a 32000-token vocabulary: 106M parameters (as
-// bench_checkpoint).
-model::ModelConfig bench_model() {
-  return model::ModelConfig::from_json(Json{{"name", "bench-106m"},
-                                            {"vocab_size", 32000},
-                                            {"hidden_size", 768},
-                                            {"num_layers", 8},
-                                            {"num_heads", 12},
-                                            {"num_kv_heads", 12},
-                                            {"ffn_hidden_size", 2048},
-                                            {"max_seq_len", 256}},
-                                       "bench model");
-}
-
 constexpr int kSeq = 16;
 
 }  // namespace
@@ -41,7 +28,7 @@ constexpr int kSeq = 16;
 int main(int argc, char** argv) {
   comm::MpiSession session(&argc, &argv);
   comm::Communicator world = comm::Communicator::world();
-  const model::ModelConfig model = bench_model();
+  const model::ModelConfig model = bench::model_106m();
   const int ranks = world.size();
   const plan::Plan plan = plan::uniform_plan(model, ranks, 1, 1, ranks, 1);
   const runtime::SampleFn sample = [](int index, int32_t* inputs, int32_t* targets) {
