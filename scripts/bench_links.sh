@@ -13,8 +13,8 @@
 # run would do if it lost only what the best plan for the slow link must lose.
 #   scripts/bench_links.sh [runs] [steps] [shape-at]   (default 3 30 8; about 15 min on 2 cores)
 # MALLEUS_BINARY: the malleus to run (default build/malleus, built first).
-# Needs root (network namespaces); exits 77 where they cannot be made. Run it under
-# `flock /work/notes/bench.lock` on a shared machine.
+# Needs root (network namespaces); exits 77 where they cannot be made. On a shared machine, run it
+# when no other benchmark runs (its timings are the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3} steps=${2:-30} shape_at=${3:-8}

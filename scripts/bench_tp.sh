@@ -8,7 +8,7 @@
 # same plan (`malleus simulate --plan [--tp-subpipeline]` on the cpu-core cluster).
 #
 # Usage: scripts/bench_tp.sh [runs (5)] [steps (4)] [seq_len (512)]
-# Run it under `flock /work/notes/bench.lock` next to other benchmarks. Results go to
+# Run it when no other benchmark runs (its timings are the figures). Results go to
 # runs/bench-tp (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
