@@ -130,12 +130,14 @@ void poll_gently(Done&& done) {
   while (!done()) nanosleep(&pause, nullptr);
 }
 
-template <typename T, typename Start>
-void reduce_in_turn(const comm::Communicator& comm, T* data, size_t count, CoreLease* lease,
-                    Start&& start, void (comm::Communicator::*blocking)(T*, size_t) const) {
+// Runs a collective while this rank holds no turn on its cores: the blocking call where its cores
+// are its own (or the count does not fit MPI's int for the non-blocking form), otherwise started
+// non-blocking and polled gently, so the ranks it shares cores with compute meanwhile.
+template <typename Blocking, typename Start>
+void collective_in_turn(CoreLease* lease, bool blocking_only, Blocking&& blocking, Start&& start) {
   CoreLease::Gap gap(lease);
-  if (lease == nullptr || count > static_cast<size_t>(INT_MAX)) {
-    (comm.*blocking)(data, count);
+  if (lease == nullptr || blocking_only) {
+    blocking();
     return;
   }
   comm::Request request = start();
@@ -163,47 +165,36 @@ void wait_all(std::vector<comm::Request>& requests, CoreLease* lease) {
 }
 
 void all_reduce_sum(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease) {
-  reduce_in_turn(
-      comm, data, count, lease, [&] { return comm.iall_reduce_sum(data, count); },
-      static_cast<void (comm::Communicator::*)(float*, size_t) const>(
-          &comm::Communicator::all_reduce_sum));
+  collective_in_turn(
+      lease, count > static_cast<size_t>(INT_MAX), [&] { comm.all_reduce_sum(data, count); },
+      [&] { return comm.iall_reduce_sum(data, count); });
 }
 
 void all_reduce_sum(const comm::Communicator& comm, double* data, size_t count, CoreLease* lease) {
-  reduce_in_turn(
-      comm, data, count, lease, [&] { return comm.iall_reduce_sum(data, count); },
-      static_cast<void (comm::Communicator::*)(double*, size_t) const>(
-          &comm::Communicator::all_reduce_sum));
+  collective_in_turn(
+      lease, count > static_cast<size_t>(INT_MAX), [&] { comm.all_reduce_sum(data, count); },
+      [&] { return comm.iall_reduce_sum(data, count); });
 }
 
 void all_reduce_max(const comm::Communicator& comm, float* data, size_t count, CoreLease* lease) {
-  reduce_in_turn(
-      comm, data, count, lease, [&] { return comm.iall_reduce_max(data, count); },
-      static_cast<void (comm::Communicator::*)(float*, size_t) const>(
-          &comm::Communicator::all_reduce_max));
+  collective_in_turn(
+      lease, count > static_cast<size_t>(INT_MAX), [&] { comm.all_reduce_max(data, count); },
+      [&] { return comm.iall_reduce_max(data, count); });
 }
 
 void reduce_scatter_sum(const comm::Communicator& comm, const float* send, float* receive,
                         const std::vector<int>& counts, CoreLease* lease) {
-  CoreLease::Gap gap(lease);
-  if (lease == nullptr) {
-    comm.reduce_scatter_sum(send, receive, counts);
-    return;
-  }
-  comm::Request request = comm.ireduce_scatter_sum(send, receive, counts);
-  poll_gently([&] { return request.test(); });
+  collective_in_turn(
+      lease, false, [&] { comm.reduce_scatter_sum(send, receive, counts); },
+      [&] { return comm.ireduce_scatter_sum(send, receive, counts); });
 }
 
 void all_gather_in_place(const comm::Communicator& comm, float* data,
                          const std::vector<int>& counts, const std::vector<int>& displacements,
                          CoreLease* lease) {
-  CoreLease::Gap gap(lease);
-  if (lease == nullptr) {
-    comm.all_gather_in_place(data, counts, displacements);
-    return;
-  }
-  comm::Request request = comm.iall_gather_in_place(data, counts, displacements);
-  poll_gently([&] { return request.test(); });
+  collective_in_turn(
+      lease, false, [&] { comm.all_gather_in_place(data, counts, displacements); },
+      [&] { return comm.iall_gather_in_place(data, counts, displacements); });
 }
 
 CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per_rank) {
