@@ -227,18 +227,21 @@ TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {
   const TrainingRun run = read_run(dir / "run", r.output);
   ASSERT_EQ(run.steps.size(), size_t{kSteps}) << r.output;
   const std::string table = rate_table(run);
-  // Over the slowed steps (from the second on, once the sliding median has turned) each rank's
-  // rate is within 20 % of its slowdown (healthy: 1 ± 0.15); no single step is off by more than
-  // 35 % (0.3) — a few steps of other work on a core read as that core being slower.
+  // Over the slowed steps (from the second on, once the sliding median has turned) each slowed
+  // rank's rate is within 20 % of its slowdown, and no single step is off by more than 35 %.
+  // A healthy rank reads the machine's other work as well: rates are against the fastest the rank
+  // has been, and CI measured both healthy ranks at 1.25-1.44 for several steps after two quiet
+  // ones. Its bounds (median 1 ± 0.25, each step 1 ± 0.5) still catch the failure this test is
+  // for: a rank taking turns with a slowed one on its core reading that rank's 2x or 5x.
   const std::vector<double> truth = {2, 1, 5, 1};
   for (size_t rank = 0; rank < 4; ++rank) {
     const bool slow = truth[rank] > 1;
     EXPECT_NEAR(median_rate(run, rank, kFrom + 2, kSteps), truth[rank],
-                slow ? 0.2 * truth[rank] : 0.15)
+                slow ? 0.2 * truth[rank] : 0.25)
         << "rank " << rank << "\n"
         << table;
     for (int s = kFrom + 2; s <= kSteps; ++s) {
-      EXPECT_NEAR(run.steps.at(s).rates[rank], truth[rank], slow ? 0.35 * truth[rank] : 0.3)
+      EXPECT_NEAR(run.steps.at(s).rates[rank], truth[rank], slow ? 0.35 * truth[rank] : 0.5)
           << "step " << s << ", rank " << rank << "\n"
           << table;
     }
