@@ -176,18 +176,34 @@ void run(comm::Communicator& world, int argc, char** argv) {
     trainers.push_back(std::make_unique<train::Trainer>(config, model, world));
   }
 
+  // Per step, besides its wall time, every rank's phases as the runtime measures them: its
+  // compute (the monitor's elapsed time of its compute sections, StepRecord::compute_s) and its
+  // time inside tensor-parallel collectives (waiting for the partner included), to hold against
+  // the cost model's terms (scripts/bench_bed.sh).
   struct Sample {
     double wall_s, loss;
+    std::vector<double> compute_s, tp_wait_s;
   };
+  const size_t ranks = static_cast<size_t>(kWorld), me = static_cast<size_t>(world.rank());
   auto timed_step = [&](train::Trainer& trainer) {
+    auto* tp = trainer.engine().state().tensor_parallel();
+    const double tp_before = tp ? tp->wait_seconds() : 0;
     world.barrier();
     const auto start = Clock::now();
     const train::StepStats stats = trainer.train_step();
     world.barrier();
-    return Sample{std::chrono::duration<double>(Clock::now() - start).count(), stats.loss};
+    Sample sample{std::chrono::duration<double>(Clock::now() - start).count(), stats.loss,
+                  stats.compute_s, std::vector<double>(ranks, 0.0)};
+    sample.tp_wait_s[me] = (tp ? tp->wait_seconds() : 0) - tp_before;
+    world.all_reduce_sum(sample.tp_wait_s.data(), ranks);
+    return sample;
   };
 
   std::vector<std::vector<double>> times(plans.size());
+  // [plan][rank]: per-step compute and TP-collective seconds of each rank.
+  std::vector<std::vector<std::vector<double>>> compute(plans.size(),
+                                                        std::vector<std::vector<double>>(ranks)),
+      tp_wait = compute;
   std::vector<double> last_loss(plans.size());
   for (size_t i = 0; i < plans.size(); ++i) {
     for (int s = 0; s < kWarmupSteps; ++s) timed_step(*trainers[i]);
@@ -198,8 +214,18 @@ void run(comm::Communicator& world, int argc, char** argv) {
         const Sample sample = timed_step(*trainers[i]);
         times[i].push_back(sample.wall_s);
         last_loss[i] = sample.loss;
+        for (size_t k = 0; k < ranks && k < sample.compute_s.size(); ++k) {
+          compute[i][k].push_back(sample.compute_s[k]);
+          tp_wait[i][k].push_back(sample.tp_wait_s[k]);
+        }
       }
     }
+  }
+  // Every rank's training FLOPs per step under each plan (0: idle).
+  std::vector<std::vector<double>> flops(plans.size(), std::vector<double>(ranks, 0.0));
+  for (size_t i = 0; i < plans.size(); ++i) {
+    flops[i][me] = trainers[i]->engine().work_flops();
+    world.all_reduce_sum(flops[i].data(), ranks);
   }
 
   if (root) {
@@ -229,6 +255,34 @@ void run(comm::Communicator& world, int argc, char** argv) {
                   trainers[i]->engine().plan().summary().c_str(), t.median, t.min, t.max,
                   static_cast<double>(base.tokens_per_step()) / t.median,
                   static_cast<double>(base.tokens_per_step()) / t.min, last_loss[i]);
+    }
+    std::printf(
+        "\nPhases per rank (median over the timed steps; ranks 0..%d): compute is the elapsed time "
+        "of the rank's compute sections (without tensor-parallel collectives), TP the time inside "
+        "them, GFLOP/s the rank's training FLOPs over its compute time\n\n",
+        kWorld - 1);
+    std::printf("| plan | compute s | TP collectives s | GFLOP/s while computing |\n");
+    std::printf("|---|---|---|---|\n");
+    for (size_t i = 0; i < plans.size(); ++i) {
+      std::string compute_text, tp_text, rate_text;
+      for (size_t k = 0; k < ranks; ++k) {
+        const double c = compute[i][k].empty() ? 0 : median(compute[i][k]);
+        const double w = tp_wait[i][k].empty() ? 0 : median(tp_wait[i][k]);
+        char text[64];
+        const char* gap = k == 0 ? "" : " ";
+        std::snprintf(text, sizeof text, "%s%.3f", gap, c);
+        compute_text += text;
+        std::snprintf(text, sizeof text, "%s%.3f", gap, w);
+        tp_text += text;
+        if (flops[i][k] > 0 && c > 0) {
+          std::snprintf(text, sizeof text, "%s%.1f", gap, flops[i][k] / c / 1e9);
+        } else {
+          std::snprintf(text, sizeof text, "%sidle", gap);
+        }
+        rate_text += text;
+      }
+      std::printf("| %s | %s | %s | %s |\n", plans[i].name.c_str(), compute_text.c_str(),
+                  tp_text.c_str(), rate_text.c_str());
     }
     std::fflush(stdout);
   }

@@ -26,7 +26,8 @@ echo "## Measured against the cost model ($cluster)"
 echo "| plan | measured median step | predicted | error |"
 echo "|---|---:|---:|---:|"
 # bench_plans's rows: "| name | ... | median s [min-max] | ...": the uniform dp×tp×pp ones.
-grep -E '^\| (dp4|tp2 × dp2|pp2 × dp2|tp2 × pp2|pp4) \|' "$scratch/table.md" |
+sed '/^Phases per rank/,$d' "$scratch/table.md" |
+  grep -E '^\| (dp4|tp2 × dp2|pp2 × dp2|tp2 × pp2|pp4) \|' |
   while IFS='|' read -r _ name _ timing _; do
     name=$(echo "$name" | xargs)
     measured=$(echo "$timing" | awk '{print $1}')

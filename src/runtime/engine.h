@@ -120,6 +120,8 @@ class Engine {
   const plan::Plan& plan() const { return state_->plan(); }
   int rank() const { return state_->rank(); }
   int64_t steps_done() const { return steps_done_; }
+  // Training FLOPs of this rank's work per step (0 when idle): what its compute time is for.
+  double work_flops() const { return work_flops_; }
 
   void init_parameters(uint64_t seed);
   // `slowdown` ≥ 1 makes this rank an injected straggler: at the end of each of its compute
