@@ -394,3 +394,72 @@ TEST(CostModel, SubpipelinedTensorParallelismHidesHalfReductionsBehindTheOtherHa
     EXPECT_EQ(cost.exposed_layer_comm(alone, false), 0);
   }
 }
+
+// Ranks that take turns on one core (cores_per_node < devices_per_node): compute never overlaps
+// on a core, a TP group's members on one core add up, and a pipeline's stages on one core fill
+// each other's bubbles.
+TEST(CostModel, RanksTakingTurnsOnACoreShareItsCompute) {
+  auto cluster = plan::load_cluster("cpu-bed-2x2");
+  cluster.cores_per_node = 0;  // every rank a core of its own
+  const model::ModelConfig demo = model::load_model_config("demo");
+  const plan::BatchConfig batch{16, 2, 128};
+  const CostModel own(demo, cluster, batch);
+  cluster.cores_per_node = 1;  // the two ranks of a host take turns on its one core
+  const CostModel shared(demo, cluster, batch);
+  EXPECT_EQ(shared.cluster().core_of(1), 0);
+  EXPECT_EQ(shared.cluster().core_of(2), 1);
+  const plan::Rates rates(4, 1.0);
+  auto predict = [&](const CostModel& cost, int dp, int tp, int pp) {
+    return cost.predict(plan::uniform_plan(demo, dp, tp, pp, 16, 2, 4), rates, false);
+  };
+  // Work of one micro-batch through a stage, without its TP communication.
+  auto work = [](const plan::StagePrediction& s) {
+    return s.cost.forward + s.cost.backward - s.cost.comm;
+  };
+
+  // A TP group on one core: its members' halves one after the other, a whole layer's time.
+  const auto one_core = group(shared, {0, 1});
+  const auto two_cores = group(own, {0, 1});
+  EXPECT_NEAR(shared.group_cost(one_core, rates).layer_forward,
+              2 * own.group_cost(two_cores, rates).layer_forward, 1e-12);
+
+  // dp4: two ranks per core, each pipeline alone would take half the time the core needs.
+  const auto dp4_own = predict(own, 4, 1, 1), dp4 = predict(shared, 4, 1, 1);
+  EXPECT_NEAR(dp4.pipeline_time, 2 * dp4_own.pipeline_time, 1e-9);
+  EXPECT_NEAR(dp4.pipeline_time, 2 * 2 * work(dp4.pipelines[0].stages[0]), 1e-9);
+
+  // pp2 × dp2: each pipeline's two stages share a core, so no bubble: the core's work.
+  const auto pp2 = predict(shared, 2, 1, 2);
+  const auto& stages = pp2.pipelines[0].stages;
+  ASSERT_EQ(stages.size(), 2u);  // the prediction keeps the plan's stages
+  EXPECT_NEAR(pp2.pipelines[0].time, 4 * (work(stages[0]) + work(stages[1])), 1e-9);
+  // With a core per rank, 1F1B's bubble ((m + S − 1) / m) at half the speed would be slower.
+  const auto pp2_half_speed = [&] {
+    auto half = cluster;
+    half.cores_per_node = 0;
+    half.peak_flops /= 2;
+    return predict(CostModel(demo, half, batch), 2, 1, 2);
+  }();
+  EXPECT_GT(pp2_half_speed.pipeline_time, 1.2 * pp2.pipeline_time);
+
+  // pp4 on 2 hosts: stages 0-1 on host 0's core, 2-3 on host 1's: a pipeline of two merged
+  // stages. 1F1B: the first micro-batch through both, then 7 more at the slower core's pace, plus
+  // the hand-offs between the hosts (at most 2 for the first micro-batch and 1 per later one).
+  const auto pp4 = predict(shared, 1, 1, 4);
+  const auto& s4 = pp4.pipelines[0].stages;
+  const double core0 = work(s4[0]) + work(s4[1]), core1 = work(s4[2]) + work(s4[3]);
+  const double without_hand_offs = core0 + core1 + 7 * std::max(core0, core1);
+  EXPECT_GE(pp4.pipeline_time, without_hand_offs - 1e-9);
+  EXPECT_LE(pp4.pipeline_time, without_hand_offs + 9 * s4[1].p2p_next + 1e-9);
+  EXPECT_GT(s4[1].p2p_next, 0);
+
+  // Optimizer steps of ranks on one core run one after the other.
+  EXPECT_NEAR(dp4.optimizer_time, 2 * dp4_own.optimizer_time, 1e-12);
+
+  // Without sharing nothing changes: the same cluster with a core per rank and the default.
+  auto plain = plan::load_cluster("cpu-bed-2x2");
+  plain.cores_per_node = 2;
+  EXPECT_FALSE(plain.cores_shared());
+  EXPECT_DOUBLE_EQ(predict(CostModel(demo, plain, batch), 1, 1, 4).iteration_time,
+                   predict(own, 1, 1, 4).iteration_time);
+}

@@ -54,6 +54,19 @@ TEST(Cluster, JsonRoundTripsAndRejectsBadKeys) {
             std::string::npos);
   EXPECT_NE(error_of([] { plan::load_cluster("no-such-cluster"); }).find("no-such-cluster"),
             std::string::npos);
+  // Ranks taking turns on fewer cores than devices: kept through JSON, bounded by the devices.
+  bad = c.to_json();
+  bad["cores_per_node"] = 2;
+  EXPECT_EQ(plan::ClusterSpec::from_json(bad, "c.json").core_of(11),
+            3);  // node 1 (cores 2, 3), its device 3 on core 3 mod 2
+  EXPECT_EQ(plan::ClusterSpec::from_json(plan::ClusterSpec::from_json(bad, "c.json").to_json(), "x")
+                .cores_per_node,
+            2);
+  for (int cores : {0, 9}) {
+    bad["cores_per_node"] = cores;
+    const std::string why = error_of([&] { plan::ClusterSpec::from_json(bad, "c.json"); });
+    EXPECT_NE(why.find("cores_per_node"), std::string::npos) << why;
+  }
 }
 
 TEST(Rates, ParseInlineAndFileForms) {

@@ -47,6 +47,9 @@ void ClusterSpec::validate(const std::string& source) const {
   positive("usable_memory_fraction", usable_memory_fraction);
   check(usable_memory_fraction <= 1, source + ": \"usable_memory_fraction\" must be at most 1");
   non_negative("restart_s", restart_seconds);
+  check(cores_per_node >= 0 && cores_per_node <= devices_per_node,
+        source + ": \"cores_per_node\" must be between 1 and devices_per_node (" +
+            std::to_string(devices_per_node) + "), got " + std::to_string(cores_per_node));
   check(link_rates.size() <= static_cast<size_t>(nodes),
         source + ": " + std::to_string(link_rates.size()) + " link rates for " +
             std::to_string(nodes) + " nodes");
@@ -97,6 +100,11 @@ ClusterSpec ClusterSpec::from_json(const Json& json, const std::string& source) 
   c.sequence_parallel = r.optional<bool>("sequence_parallel", c.sequence_parallel);
   c.usable_memory_fraction = r.optional<double>("usable_memory_fraction", c.usable_memory_fraction);
   c.restart_seconds = r.optional<double>("restart_s", c.restart_seconds);
+  if (r.has("cores_per_node")) {
+    c.cores_per_node = r.required<int>("cores_per_node");
+    check(c.cores_per_node >= 1, source + ": \"cores_per_node\" must be at least 1 (got " +
+                                     std::to_string(c.cores_per_node) + ")");
+  }
   if (r.has("comment")) r.optional<std::string>("comment", "");
   r.finish();
   c.validate(source);
@@ -104,24 +112,26 @@ ClusterSpec ClusterSpec::from_json(const Json& json, const std::string& source) 
 }
 
 Json ClusterSpec::to_json() const {
-  return Json{{"name", name},
-              {"nodes", nodes},
-              {"devices_per_node", devices_per_node},
-              {"memory_gib", memory_bytes / kGiB},
-              {"peak_tflops", peak_flops / kTera},
-              {"mfu", mfu},
-              {"memory_bandwidth_gbs", memory_bandwidth / kGB},
-              {"intra_node_bandwidth_gbs", intra_node_bandwidth / kGB},
-              {"intra_node_latency_us", intra_node_latency / kMicro},
-              {"inter_node_bandwidth_gbs", inter_node_bandwidth / kGB},
-              {"inter_node_latency_us", inter_node_latency / kMicro},
-              {"state_bytes_per_param", state_bytes_per_param},
-              {"grad_bytes", grad_bytes},
-              {"activation_bytes", activation_bytes},
-              {"flash_attention", flash_attention},
-              {"sequence_parallel", sequence_parallel},
-              {"usable_memory_fraction", usable_memory_fraction},
-              {"restart_s", restart_seconds}};
+  Json json{{"name", name},
+            {"nodes", nodes},
+            {"devices_per_node", devices_per_node},
+            {"memory_gib", memory_bytes / kGiB},
+            {"peak_tflops", peak_flops / kTera},
+            {"mfu", mfu},
+            {"memory_bandwidth_gbs", memory_bandwidth / kGB},
+            {"intra_node_bandwidth_gbs", intra_node_bandwidth / kGB},
+            {"intra_node_latency_us", intra_node_latency / kMicro},
+            {"inter_node_bandwidth_gbs", inter_node_bandwidth / kGB},
+            {"inter_node_latency_us", inter_node_latency / kMicro},
+            {"state_bytes_per_param", state_bytes_per_param},
+            {"grad_bytes", grad_bytes},
+            {"activation_bytes", activation_bytes},
+            {"flash_attention", flash_attention},
+            {"sequence_parallel", sequence_parallel},
+            {"usable_memory_fraction", usable_memory_fraction},
+            {"restart_s", restart_seconds}};
+  if (cores_shared()) json["cores_per_node"] = cores_per_node;
+  return json;
 }
 
 ClusterSpec load_cluster(const std::string& name_or_path) {

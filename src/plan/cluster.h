@@ -36,7 +36,13 @@ struct ClusterSpec {
   bool flash_attention = true;
   bool sequence_parallel = true;
   double usable_memory_fraction = 0.9;  // the rest is allocator slack, workspace, the runtime
-  double restart_seconds = 300;         // a full stop-and-restart (elastic baselines)
+  // Compute units a node's devices run on; 0 (the default): one each. Fewer than
+  // devices_per_node: device i of a node runs on unit i mod cores_per_node and takes turns on it
+  // with the node's other devices there (malleus's core lease, runtime/core_lease.h, when more
+  // ranks than CPU cores share a host), at peak_flops × mfu while it computes; its compute never
+  // overlaps theirs.
+  int cores_per_node = 0;
+  double restart_seconds = 300;  // a full stop-and-restart (elastic baselines)
 
   // Per node, how many times slower than inter_node_bandwidth says its link to the other nodes
   // now is (a slow NIC, cable or switch port; measured by the link monitor, elastic/monitor.h):
@@ -45,6 +51,13 @@ struct ClusterSpec {
 
   int num_devices() const { return nodes * devices_per_node; }
   int node_of(int device) const { return device / devices_per_node; }
+  bool cores_shared() const { return cores_per_node > 0 && cores_per_node < devices_per_node; }
+  // The compute unit (numbered over the cluster) device `device` runs on: its own unless shared.
+  int core_of(int device) const {
+    return cores_shared()
+               ? node_of(device) * cores_per_node + (device % devices_per_node) % cores_per_node
+               : device;
+  }
   double flops() const { return peak_flops * mfu; }  // what the cost model divides by
   double usable_memory() const { return memory_bytes * usable_memory_fraction; }
   double link_rate(int node) const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 
 #include "common/error.h"
@@ -74,6 +75,64 @@ std::vector<int> water_fill(int total, double unit, const std::vector<double>& b
     ++sum;
   }
   return shares;
+}
+
+// The cores a stage's ranks run on (ClusterSpec::core_of), sorted.
+std::vector<int> cores_of(const ClusterSpec& cluster, const Stage& stage) {
+  std::vector<int> cores;
+  for (int r : stage.ranks) cores.push_back(cluster.core_of(r));
+  std::sort(cores.begin(), cores.end());
+  cores.erase(std::unique(cores.begin(), cores.end()), cores.end());
+  return cores;
+}
+
+// `stages` (of `pipeline`) with every run of consecutive stages on the same cores made one stage:
+// forward, backward, TP and recomputation times add up; the hand-offs inside the run are the
+// core's own order of work and leave the critical path. Recomputation is no longer ahead of a
+// gradient: the core does it when it is its turn.
+std::vector<StagePrediction> merge_stages_on_shared_cores(
+    const ClusterSpec& cluster, const Pipeline& pipeline,
+    const std::vector<StagePrediction>& stages) {
+  std::vector<StagePrediction> merged;
+  std::vector<int> last_cores;
+  for (size_t j = 0; j < stages.size(); ++j) {
+    std::vector<int> cores = cores_of(cluster, pipeline.stages[j]);
+    if (merged.empty() || cores != last_cores) {
+      merged.push_back(stages[j]);
+      last_cores = std::move(cores);
+      continue;
+    }
+    StageCost& c = merged.back().cost;
+    const StageCost& next = stages[j].cost;
+    c.forward += next.forward;
+    c.backward += next.backward;
+    c.comm += next.comm;
+    c.recompute_time += next.recompute_time;
+    c.recompute_ahead = false;
+    c.memory_bytes = std::max(c.memory_bytes, next.memory_bytes);
+    c.fits = c.fits && next.fits;
+    merged.back().p2p_next = stages[j].p2p_next;
+  }
+  return merged;
+}
+
+// The most compute any core does in an iteration: every stage's compute (forward and backward
+// less its TP communication, as its busiest core does it) for each of its pipeline's
+// micro-batches, summed over the stages on the core.
+double busiest_core_compute(const ClusterSpec& cluster, const Plan& plan,
+                            const std::vector<PipelinePrediction>& pipelines) {
+  std::map<int, double> per_core;
+  for (size_t p = 0; p < plan.pipelines.size() && p < pipelines.size(); ++p) {
+    const Pipeline& pipeline = plan.pipelines[p];
+    for (size_t j = 0; j < pipeline.stages.size() && j < pipelines[p].stages.size(); ++j) {
+      const StageCost& c = pipelines[p].stages[j].cost;
+      const double compute = pipeline.micro_batches * (c.forward + c.backward - c.comm);
+      for (int core : cores_of(cluster, pipeline.stages[j])) per_core[core] += compute;
+    }
+  }
+  double busiest = 0;
+  for (const auto& [core, compute] : per_core) busiest = std::max(busiest, compute);
+  return busiest;
 }
 
 }  // namespace
@@ -315,13 +374,23 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
   GroupCost g;
   g.tp = stage.tp();
   const int b = batch_.micro_batch, s = batch_.seq_len;
+  // Members that take turns on one core (ClusterSpec::cores_per_node) compute one after another:
+  // per core the sum of their times; the group waits for its busiest core. Without shared cores
+  // every member has a core of its own and this is the slowest member.
+  struct Times {
+    double layer_forward = 0, layer_backward = 0, head_forward = 0, head_backward = 0,
+           attention_core_forward = 0;
+  };
+  std::vector<std::pair<int, Times>> cores;
+  double slowest_member = -1;
   for (size_t i = 0; i < stage.ranks.size(); ++i) {
     const double rate = rate_of(rates, stage.ranks[i]);
     if (!std::isfinite(rate)) g.gone = true;
     const Shares shares = Shares::of(stage, i, model_);
     const double layer = plan::layer_forward_flops(model_, b, s, shares);
     const double head = plan::head_forward_flops(model_, b, s, shares);
-    if (layer / layer_flops_per_s_fwd_ * rate >= g.layer_forward) {
+    if (layer / layer_flops_per_s_fwd_ * rate >= slowest_member) {
+      slowest_member = layer / layer_flops_per_s_fwd_ * rate;
       // The slowest member's split of its work (per token, as layer_forward_flops counts it).
       const double h = model_.hidden_size, tokens = double(b) * s;
       const double o_proj = 2 * h * h * shares.heads, qkv = 2 * (h * h + 2 * h * model_.kv_dim());
@@ -330,16 +399,25 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
       g.o_proj_share = tokens * o_proj / layer;
       g.qkv_share = tokens * qkv * shares.heads / layer;
     }
-    g.layer_forward = std::max(g.layer_forward, layer / layer_flops_per_s_fwd_ * rate);
-    g.layer_backward =
-        std::max(g.layer_backward, kBackwardPerForward * layer / layer_flops_per_s_bwd_ * rate);
-    g.head_forward = std::max(g.head_forward, head / head_flops_per_s_ * rate);
-    const double core = double(b) * s * 2.0 * model_.hidden_size * s * shares.heads;
-    g.attention_core_forward =
-        std::max(g.attention_core_forward, core / layer_flops_per_s_fwd_ * rate);
-    g.head_backward =
-        std::max(g.head_backward, kBackwardPerForward * head / head_flops_per_s_ * rate);
+    const int core = cluster_.core_of(stage.ranks[i]);
+    auto on_core = std::find_if(cores.begin(), cores.end(),
+                                [&](const auto& entry) { return entry.first == core; });
+    if (on_core == cores.end()) on_core = cores.insert(cores.end(), {core, Times{}});
+    Times& t = on_core->second;
+    t.layer_forward += layer / layer_flops_per_s_fwd_ * rate;
+    t.layer_backward += kBackwardPerForward * layer / layer_flops_per_s_bwd_ * rate;
+    t.head_forward += head / head_flops_per_s_ * rate;
+    t.head_backward += kBackwardPerForward * head / head_flops_per_s_ * rate;
+    const double attention_core = double(b) * s * 2.0 * model_.hidden_size * s * shares.heads;
+    t.attention_core_forward += attention_core / layer_flops_per_s_fwd_ * rate;
     g.memory.include(footprint(stage, i));
+  }
+  for (const auto& [core, t] : cores) {
+    g.layer_forward = std::max(g.layer_forward, t.layer_forward);
+    g.layer_backward = std::max(g.layer_backward, t.layer_backward);
+    g.head_forward = std::max(g.head_forward, t.head_forward);
+    g.head_backward = std::max(g.head_backward, t.head_backward);
+    g.attention_core_forward = std::max(g.attention_core_forward, t.attention_core_forward);
   }
   g.layer_comm = allreduce_time(stage.ranks, activation_message_bytes());
   g.layer_comm_half = allreduce_time(stage.ranks, activation_message_bytes() / 2);
@@ -543,10 +621,28 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
                 .total();
       }
     }
-    out.pipelines.push_back(pipeline_time(std::move(stages), p.micro_batches));
+    if (cluster_.cores_shared()) {
+      // Consecutive stages whose ranks take turns on the same cores run as one stage: the core
+      // does one stage's work or the other's, and a micro-batch handed from one to the other
+      // never waits for an idle core (the 1F1B bubble between them is the other stage's work).
+      PipelinePrediction merged =
+          pipeline_time(merge_stages_on_shared_cores(cluster_, p, stages), p.micro_batches);
+      merged.stages = std::move(stages);
+      out.pipelines.push_back(std::move(merged));
+    } else {
+      out.pipelines.push_back(pipeline_time(std::move(stages), p.micro_batches));
+    }
     out.pipeline_time = std::max(out.pipeline_time, out.pipelines.back().time);
   }
+  if (cluster_.cores_shared()) {
+    // A core computes for one rank at a time: the pipelines take at least the compute of every
+    // stage on it, over all pipelines (ranks of different pipelines sharing a core fill each
+    // other's waits, but cannot compute at once).
+    out.pipeline_time =
+        std::max(out.pipeline_time, busiest_core_compute(cluster_, plan, out.pipelines));
+  }
   // Gradient sync and optimizer step, per rank.
+  std::map<int, double> optimizer_per_core;
   for (const auto& p : plan.pipelines) {
     const int S = static_cast<int>(p.stages.size());
     for (int j = 0; j < S; ++j) {
@@ -573,7 +669,10 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         const double updated = distributed_optimizer_ && P > 1 ? params / P : params;
         const double opt = updated * 2 * cluster_.state_bytes_per_param /
                            cluster_.memory_bandwidth * (std::isfinite(rate) ? rate : 1.0);
-        out.optimizer_time = std::max(out.optimizer_time, opt);
+        // Ranks that take turns on a core step their optimizers one after another.
+        double& on_core = optimizer_per_core[cluster_.core_of(s.ranks[i])];
+        on_core += opt;
+        out.optimizer_time = std::max(out.optimizer_time, on_core);
       }
     }
   }

@@ -20,6 +20,11 @@
 // (what the stages below take, less the stage's own warm-up forwards).
 // A slow link (ClusterSpec::link_rates) divides the inter-node bandwidth of every transfer through
 // it: P2P hand-offs, TP and gradient-sync rings whose members span its node.
+// Ranks that take turns on shared cores (ClusterSpec::cores_per_node: more ranks than CPU cores,
+// malleus's core lease) never compute at once: a TP group's members on one core add up,
+// consecutive stages of a pipeline on the same cores run as one stage (the core does the other
+// stage's work in what would be its bubble), the pipelines take at least the busiest core's
+// compute (over every stage on it), and optimizer steps on a core follow each other.
 // Iteration = max over pipelines + gradient sync across pipelines (every rank all-reduces the
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
@@ -162,9 +167,11 @@ struct Profile {
 // Per-layer costs of one tensor-parallel group for one micro-batch; "max" over its ranks.
 struct GroupCost {
   int tp = 1;
-  double layer_forward = 0, layer_backward = 0;  // compute, slowest member, rates applied
-  double layer_comm = 0;                         // one all-reduce of b·s·h activations
-  double layer_comm_half = 0;                    // one of half of them (sub-pipelined TP)
+  // Compute, rates applied: of the slowest member, or of the busiest core where members take
+  // turns on shared cores (ClusterSpec::cores_per_node); so are the head and attention-core times.
+  double layer_forward = 0, layer_backward = 0;
+  double layer_comm = 0;       // one all-reduce of b·s·h activations
+  double layer_comm_half = 0;  // one of half of them (sub-pipelined TP)
   // Shares of a layer's compute (slowest member) in its attention (q/k/v/o projections and the
   // core), its o projection and its q/k/v projections: what overlaps sub-pipelined reductions.
   double attention_share = 0, o_proj_share = 0, qkv_share = 0;
