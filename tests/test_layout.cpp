@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <optional>
 #include <set>
+#include <tuple>
 
 #include "layout/grad_sync_plan.h"
+#include "layout/migration.h"
 #include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "layout/staged_redistribution.h"
@@ -106,8 +109,9 @@ TEST(Layout, GradSyncCountsEachPipelineOnceAndEachElementOnceInTheNorm) {
 }
 
 // The distributed optimizer's layout: every element of every holder set's packed chunks is owned
-// by exactly one member, slices of one chunk differ by at most one element, and a rank's shard is
-// its slices end to end; with small chunks too (a chunk limit below the larger pieces).
+// by exactly one member, slices are cut at whole rows of the pieces, each cut within half a row of
+// the even cut, and a rank's shard is its slices end to end, as blocks of rows; with small chunks
+// too (a chunk limit below the larger pieces).
 TEST(Layout, OptimizerShardOwnsEachElementOnce) {
   const auto model = small_model();
   const auto layout = layout::plan_layout(parse(kPlanA), model);
@@ -126,9 +130,21 @@ TEST(Layout, OptimizerShardOwnsEachElementOnce) {
         EXPECT_EQ(group.ranks[size_t(chunk.member)], rank);
         EXPECT_EQ(chunk.bounds.front(), 0);
         EXPECT_EQ(chunk.bounds.back(), chunk.elements);
-        for (size_t i = 0; i + 1 < chunk.bounds.size(); ++i) {
-          const int64_t part = chunk.bounds[i + 1] - chunk.bounds[i];
-          EXPECT_LE(std::abs(part - chunk.elements / int64_t(group.ranks.size())), 1);
+        const auto members = int64_t(group.ranks.size());
+        for (size_t i = 1; i + 1 < chunk.bounds.size(); ++i) {
+          const int64_t bound = chunk.bounds[i];
+          EXPECT_LE(chunk.bounds[i - 1], bound);
+          int64_t at = 0;  // the piece the bound falls in, and its row
+          for (int p : chunk.pieces) {
+            const auto& piece = sync.pieces[size_t(p)];
+            if (bound < at + piece.elements) {
+              EXPECT_EQ((bound - at) % piece.row_elements, 0) << "bound " << bound;
+              EXPECT_LE(std::abs(bound - chunk.elements * int64_t(i) / members),
+                        piece.row_elements / 2 + 1);
+              break;
+            }
+            at += piece.elements;
+          }
         }
         int64_t sum = 0;
         for (int p : chunk.pieces) sum += sync.pieces[size_t(p)].elements;
@@ -137,6 +153,18 @@ TEST(Layout, OptimizerShardOwnsEachElementOnce) {
         owned[{chunk.group, chunk.pieces}].push_back(chunk.slice_elements());
       }
       EXPECT_EQ(shard.elements, offset);
+      // The blocks of rows tile the shard, each inside the rank's own tensors.
+      int64_t covered = 0;
+      for (const auto& block : layout::shard_blocks(model, sync, shard)) {
+        const int64_t rows = block.row_end - block.row_begin;
+        const auto& spec = block.spec;
+        const bool columns = spec.shard_axis == model::ShardAxis::kColumns;
+        const int64_t row = columns ? spec.shape[1] : (spec.shape.size() > 1 ? spec.shape[1] : 1);
+        EXPECT_EQ(columns ? spec.offset + block.row_begin * row : spec.offset, covered);
+        EXPECT_GT(rows, 0);
+        covered += rows * row;
+      }
+      EXPECT_EQ(covered, shard.elements);
     }
     for (const auto& [key, slices] : owned) {
       const auto& group = sync.groups[size_t(key.first)];
@@ -324,4 +352,97 @@ TEST(Layout, StagedRedistributionCoversEverythingWithinTheBucket) {
     reordered = reordered || staged.bands[i].tensor < staged.bands[i - 1].tensor;
   }
   EXPECT_TRUE(reordered);
+}
+
+// With the distributed optimizer a migration moves Adam's moments as a layout of their own: from
+// each rank's optimizer shard (blocks of rows of its holder sets' chunks) to the new plan's
+// shards, or whole where a plan of one pipeline keeps them whole, in the same bands as the
+// parameters. Every block of either kind on the new side receives each of its elements exactly
+// once, from a rank whose old block of that kind holds it; the band parts cover every block; and
+// the order keeps each rank's predicted extra memory under the bucket.
+TEST(Layout, StagedRedistributionMovesOptimizerShardsWithinTheBucket) {
+  const auto model = small_model();
+  // Two pipelines: tp2 with uneven shares next to two stages.
+  const char* kPlanC = R"({"world_size": 4, "pipelines": [
+    {"micro_batches": 1, "stages": [{"layers": [0, 3], "ranks": [2, 1], "heads": [2, 2],
+                                     "ffn": [1, 5], "vocab": [7, 4]}]},
+    {"micro_batches": 1, "stages": [{"layers": [0, 1], "ranks": [3]},
+                                    {"layers": [1, 3], "ranks": [0]}]}]})";
+  const std::vector<std::pair<const char*, const char*>> pairs = {
+      {kPlanA, kPlanC}, {kPlanC, kPlanA}, {kPlanA, kPlanB}, {kPlanB, kPlanC}};
+  for (const int64_t bucket : {int64_t{1} << 10, int64_t{64} << 20}) {
+    for (const auto& [from_text, to_text] : pairs) {
+      const plan::Plan from_plan = parse(from_text), to_plan = parse(to_text);
+      const auto a = layout::plan_layout(from_plan, model);
+      const auto b = layout::plan_layout(to_plan, model);
+      std::optional<layout::GradSyncPlan> sync_a, sync_b;
+      if (layout::splits_moments(from_plan, true)) sync_a = layout::plan_grad_sync(model, a);
+      if (layout::splits_moments(to_plan, true)) sync_b = layout::plan_grad_sync(model, b);
+      const auto kinds = layout::migrated_state(model, a, sync_a ? &*sync_a : nullptr, b,
+                                                sync_b ? &*sync_b : nullptr);
+      const auto staged = layout::stage_redistribution(
+          model, layout::plan_redistribution(model, a, b), kinds, bucket);
+      SCOPED_TRACE(std::string(from_text) + " -> " + to_text + ", bucket " +
+                   std::to_string(bucket));
+      auto size_of = [](const layout::Block& block) {
+        const auto& spec = block.spec;
+        const int64_t row = spec.shard_axis == model::ShardAxis::kColumns
+                                ? spec.shape[1]
+                                : (spec.shape.size() > 1 ? spec.shape[1] : 1);
+        return (block.row_end - block.row_begin) * row;
+      };
+      auto holds = [](const layout::Block& block, const layout::BandMove& m) {
+        const int64_t first = m.row_begin < 0 ? m.part.begin : m.row_begin;
+        const int64_t last = m.row_begin < 0 ? m.part.end : m.row_end;
+        return block.tensor == m.part.tensor && block.axis_begin() <= m.part.begin &&
+               m.part.end <= block.axis_end() && block.row_begin <= first && last <= block.row_end;
+      };
+      // (kind, rank, block) → elements received, and band parts per (kind, rank).
+      std::map<std::tuple<int, int, int>, int64_t> received;
+      std::map<std::pair<int, int>, int64_t> old_parts, new_parts;
+      int moved_moments = 0;
+      for (const auto& band : staged.bands) {
+        for (const auto& m : band.moves) {
+          const auto& kind = kinds[size_t(m.kind)];
+          EXPECT_TRUE(holds(kind.from[size_t(m.source)][size_t(m.source_block)], m));
+          EXPECT_TRUE(holds(kind.to[size_t(m.destination)][size_t(m.destination_block)], m));
+          received[{m.kind, m.destination, m.destination_block}] += m.elements;
+          moved_moments += m.kind == 1 && m.source != m.destination;
+        }
+        for (const auto& p : band.old_parts) old_parts[{p.kind, p.rank}] += p.count;
+        for (const auto& p : band.new_parts) new_parts[{p.kind, p.rank}] += p.count;
+      }
+      EXPECT_GT(moved_moments, 0);
+      int64_t moment_elements = 0;
+      for (int k = 0; k < 2; ++k) {
+        for (int r = 0; r < 4; ++r) {
+          int64_t old_size = 0, new_size = 0;
+          for (const auto& block : kinds[size_t(k)].from[size_t(r)]) old_size += size_of(block);
+          const auto& blocks = kinds[size_t(k)].to[size_t(r)];
+          for (size_t i = 0; i < blocks.size(); ++i) {
+            new_size += size_of(blocks[i]);
+            EXPECT_EQ((received[{k, r, int(i)}]), size_of(blocks[i])) << "kind " << k;
+          }
+          EXPECT_EQ((old_parts[{k, r}]), old_size) << "kind " << k << " rank " << r;
+          EXPECT_EQ((new_parts[{k, r}]), new_size) << "kind " << k << " rank " << r;
+          if (k == 1) moment_elements += new_size;
+        }
+      }
+      // Split moments: each element of the model once per holder set (one per pipeline) would be
+      // every pipeline's; once over all ranks is what the shards hold. Whole: every holder's
+      // copy.
+      int64_t params = 0;
+      for (int r = 0; r < 4; ++r) {
+        for (const auto& block : kinds[0].to[size_t(r)]) params += size_of(block);
+      }
+      if (sync_b) {
+        EXPECT_LT(moment_elements, params);
+      } else {
+        EXPECT_EQ(moment_elements, params);
+      }
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_LE(staged.predicted_extra_bytes[size_t(r)], bucket) << "rank " << r;
+      }
+    }
+  }
 }

@@ -342,7 +342,7 @@ TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
   // tie-break knows the migration's size or only that keeping the plan moves nothing.
   plan::PlannerOptions lenient;
   lenient.tie_tolerance = 1.0;
-  for (const auto& options : {lenient, replan::with_migration_tie_break(lenient, model)}) {
+  for (const auto& options : {lenient, replan::with_migration_tie_break(lenient, cost)}) {
     const auto kept = plan::make_strategy("malleus", options)->plan(cost, {healthy, {}, current});
     EXPECT_EQ(kept.plan.to_json(), current.to_json());
     EXPECT_EQ(replan::estimate_migration(cost, current, kept.plan).total_bytes, 0);
@@ -359,7 +359,7 @@ TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
   plan::Rates lost = healthy;
   lost[5] = kInf;
   int asked = 0;
-  plan::PlannerOptions counting = replan::with_migration_tie_break(lenient, model);
+  plan::PlannerOptions counting = replan::with_migration_tie_break(lenient, cost);
   const plan::MigrationBytes estimate = counting.migration;
   counting.migration = [&](const plan::Plan& from, const plan::Plan& to) {
     ++asked;

@@ -18,6 +18,7 @@
 #include "comm/communicator.h"
 #include "elastic/controller.h"
 #include "layout/migration.h"
+#include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "plan/cost_model.h"
 #include "plan/planner.h"
@@ -341,6 +342,9 @@ TEST(Runtime, MigrationKeepsTheStateAndMovesOnlyWhatIsMissing) {
   const auto model = malleus::testing::parallel_test_model();
   runtime::EngineOptions options;
   options.seq_len = 16;
+  // Whole moments: every dp rank holds all of them (split, each holds a slice of them, and the
+  // pipeline stages below take the rest from the other ranks: the next test counts those).
+  options.distributed_optimizer = false;
   const auto a = plan::uniform_plan(model, world.size(), 1, 1, 8, 1);
   const auto b = plan::uniform_plan(model, 1, 1, std::min(world.size(), 4), 8, 1, world.size());
   auto engine = std::make_unique<runtime::Engine>(model, a, world, options);
@@ -374,104 +378,125 @@ TEST(Runtime, MigrationKeepsTheStateAndMovesOnlyWhatIsMissing) {
 
 TEST(Runtime, MigrationSendsExactlyTheEstimatedBytes) {
   // Random pairs of plans: the estimate the controller and the simulator weigh
-  // (replan::estimate_migration) against the bytes the engine's messages carried.
+  // (replan::estimate_migration) against the bytes the engine's messages carried, with the
+  // distributed optimizer on (the default; plans of several pipelines split the moments, which
+  // then travel from slice to slice) and off.
   Communicator world = Communicator::world();
   const auto model = malleus::testing::parallel_test_model();
-  runtime::EngineOptions options;
-  options.seq_len = 16;
-  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", world.size()),
-                             plan::BatchConfig{8, 1, 16});
-  std::mt19937 rng(2024);  // the same seed on every rank: the same plans
-  plan::Plan current = random_plan(rng, world.size(), 8);
-  auto engine = std::make_unique<runtime::Engine>(model, current, world, options);
-  engine->init_parameters(7);
-  const runtime::FullState before = engine->gather();
-  int64_t moved = 0;
-  for (int pair = 0; pair < 8; ++pair) {
-    const plan::Plan next = random_plan(rng, world.size(), 8);
-    const replan::MigrationEstimate estimate = replan::estimate_migration(cost, current, next);
-    const layout::MigrationVolume volume = layout::migration_volume(model, current, next);
-    runtime::MigrationStats stats;
-    engine = engine->migrate(next, &stats);
-    EXPECT_EQ(stats.bytes_moved, estimate.total_bytes)
-        << current.summary() << " -> " << next.summary();
-    EXPECT_EQ(stats.bytes_received, volume.received_bytes[size_t(world.rank())]);
-    EXPECT_EQ(static_cast<int64_t>(world.all_reduce_max(double(stats.bytes_received))),
-              estimate.max_rank_bytes);
-    moved += stats.bytes_moved;
-    current = next;
-  }
-  if (world.size() > 1) {
-    EXPECT_GT(moved, 0);
-  }
-  const runtime::FullState after = engine->gather();
-  if (world.rank() == 0) {
-    EXPECT_EQ(before.params, after.params);
-    EXPECT_EQ(before.adam_v, after.adam_v);
+  for (const bool split : {true, false}) {
+    runtime::EngineOptions options;
+    options.seq_len = 16;
+    options.distributed_optimizer = split;
+    plan::CostModel cost(model, elastic::local_cluster("cpu-local", world.size()),
+                         plan::BatchConfig{8, 1, 16});
+    cost.use_distributed_optimizer(split);
+    std::mt19937 rng(2024);  // the same seed on every rank: the same plans
+    plan::Plan current = random_plan(rng, world.size(), 8);
+    auto engine = std::make_unique<runtime::Engine>(model, current, world, options);
+    engine->init_parameters(7);
+    const runtime::FullState before = engine->gather();
+    int64_t moved = 0;
+    for (int pair = 0; pair < 8; ++pair) {
+      const plan::Plan next = random_plan(rng, world.size(), 8);
+      const replan::MigrationEstimate estimate = replan::estimate_migration(cost, current, next);
+      const layout::MigrationVolume volume = layout::migration_volume(model, current, next, split);
+      runtime::MigrationStats stats;
+      engine = engine->migrate(next, &stats);
+      EXPECT_EQ(stats.bytes_moved, estimate.total_bytes)
+          << current.summary() << " -> " << next.summary();
+      EXPECT_EQ(stats.bytes_received, volume.received_bytes[size_t(world.rank())]);
+      EXPECT_EQ(static_cast<int64_t>(world.all_reduce_max(double(stats.bytes_received))),
+                estimate.max_rank_bytes);
+      moved += stats.bytes_moved;
+      current = next;
+    }
+    if (world.size() > 1) {
+      EXPECT_GT(moved, 0);
+    }
+    const runtime::FullState after = engine->gather();
+    if (world.rank() == 0) {
+      EXPECT_EQ(before.params, after.params);
+      EXPECT_EQ(before.adam_v, after.adam_v);
+    }
   }
 }
 
 // A live migration moves state band by band (layout/staged_redistribution.h): each rank's memory,
 // as its ledger books it, never rises more than the bucket above max(before, after), whatever
 // the plans (idle ranks, unlike pipelines, uneven tensor-parallel shares), and the state arrives
-// bit for bit.
+// bit for bit. With the distributed optimizer too: the moments move from the old plan's optimizer
+// shards to the new one's (or whole, where a plan of one pipeline keeps them whole) under the
+// same bound, and arrive as they were, compared with the gathered state (Engine::gather, which
+// collects the slices by all-gathers of their own).
 TEST(Runtime, MigrationExtraMemoryStaysUnderTheBucket) {
   Communicator world = Communicator::world();
   if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   const auto model = malleus::testing::parallel_test_model();
-  for (const int64_t bucket : {int64_t{16} << 10, int64_t{64} << 20}) {
-    runtime::EngineOptions options;
-    options.seq_len = 16;
-    options.migration_bucket_bytes = bucket;
-    // The bound is for whole moments: with the distributed optimizer a migration also holds the
-    // moments gathered into each side's local layout (docs/running.md, not yet bounded).
-    options.distributed_optimizer = false;
-    std::mt19937 rng(77);  // the same seed on every rank: the same plans
-    plan::Plan current = random_plan(rng, world.size(), 8);
-    auto engine = std::make_unique<runtime::Engine>(model, current, world, options);
-    engine->init_parameters(11);
-    const runtime::FullState before = engine->gather();
-    // Adam moments that differ from the parameters, so a mix-up between buffers shows.
-    const auto sample = [](int index, int32_t* inputs, int32_t* targets) {
-      for (int t = 0; t < 16; ++t) {
-        inputs[t] = (index * 31 + t * 7) % 257;
-        targets[t] = (index * 17 + t * 5 + 1) % 257;
+  for (const bool split : {false, true}) {
+    for (const int64_t bucket : {int64_t{16} << 10, int64_t{64} << 20}) {
+      SCOPED_TRACE(std::string(split ? "distributed optimizer, " : "whole moments, ") + "bucket " +
+                   std::to_string(bucket));
+      runtime::EngineOptions options;
+      options.seq_len = 16;
+      options.migration_bucket_bytes = bucket;
+      options.distributed_optimizer = split;
+      std::mt19937 rng(77);  // the same seed on every rank: the same plans
+      plan::Plan current = random_plan(rng, world.size(), 8);
+      auto engine = std::make_unique<runtime::Engine>(model, current, world, options);
+      engine->init_parameters(11);
+      const runtime::FullState before = engine->gather();
+      // Adam moments that differ from the parameters, so a mix-up between buffers shows.
+      const auto sample = [](int index, int32_t* inputs, int32_t* targets) {
+        for (int t = 0; t < 16; ++t) {
+          inputs[t] = (index * 31 + t * 7) % 257;
+          targets[t] = (index * 17 + t * 5 + 1) % 257;
+        }
+      };
+      engine->step(sample, 1e-3f, 1.0f);
+      const runtime::FullState trained = engine->gather();
+      int64_t largest_state = 0;  // the most state a rank held on either side
+      int64_t largest_extra = 0;
+      int split_plans = 0;  // migrations from or to a plan whose moments are split
+      for (int pair = 0; pair < 8; ++pair) {
+        // With the distributed optimizer every other plan is one that splits the moments.
+        plan::Plan next = random_plan(rng, world.size(), 8);
+        while (split && pair % 2 == 0 && !layout::splits_moments(next, true)) {
+          next = random_plan(rng, world.size(), 8);
+        }
+        const auto& shard = engine->state().shard();
+        const int64_t params = shard ? model::ParameterLayout(model, *shard).total_size() : 0;
+        largest_state = std::max(largest_state, (params + 2 * engine->optimizer_elements()) * 4);
+        split_plans += engine->distributed_optimizer() || layout::splits_moments(next, split);
+        runtime::MigrationStats stats;
+        engine = engine->migrate(next, &stats);
+        EXPECT_LE(stats.peak_extra_bytes, bucket) << current.summary() << " -> " << next.summary();
+        // Without the room the old engine's gradients and activations leave: the state move's own
+        // peak, as the ledger saw it, within the order's prediction and the bucket.
+        EXPECT_LE(stats.state_extra_bytes, stats.predicted_extra_bytes);
+        EXPECT_LE(stats.predicted_extra_bytes, bucket);
+        largest_extra = std::max(largest_extra, stats.state_extra_bytes);
+        current = next;
       }
-    };
-    engine->step(sample, 1e-3f, 1.0f);
-    const runtime::FullState trained = engine->gather();
-    int64_t largest_state = 0;  // the most state a rank held on either side
-    int64_t largest_extra = 0;
-    for (int pair = 0; pair < 8; ++pair) {
-      const plan::Plan next = random_plan(rng, world.size(), 8);
-      const int64_t state =
-          engine->local_state().layout ? engine->local_state().layout->total_size() * 12 : 0;
-      largest_state = std::max(largest_state, state);
-      runtime::MigrationStats stats;
-      engine = engine->migrate(next, &stats);
-      EXPECT_LE(stats.peak_extra_bytes, bucket) << current.summary() << " -> " << next.summary();
-      // Without the room the old engine's gradients and activations leave: the state move's own
-      // peak, as the ledger saw it, within the order's prediction and the bucket.
-      EXPECT_LE(stats.state_extra_bytes, stats.predicted_extra_bytes);
-      EXPECT_LE(stats.predicted_extra_bytes, bucket);
-      largest_extra = std::max(largest_extra, stats.state_extra_bytes);
-      current = next;
+      const runtime::FullState after = engine->gather();
+      if (world.rank() == 0) {
+        EXPECT_NE(before.params, trained.params);
+        EXPECT_EQ(trained.params, after.params);
+        EXPECT_EQ(trained.adam_m, after.adam_m);
+        EXPECT_EQ(trained.adam_v, after.adam_v);
+      }
+      // The small bucket binds: states are several buckets large.
+      if (bucket < (int64_t{1} << 20)) {
+        EXPECT_GT(world.all_reduce_max(double(largest_state)), 4.0 * double(bucket));
+      }
+      // The bound is reached for: the state move does hold more than either side alone.
+      EXPECT_GT(largest_extra, 0);
+      // And training goes on after the migrations.
+      EXPECT_TRUE(std::isfinite(engine->step(sample, 1e-3f, 1.0f).loss));
+      // The random plans do split moments (several pipelines), on both sides of migrations.
+      if (split) {
+        EXPECT_GT(split_plans, 0);
+      }
     }
-    const runtime::FullState after = engine->gather();
-    if (world.rank() == 0) {
-      EXPECT_NE(before.params, trained.params);
-      EXPECT_EQ(trained.params, after.params);
-      EXPECT_EQ(trained.adam_m, after.adam_m);
-      EXPECT_EQ(trained.adam_v, after.adam_v);
-    }
-    // The small bucket binds: states are several buckets large.
-    if (bucket < (int64_t{1} << 20)) {
-      EXPECT_GT(world.all_reduce_max(double(largest_state)), 4.0 * double(bucket));
-    }
-    // The bound is reached for: the state move does hold more than either side alone.
-    EXPECT_GT(largest_extra, 0);
-    // And training goes on after the migrations.
-    EXPECT_TRUE(std::isfinite(engine->step(sample, 1e-3f, 1.0f).loss));
   }
 }
 

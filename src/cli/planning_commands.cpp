@@ -112,7 +112,7 @@ void run_plan(const SetupArgs& args, const std::string& strategy_name, const std
     req.current = plan::Plan::from_json(read_json_file(current), cost.model(), current);
     plan::validate(*req.current, cost.model(), current);
   }
-  plan::PlannerOptions options = replan::with_migration_tie_break({}, cost.model());
+  plan::PlannerOptions options = replan::with_migration_tie_break({}, cost);
   options.refine = sim::simulator_evaluator(cost);
   const auto strategy = plan::make_strategy(strategy_name, options);
   const plan::PlanResult r = strategy->plan(cost, req);

@@ -32,8 +32,8 @@ plan::Profile shared_profile(plan::Profile p, double share) {
 Controller::Controller(plan::CostModel cost, ControllerOptions options)
     : cost_(std::move(cost)),
       options_(std::move(options)),
-      strategy_(plan::make_strategy(options_.strategy,
-                                    replan::with_migration_tie_break({}, cost_.model()))),
+      strategy_(
+          plan::make_strategy(options_.strategy, replan::with_migration_tie_break({}, cost_))),
       planned_rates_(static_cast<size_t>(cost_.cluster().num_devices()), 1.0) {}
 
 std::vector<double> Controller::effective(const std::vector<double>& rates) const {

@@ -148,8 +148,14 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, 0, {}};
+      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, 0, 1, {}};
       piece.elements = piece_elements(full, piece.piece);
+      const model::TensorSpec& spec = full.tensors()[f];
+      if (spec.full_shape.size() > 1) {
+        piece.row_elements = spec.shard_axis == model::ShardAxis::kColumns
+                                 ? piece.piece.end - piece.piece.begin
+                                 : spec.full_shape[1];
+      }
       bool held = false;
       for (const auto& per_layout : spans[f]) {
         std::vector<Holder> holders;
@@ -198,6 +204,36 @@ std::optional<Piece> overlap(const Piece& piece, const model::TensorSpec& local)
   const int64_t end = std::min(piece.end, local.shard_begin + local_extent(local));
   if (begin >= end) return std::nullopt;
   return Piece{piece.tensor, begin, end};
+}
+
+int64_t Block::axis_begin() const {
+  return spec.shard_axis == model::ShardAxis::kColumns ? spec.shard_begin : row_begin;
+}
+
+int64_t Block::axis_end() const {
+  return spec.shard_axis == model::ShardAxis::kColumns ? spec.shard_begin + spec.shape[1] : row_end;
+}
+
+std::vector<Blocks> layout_blocks(const model::ModelConfig& model, const Layout& layout) {
+  const model::ParameterLayout full(model);
+  std::unordered_map<std::string, int> full_index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) {
+    full_index[full.tensors()[i].name] = static_cast<int>(i);
+  }
+  std::vector<Blocks> blocks(layout.shards.size());
+  const auto locals = local_layouts(model, layout);
+  for (size_t r = 0; r < locals.size(); ++r) {
+    if (!locals[r]) continue;
+    for (const model::TensorSpec& spec : locals[r]->tensors()) {
+      Block block{full_index.at(spec.name), spec, 0, spec.full_shape[0]};
+      if (spec.shard_axis != model::ShardAxis::kColumns) {
+        block.row_begin = spec.shard_begin;
+        block.row_end = spec.shard_begin + spec.shape[0];
+      }
+      blocks[r].push_back(std::move(block));
+    }
+  }
+  return blocks;
 }
 
 std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces) {

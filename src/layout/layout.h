@@ -49,7 +49,10 @@ struct Holder {
 
 struct RefinedPiece {
   Piece piece;
-  int64_t elements = 0;                      // piece_elements of the piece
+  int64_t elements = 0;  // piece_elements of the piece
+  // Elements of one of its rows (first axis of the full tensor; 1 for 1-D tensors), as pack_piece
+  // lays it out: whole rows are the unit the distributed optimizer's slices are cut at.
+  int64_t row_elements = 1;
   std::vector<std::vector<Holder>> holders;  // holders[i]: who holds it in layouts[i], by rank
 };
 
@@ -76,6 +79,27 @@ model::TensorSpec piece_tensor(const model::TensorSpec& full, const Piece& piece
 // The part of `piece` that `local` (a tensor of some rank's layout, the same full tensor) holds,
 // if any.
 std::optional<Piece> overlap(const Piece& piece, const model::TensorSpec& local);
+
+// A part of a full tensor that a rank holds in one kind of its flat buffers (parameters, or Adam
+// moments, whole or in its optimizer shard): `spec` says where it lies, as pack_piece and
+// unpack_piece read it, and rows [row_begin, row_end) of the full tensor (its first axis; the
+// elements of a 1-D tensor) are held. For tensors split by rows these are the rows of `spec`. A
+// column-sharded block may hold only some rows of its columns: `spec` then describes all the
+// rows, placed so that row i lies where the block keeps it (its offset may be negative), and only
+// rows [row_begin, row_end) of it may be read or written.
+struct Block {
+  int tensor = 0;  // in the full model's ParameterLayout
+  model::TensorSpec spec;
+  int64_t row_begin = 0, row_end = 0;
+  // The range it holds along the tensor's split axis (columns of a column-sharded tensor).
+  int64_t axis_begin() const;
+  int64_t axis_end() const;
+};
+using Blocks = std::vector<Block>;
+
+// Each rank's local layout under `layout` as blocks, one per local tensor in its order (empty for
+// ranks holding nothing).
+std::vector<Blocks> layout_blocks(const model::ModelConfig& model, const Layout& layout);
 
 // One owner for every piece of a one-layout refinement (holders[0]): the holder with the fewest
 // elements given so far, lowest rank on ties, so that every holder of replicated state gets

@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "layout/grad_sync_plan.h"
 #include "layout/redistribution.h"
+#include "layout/staged_redistribution.h"
 #include "model/config.h"
 #include "plan/plan.h"
 
@@ -23,9 +25,20 @@ struct MigrationVolume {
   int64_t max_received_bytes() const;
 };
 
+// The state a migration moves, as kinds of a staged redistribution: the parameters (kind 0) in
+// each side's local layouts, and both Adam moments (kind 1) in each rank's optimizer shard on a
+// side whose moments are split (its plan_grad_sync given), else whole in its local layouts.
+std::vector<StateKind> migrated_state(const model::ModelConfig& model, const Layout& from,
+                                      const GradSyncPlan* from_sync, const Layout& to,
+                                      const GradSyncPlan* to_sync);
+
+// Moments whole on both sides: the plan's transfers, every buffer along.
 MigrationVolume migration_volume(const RedistributionPlan& plan);
-// Switching a model's state from one plan to another (both of the same world size).
+// Switching a model's state from one plan to another (both of the same world size), with the
+// distributed optimizer asked for or not (splits_moments decides each side): what the staged
+// redistribution the engine runs sends (moments that split differently travel even between
+// holders of the same parameters).
 MigrationVolume migration_volume(const model::ModelConfig& model, const plan::Plan& from,
-                                 const plan::Plan& to);
+                                 const plan::Plan& to, bool distributed_optimizer);
 
 }  // namespace malleus::layout

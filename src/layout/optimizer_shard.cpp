@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "plan/cost_model.h"
+
 namespace malleus::layout {
 
 std::vector<std::pair<size_t, size_t>> pack_chunks(const GradSyncPlan& sync,
@@ -20,6 +22,34 @@ std::vector<std::pair<size_t, size_t>> pack_chunks(const GradSyncPlan& sync,
   return chunks;
 }
 
+namespace {
+
+// The chunk cut into `members` near-equal slices at whole rows of its pieces: each bound is the
+// row boundary nearest to the even cut, never before the previous bound.
+std::vector<int64_t> row_aligned_bounds(const GradSyncPlan& sync, const ShardChunk& chunk,
+                                        int64_t members) {
+  std::vector<int64_t> bounds{0};
+  size_t k = 0;    // the piece the next even cut falls in
+  int64_t at = 0;  // where it starts in the chunk
+  for (int64_t i = 1; i < members; ++i) {
+    const int64_t even = chunk.elements * i / members;
+    while (k < chunk.pieces.size() &&
+           at + sync.pieces[static_cast<size_t>(chunk.pieces[k])].elements <= even) {
+      at += sync.pieces[static_cast<size_t>(chunk.pieces[k++])].elements;
+    }
+    int64_t bound = even;
+    if (k < chunk.pieces.size()) {
+      const int64_t row = sync.pieces[static_cast<size_t>(chunk.pieces[k])].row_elements;
+      bound = at + (even - at + row / 2) / row * row;
+    }
+    bounds.push_back(std::max(bounds.back(), bound));
+  }
+  bounds.push_back(chunk.elements);
+  return bounds;
+}
+
+}  // namespace
+
 OptimizerShard optimizer_shard(const GradSyncPlan& sync, int rank, double chunk_elements) {
   OptimizerShard shard;
   auto add_chunks = [&](int group, const std::vector<int>& pieces, const std::vector<int>& ranks) {
@@ -31,7 +61,7 @@ OptimizerShard optimizer_shard(const GradSyncPlan& sync, int rank, double chunk_
       chunk.group = group;
       chunk.pieces.assign(pieces.begin() + long(begin), pieces.begin() + long(end));
       for (int p : chunk.pieces) chunk.elements += sync.pieces[static_cast<size_t>(p)].elements;
-      for (int64_t i = 0; i <= members; ++i) chunk.bounds.push_back(chunk.elements * i / members);
+      chunk.bounds = row_aligned_bounds(sync, chunk, members);
       chunk.member = static_cast<int>(me - ranks.begin());
       chunk.shard_offset = shard.elements;
       shard.elements += chunk.slice_elements();
@@ -48,6 +78,53 @@ OptimizerShard optimizer_shard(const GradSyncPlan& sync, int rank, double chunk_
   }
   add_chunks(-1, alone, {rank});
   return shard;
+}
+
+Blocks shard_blocks(const model::ModelConfig& model, const GradSyncPlan& sync,
+                    const OptimizerShard& shard) {
+  const model::ParameterLayout full(model);
+  Blocks blocks;
+  for (const ShardChunk& chunk : shard.chunks) {
+    int64_t at = 0;  // the piece's start in the chunk
+    for (int p : chunk.pieces) {
+      const RefinedPiece& piece = sync.pieces[static_cast<size_t>(p)];
+      const int64_t lo = std::max(at, chunk.slice_begin());
+      const int64_t hi = std::min(at + piece.elements, chunk.slice_end());
+      if (lo < hi) {
+        // Rows [first, last) of the piece, at `offset` in the shard.
+        const int64_t first = (lo - at) / piece.row_elements, last = (hi - at) / piece.row_elements;
+        const int64_t offset = chunk.shard_offset + (lo - chunk.slice_begin());
+        const model::TensorSpec& spec = full.tensor(piece.piece.tensor);
+        Block block;
+        block.tensor = piece.piece.tensor;
+        if (spec.shard_axis == model::ShardAxis::kColumns) {
+          block.spec = piece_tensor(spec, piece.piece, offset - first * piece.row_elements);
+          block.row_begin = first;
+          block.row_end = last;
+        } else {
+          const Piece rows{piece.piece.tensor, piece.piece.begin + first, piece.piece.begin + last};
+          block.spec = piece_tensor(spec, rows, offset);
+          block.row_begin = rows.begin;
+          block.row_end = rows.end;
+        }
+        blocks.push_back(std::move(block));
+      }
+      at += piece.elements;
+    }
+  }
+  return blocks;
+}
+
+std::vector<Blocks> moment_blocks(const model::ModelConfig& model, const Layout& layout,
+                                  const GradSyncPlan* sync) {
+  if (sync == nullptr) return layout_blocks(model, layout);
+  std::vector<Blocks> blocks(layout.shards.size());
+  for (size_t r = 0; r < blocks.size(); ++r) {
+    if (!layout.shards[r]) continue;
+    blocks[r] = shard_blocks(
+        model, *sync, optimizer_shard(*sync, static_cast<int>(r), plan::kGradSyncChunkElements));
+  }
+  return blocks;
 }
 
 }  // namespace malleus::layout

@@ -3,7 +3,9 @@
 // (DESIGN.md, "One algebra for three jobs"): the pieces of a gradient-sync group (one holder
 // set) are packed in the group's order into chunks, exactly as the gradient sync packs them, and
 // each chunk is cut into n near-equal contiguous slices, slice i to the group's i-th rank (by
-// rank). Pieces a rank holds alone stay its own (one slice: the whole chunk).
+// rank), at whole rows of the pieces (so that a slice is a set of blocks of rows, which a
+// migration moves like any other layout: layout/staged_redistribution.h). Pieces a rank holds
+// alone stay its own (one slice: the whole chunk).
 //
 // A rank's optimizer shard is the concatenation of its slices, in the order of `chunks`: its Adam
 // moments and its summed gradients live there, contiguously.
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "layout/grad_sync_plan.h"
+#include "plan/plan.h"
 
 namespace malleus::layout {
 
@@ -44,5 +47,22 @@ struct OptimizerShard {
 
 // Rank `rank`'s part of the distributed optimizer under the layout `sync` was planned for.
 OptimizerShard optimizer_shard(const GradSyncPlan& sync, int rank, double chunk_elements);
+
+// Whether a plan's Adam moments are split among holders when the distributed optimizer is asked
+// for: where it saves memory, with several pipelines (every piece then has a holder in each; a
+// single pipeline's holder sets of two or more ranks are its tensor-parallel groups' copies of
+// the norm gains, too small to split).
+inline bool splits_moments(const plan::Plan& plan, bool distributed_optimizer) {
+  return distributed_optimizer && plan.pipelines.size() > 1;
+}
+
+// The blocks of rows (layout::Block) a rank's optimizer shard holds, at their offsets in it.
+Blocks shard_blocks(const model::ModelConfig& model, const GradSyncPlan& sync,
+                    const OptimizerShard& shard);
+
+// Where every rank keeps its Adam moments under `layout`: its optimizer shard's blocks when
+// `sync` (the layout's plan_grad_sync) is given, else whole, in its local layout.
+std::vector<Blocks> moment_blocks(const model::ModelConfig& model, const Layout& layout,
+                                  const GradSyncPlan* sync);
 
 }  // namespace malleus::layout

@@ -20,17 +20,17 @@ int64_t row_width(const model::TensorSpec& full) {
   return full.full_shape.size() > 1 ? full.full_shape[1] : 1;
 }
 
-// The part of rows [begin, end) that `local` holds, as a range of its rank's flat buffers.
-BandRange local_part(int rank, const model::TensorSpec& local, int64_t begin, int64_t end) {
+// The part of rows [begin, end) that `block` holds, as a range of its rank's flat buffers.
+BandRange local_part(int rank, int kind, const Block& block, int64_t begin, int64_t end) {
+  const int64_t lo = std::max(begin, block.row_begin), hi = std::min(end, block.row_end);
+  if (lo >= hi) return {rank, kind, 0, 0};
+  const model::TensorSpec& local = block.spec;
   if (column_sharded(local)) {
     const int64_t cols = local.shape[1];
-    return {rank, local.offset + begin * cols, (end - begin) * cols};
+    return {rank, kind, local.offset + lo * cols, (hi - lo) * cols};
   }
   const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
-  const int64_t lo = std::max(begin, local.shard_begin);
-  const int64_t hi = std::min(end, local.shard_begin + local.shape[0]);
-  if (lo >= hi) return {rank, 0, 0};
-  return {rank, local.offset + (lo - local.shard_begin) * row, (hi - lo) * row};
+  return {rank, kind, local.offset + (lo - local.shard_begin) * row, (hi - lo) * row};
 }
 
 // `local` seen as only rows [move.row_begin, move.row_end) of it, for a column-sharded move.
@@ -43,95 +43,131 @@ model::TensorSpec band_view(const model::TensorSpec& local, const BandMove& move
   return view;
 }
 
-int64_t count_of(const std::vector<BandRange>& parts, int rank) {
+// Bytes of the parts `rank` has among `parts`.
+int64_t bytes_of(const std::vector<BandRange>& parts, int rank, const std::vector<int64_t>& unit) {
+  int64_t bytes = 0;
   for (const BandRange& p : parts) {
-    if (p.rank == rank) return p.count;
+    if (p.rank == rank) bytes += p.count * unit[static_cast<size_t>(p.kind)];
   }
-  return 0;
+  return bytes;
 }
 
-// What one band costs rank `rank` at its worst moment, in elements per buffer, beyond its state
-// before the band: its new part, then the larger of a local copy's scratch and its messages
-// (everything it receives, and one message it sends, at once).
-int64_t band_transient(const Band& band, int rank) {
+// What one band costs rank `rank` at its worst moment, in bytes, beyond its state before the
+// band: its new parts, then the larger of a local copy's scratch and its messages (everything it
+// receives, and one message it sends, at once).
+int64_t band_transient(const Band& band, int rank, const std::vector<int64_t>& unit) {
   int64_t scratch = 0, received = 0, largest_send = 0;
   std::map<int, int64_t> sent;  // by destination
   for (const BandMove& m : band.moves) {
-    if (m.source == rank && m.destination == rank) scratch = std::max(scratch, m.elements);
-    if (m.destination == rank && m.source != rank) received += m.elements;
-    if (m.source == rank && m.destination != rank) sent[m.destination] += m.elements;
+    const int64_t bytes = m.elements * unit[static_cast<size_t>(m.kind)];
+    if (m.source == rank && m.destination == rank) scratch = std::max(scratch, bytes);
+    if (m.destination == rank && m.source != rank) received += bytes;
+    if (m.source == rank && m.destination != rank) sent[m.destination] += bytes;
   }
-  for (const auto& [destination, elements] : sent) largest_send = std::max(largest_send, elements);
-  return count_of(band.new_parts, rank) + std::max(scratch, received + largest_send);
+  for (const auto& [destination, bytes] : sent) largest_send = std::max(largest_send, bytes);
+  return bytes_of(band.new_parts, rank, unit) + std::max(scratch, received + largest_send);
 }
+
+// A block's holder: the rank and the block's index in its list.
+struct BlockRef {
+  int rank = 0, block = 0;
+  const Block* of = nullptr;
+};
 
 }  // namespace
 
 StagedRedistribution stage_redistribution(const model::ModelConfig& model,
-                                          const RedistributionPlan& plan, const Layout& from,
-                                          const Layout& to, int64_t bucket_bytes, int buffers,
-                                          int element_bytes) {
+                                          const RedistributionPlan& plan,
+                                          const std::vector<StateKind>& kinds,
+                                          int64_t bucket_bytes) {
   check(bucket_bytes > 0, "migration bucket must be positive, got " + std::to_string(bucket_bytes));
-  check(buffers > 0 && element_bytes > 0, "staged redistribution: no state to move");
+  check(!kinds.empty(), "staged redistribution: no state to move");
   const model::ParameterLayout full(model);
-  const auto old_locals = local_layouts(model, from);
-  const auto new_locals = local_layouts(model, to);
   const int world = plan.world_size;
-  const int64_t unit = int64_t{buffers} * element_bytes;  // bytes per element of every buffer
+  std::vector<int64_t> unit;  // bytes per element of every buffer of each kind
   StagedRedistribution staged;
-  staged.chunk_elements = std::max<int64_t>(1, bucket_bytes / (4 * unit));
-
-  // Who holds each tensor on either side, and the moves of each tensor.
-  const size_t tensors = full.tensors().size();
-  std::vector<std::map<int, int>> old_holders(tensors), new_holders(tensors);  // rank → local
-  for (const RefinedPiece& p : plan.pieces) {
-    const auto f = static_cast<size_t>(p.piece.tensor);
-    for (const Holder& h : p.holders[0]) old_holders[f][h.rank] = h.local_tensor;
-    for (const Holder& h : p.holders[1]) new_holders[f][h.rank] = h.local_tensor;
+  int64_t all_units = 0;
+  for (const StateKind& kind : kinds) {
+    check(kind.buffers > 0 && kind.element_bytes > 0, "staged redistribution: no state to move");
+    check(kind.from.size() == size_t(world) && kind.to.size() == size_t(world),
+          "staged redistribution: blocks for another world size");
+    unit.push_back(kind.unit());
+    staged.kind_buffers.push_back(kind.buffers);
+    all_units += kind.unit();
   }
-  std::vector<std::vector<std::pair<const Transfer*, const PieceMove*>>> moves_of(tensors);
-  for (const auto* list : {&plan.transfers, &plan.local_copies}) {
-    for (const Transfer& t : *list) {
-      for (const PieceMove& m : t.moves) {
-        const auto f = static_cast<size_t>(plan.pieces[static_cast<size_t>(m.piece)].piece.tensor);
-        moves_of[f].emplace_back(&t, &m);
+  staged.chunk_elements = std::max<int64_t>(1, bucket_bytes / (4 * all_units));
+
+  // Each kind's holders of every tensor on either side, and the refined pieces of each tensor.
+  const size_t tensors = full.tensors().size();
+  using Holders = std::vector<std::vector<BlockRef>>;  // per tensor
+  std::vector<Holders> old_holders(kinds.size(), Holders(tensors)),
+      new_holders(kinds.size(), Holders(tensors));
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    for (int r = 0; r < world; ++r) {
+      const Blocks& before = kinds[k].from[size_t(r)];
+      for (size_t i = 0; i < before.size(); ++i) {
+        old_holders[k][size_t(before[i].tensor)].push_back({r, int(i), &before[i]});
+      }
+      const Blocks& after = kinds[k].to[size_t(r)];
+      for (size_t i = 0; i < after.size(); ++i) {
+        new_holders[k][size_t(after[i].tensor)].push_back({r, int(i), &after[i]});
       }
     }
   }
+  std::vector<std::vector<size_t>> pieces_of(tensors);
+  for (size_t p = 0; p < plan.pieces.size(); ++p) {
+    pieces_of[size_t(plan.pieces[p].piece.tensor)].push_back(p);
+  }
+  // The sender the plan chose for each (piece, new holder).
+  std::map<std::pair<size_t, int>, int> chosen;
+  for (const auto* list : {&plan.transfers, &plan.local_copies}) {
+    for (const Transfer& t : *list) {
+      for (const PieceMove& m : t.moves) chosen[{size_t(m.piece), t.destination}] = t.source;
+    }
+  }
 
-  // Bands in tensor order.
+  // Bands in tensor order: rows cut every chunk and at every block's first and last row.
   std::vector<Band> bands;
   for (size_t f = 0; f < tensors; ++f) {
-    if (old_holders[f].empty() && new_holders[f].empty()) continue;
     const model::TensorSpec& spec = full.tensor(static_cast<int>(f));
     const bool columns = column_sharded(spec);
     const int64_t rows = spec.full_shape[0];
     const int64_t height = std::max<int64_t>(1, staged.chunk_elements / row_width(spec));
-    for (int64_t begin = 0; begin < rows; begin += height) {
+    std::vector<int64_t> cuts;
+    bool held = false;
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      for (const auto* side : {&old_holders[k][f], &new_holders[k][f]}) {
+        for (const BlockRef& h : *side) {
+          cuts.push_back(h.of->row_begin);
+          cuts.push_back(h.of->row_end);
+          held = true;
+        }
+      }
+    }
+    if (!held) continue;
+    for (int64_t row = 0; row < rows; row += height) cuts.push_back(row);
+    cuts.push_back(rows);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
       Band band;
       band.tensor = static_cast<int>(f);
-      band.begin = begin;
-      band.end = std::min(rows, begin + height);
-      for (const auto& [rank, local] : old_holders[f]) {
-        const BandRange part = local_part(
-            rank, old_locals[static_cast<size_t>(rank)]->tensor(local), band.begin, band.end);
-        if (part.count > 0) band.old_parts.push_back(part);
+      band.begin = cuts[c];
+      band.end = cuts[c + 1];
+      for (size_t k = 0; k < kinds.size(); ++k) {
+        for (const BlockRef& h : old_holders[k][f]) {
+          const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
+          if (part.count > 0) band.old_parts.push_back(part);
+        }
+        for (const BlockRef& h : new_holders[k][f]) {
+          const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
+          if (part.count > 0) band.new_parts.push_back(part);
+        }
       }
-      for (const auto& [rank, local] : new_holders[f]) {
-        const BandRange part = local_part(
-            rank, new_locals[static_cast<size_t>(rank)]->tensor(local), band.begin, band.end);
-        if (part.count > 0) band.new_parts.push_back(part);
-      }
-      for (const auto& [transfer, move] : moves_of[f]) {
-        const Piece& piece = plan.pieces[static_cast<size_t>(move->piece)].piece;
-        BandMove m{piece,
-                   -1,
-                   -1,
-                   transfer->source,
-                   transfer->destination,
-                   move->source_tensor,
-                   move->destination_tensor,
-                   0};
+      for (size_t p : pieces_of[f]) {
+        const Piece& piece = plan.pieces[p].piece;
+        BandMove m;
+        m.part = piece;
         if (columns) {
           m.row_begin = band.begin;
           m.row_end = band.end;
@@ -142,7 +178,39 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
           if (m.part.begin >= m.part.end) continue;
           m.elements = (m.part.end - m.part.begin) * row_width(spec);
         }
-        band.moves.push_back(m);
+        // The rows of the full tensor the part spans.
+        const int64_t first = columns ? band.begin : m.part.begin;
+        const int64_t last = columns ? band.end : m.part.end;
+        auto holds = [&](const Block& b) {
+          return b.axis_begin() <= m.part.begin && m.part.end <= b.axis_end() &&
+                 b.row_begin <= first && last <= b.row_end;
+        };
+        for (size_t k = 0; k < kinds.size(); ++k) {
+          std::vector<const BlockRef*> sources;
+          for (const BlockRef& h : old_holders[k][f]) {
+            if (holds(*h.of)) sources.push_back(&h);
+          }
+          for (const BlockRef& to : new_holders[k][f]) {
+            if (!holds(*to.of)) continue;
+            check(!sources.empty(), "redistribution: part of tensor " + spec.name +
+                                        " is held by no rank in the old layout");
+            const BlockRef* from = nullptr;
+            const auto sender = chosen.find({p, to.rank});
+            for (int preferred : {to.rank, sender == chosen.end() ? -1 : sender->second}) {
+              for (const BlockRef* s : sources) {
+                if (from == nullptr && s->rank == preferred) from = s;
+              }
+            }
+            if (from == nullptr) from = sources.front();
+            BandMove move = m;
+            move.kind = int(k);
+            move.source = from->rank;
+            move.destination = to.rank;
+            move.source_block = from->block;
+            move.destination_block = to.block;
+            band.moves.push_back(move);
+          }
+        }
       }
       std::stable_sort(
           band.moves.begin(), band.moves.end(), [](const BandMove& a, const BandMove& b) {
@@ -153,22 +221,24 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
   }
 
   // Each rank's state may grow to max(old, new) + one chunk between bands: cap + slack over its
-  // old state.
+  // old state, in bytes.
   std::vector<int64_t> old_total(static_cast<size_t>(world), 0), new_total(old_total);
   for (const Band& band : bands) {
-    for (const BandRange& p : band.old_parts) old_total[static_cast<size_t>(p.rank)] += p.count;
-    for (const BandRange& p : band.new_parts) new_total[static_cast<size_t>(p.rank)] += p.count;
+    for (const BandRange& p : band.old_parts)
+      old_total[size_t(p.rank)] += p.count * unit[size_t(p.kind)];
+    for (const BandRange& p : band.new_parts)
+      new_total[size_t(p.rank)] += p.count * unit[size_t(p.kind)];
   }
   std::vector<int64_t> cap(static_cast<size_t>(world));
   for (size_t r = 0; r < cap.size(); ++r)
     cap[r] = std::max<int64_t>(0, new_total[r] - old_total[r]);
-  const int64_t slack = staged.chunk_elements;
+  const int64_t slack = staged.chunk_elements * all_units;
   std::vector<int64_t> grown(static_cast<size_t>(world), 0);  // new booked − old given back
   auto overshoot = [&](const Band& band) {
     // The most any rank would exceed its bound by after this band.
     std::map<int, int64_t> delta;
-    for (const BandRange& p : band.new_parts) delta[p.rank] += p.count;
-    for (const BandRange& p : band.old_parts) delta[p.rank] -= p.count;
+    for (const BandRange& p : band.new_parts) delta[p.rank] += p.count * unit[size_t(p.kind)];
+    for (const BandRange& p : band.old_parts) delta[p.rank] -= p.count * unit[size_t(p.kind)];
     int64_t worst = std::numeric_limits<int64_t>::min();
     for (const auto& [rank, d] : delta) {
       const auto r = static_cast<size_t>(rank);
@@ -177,6 +247,7 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
     return worst;
   };
   staged.predicted_extra_bytes.assign(static_cast<size_t>(world), 0);
+  staged.received_bytes.assign(static_cast<size_t>(world), 0);
   std::vector<bool> done(bands.size(), false);
   size_t first = 0;
   for (size_t step = 0; step < bands.size(); ++step) {
@@ -197,16 +268,33 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
     std::map<int, bool> involved;
     for (const BandRange& p : band.old_parts) involved[p.rank] = true;
     for (const BandRange& p : band.new_parts) involved[p.rank] = true;
-    for (const BandMove& m : band.moves) involved[m.source] = involved[m.destination] = true;
+    for (const BandMove& m : band.moves) {
+      involved[m.source] = involved[m.destination] = true;
+      if (m.source != m.destination) {
+        staged.received_bytes[size_t(m.destination)] += m.elements * unit[size_t(m.kind)];
+      }
+    }
     for (const auto& [rank, yes] : involved) {
       const auto r = static_cast<size_t>(rank);
-      const int64_t peak = grown[r] + band_transient(band, rank) - cap[r];
-      staged.predicted_extra_bytes[r] = std::max(staged.predicted_extra_bytes[r], peak * unit);
-      grown[r] += count_of(band.new_parts, rank) - count_of(band.old_parts, rank);
+      const int64_t peak = grown[r] + band_transient(band, rank, unit) - cap[r];
+      staged.predicted_extra_bytes[r] = std::max(staged.predicted_extra_bytes[r], peak);
+      grown[r] += bytes_of(band.new_parts, rank, unit) - bytes_of(band.old_parts, rank, unit);
     }
     staged.bands.push_back(std::move(band));
   }
   return staged;
+}
+
+StagedRedistribution stage_redistribution(const model::ModelConfig& model,
+                                          const RedistributionPlan& plan, const Layout& from,
+                                          const Layout& to, int64_t bucket_bytes, int buffers,
+                                          int element_bytes) {
+  StateKind kind;
+  kind.buffers = buffers;
+  kind.element_bytes = element_bytes;
+  kind.from = layout_blocks(model, from);
+  kind.to = layout_blocks(model, to);
+  return stage_redistribution(model, plan, {kind}, bucket_bytes);
 }
 
 namespace {
@@ -221,18 +309,22 @@ struct Message {
   backend::MemoryBooking booking;
 };
 
-// Calls fn(first, end, elements) for each run of moves [first, end) between the same pair of ranks
-// (the moves are sorted by source, then destination): each run travels as one message.
+// Calls fn(first, end, values) for each run of moves [first, end) between the same pair of ranks
+// (the moves are sorted by source, then destination): each run travels as one message of
+// `values` values (every buffer of each move's kind).
 template <typename Fn>
-void for_each_message(const std::vector<BandMove>& moves, Fn&& fn) {
+void for_each_message(const std::vector<BandMove>& moves, const std::vector<int>& kind_buffers,
+                      Fn&& fn) {
   for (size_t first = 0; first < moves.size();) {
     size_t end = first;
-    int64_t elements = 0;
+    size_t values = 0;
     while (end < moves.size() && moves[end].source == moves[first].source &&
            moves[end].destination == moves[first].destination) {
-      elements += moves[end++].elements;
+      values += static_cast<size_t>(moves[end].elements) *
+                static_cast<size_t>(kind_buffers[static_cast<size_t>(moves[end].kind)]);
+      ++end;
     }
-    fn(first, end, elements);
+    fn(first, end, values);
     first = end;
   }
 }
@@ -241,38 +333,48 @@ void for_each_message(const std::vector<BandMove>& moves, Fn&& fn) {
 
 template <typename T>
 int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicator& world,
-                            const LocalState<const T>& from, const LocalState<T>& to,
-                            const StateMemory& memory) {
-  const size_t buffers = std::max(from.buffers.size(), to.buffers.size());
-  check((from.buffers.empty() || from.buffers.size() == buffers) &&
-            (to.buffers.empty() || to.buffers.size() == buffers),
-        "redistribute_staged: buffer lists differ in length");
+                            const std::vector<KindState<const T>>& from,
+                            const std::vector<KindState<T>>& to, const StateMemory& memory) {
+  const size_t kinds = staged.kind_buffers.size();
+  check(from.size() == kinds && to.size() == kinds,
+        "redistribute_staged: state of another number of kinds than planned");
+  for (size_t k = 0; k < kinds; ++k) {
+    const size_t buffers = static_cast<size_t>(staged.kind_buffers[k]);
+    check((from[k].buffers.empty() || from[k].buffers.size() == buffers) &&
+              (to[k].buffers.empty() || to[k].buffers.size() == buffers),
+          "redistribute_staged: buffer lists differ in length from the plan's");
+  }
   const int me = world.rank();
   int64_t received = 0;
+  auto buffers_of = [&](const BandMove& m) {
+    return static_cast<size_t>(staged.kind_buffers[static_cast<size_t>(m.kind)]);
+  };
+  // A move's values, buffer after buffer.
   auto pack = [&](const BandMove& m, T* out) {
-    const model::TensorSpec view = band_view(from.layout->tensor(m.source_tensor), m);
-    for (size_t b = 0; b < buffers; ++b) {
-      pack_piece(from.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements));
+    const KindState<const T>& state = from[static_cast<size_t>(m.kind)];
+    const model::TensorSpec view =
+        band_view((*state.blocks)[static_cast<size_t>(m.source_block)].spec, m);
+    for (size_t b = 0; b < buffers_of(m); ++b) {
+      pack_piece(state.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements));
     }
   };
   auto unpack = [&](const BandMove& m, const T* in) {
-    const model::TensorSpec view = band_view(to.layout->tensor(m.destination_tensor), m);
-    for (size_t b = 0; b < buffers; ++b) {
-      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, to.buffers[b]);
+    const KindState<T>& state = to[static_cast<size_t>(m.kind)];
+    const model::TensorSpec view =
+        band_view((*state.blocks)[static_cast<size_t>(m.destination_block)].spec, m);
+    for (size_t b = 0; b < buffers_of(m); ++b) {
+      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, state.buffers[b]);
     }
   };
 
   for (const Band& band : staged.bands) {
-    const int64_t new_count = count_of(band.new_parts, me);
-    if (new_count > 0) {
-      for (const BandRange& p : band.new_parts) {
-        if (p.rank == me) memory.commit(p.offset, p.count);
-      }
+    for (const BandRange& p : band.new_parts) {
+      if (p.rank == me) memory.commit(p.kind, p.offset, p.count);
     }
     // Local copies, one piece at a time.
     for (const BandMove& m : band.moves) {
       if (m.source != me || m.destination != me) continue;
-      Message<T> scratch(static_cast<size_t>(m.elements) * buffers);
+      Message<T> scratch(static_cast<size_t>(m.elements) * buffers_of(m));
       pack(m, scratch.values.data());
       unpack(m, scratch.values.data());
     }
@@ -284,10 +386,10 @@ int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicat
     };
     std::vector<Incoming> incoming;
     std::vector<comm::Request> requests;
-    for_each_message(band.moves, [&](size_t first, size_t end, int64_t elements) {
+    for_each_message(band.moves, staged.kind_buffers, [&](size_t first, size_t end, size_t values) {
       const BandMove& m = band.moves[first];
       if (m.destination == me && m.source != me) {
-        incoming.push_back({first, end, Message<T>(static_cast<size_t>(elements) * buffers)});
+        incoming.push_back({first, end, Message<T>(values)});
       }
     });
     for (Incoming& in : incoming) {
@@ -296,14 +398,14 @@ int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicat
       received += static_cast<int64_t>(in.message.values.size() * sizeof(T));
     }
     // Sends one message at a time, so at most one is held.
-    for_each_message(band.moves, [&](size_t first, size_t end, int64_t elements) {
+    for_each_message(band.moves, staged.kind_buffers, [&](size_t first, size_t end, size_t values) {
       const BandMove& m = band.moves[first];
       if (m.source != me || m.destination == me) return;
-      Message<T> message(static_cast<size_t>(elements) * buffers);
+      Message<T> message(values);
       T* cursor = message.values.data();
       for (size_t k = first; k < end; ++k) {
         pack(band.moves[k], cursor);
-        cursor += static_cast<size_t>(band.moves[k].elements) * buffers;
+        cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
       }
       comm::Request send =
           world.isend(message.values.data(), message.values.size() * sizeof(T), m.destination, 0);
@@ -314,19 +416,20 @@ int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicat
       const T* cursor = in.message.values.data();
       for (size_t k = in.first; k < in.end; ++k) {
         unpack(band.moves[k], cursor);
-        cursor += static_cast<size_t>(band.moves[k].elements) * buffers;
+        cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
       }
     }
     incoming.clear();
     for (const BandRange& p : band.old_parts) {
-      if (p.rank == me) memory.release(p.offset, p.count);
+      if (p.rank == me) memory.release(p.kind, p.offset, p.count);
     }
   }
   return received;
 }
 
 template int64_t redistribute_staged<float>(const StagedRedistribution&, comm::Communicator&,
-                                            const LocalState<const float>&,
-                                            const LocalState<float>&, const StateMemory&);
+                                            const std::vector<KindState<const float>>&,
+                                            const std::vector<KindState<float>>&,
+                                            const StateMemory&);
 
 }  // namespace malleus::layout

@@ -16,6 +16,15 @@
 // holds at most three chunks more (its new part, the messages it receives, the message it
 // sends), so with chunk = bucket / 4 (over all buffers) the extra memory stays under the bucket.
 // Every rank computes the same order from the shared plan, so no extra communication decides it.
+//
+// The state is of several kinds, each laid out its own way (layout::Block): parameters in each
+// rank's local layout, Adam moments there too or in its optimizer shard (the distributed
+// optimizer's blocks of rows, layout/optimizer_shard.h). Bands are also cut at every block's first
+// and last row, so that each kind's part of a piece in a band has whole blocks as holders on both
+// sides; a band moves every kind of it together. Each new holder of a kind's part takes it from its
+// own old block when it has one, else from the sender the redistribution plan chose for that
+// piece when that rank holds it, else from the one old holder that does (the optimizer shard's
+// owner).
 #pragma once
 
 #include <cstdint>
@@ -26,19 +35,30 @@
 
 namespace malleus::layout {
 
-// A piece of one band: rows [row_begin, row_end) of a column-sharded tensor's piece, or, for
-// other tensors, the part of the piece inside the band (row range unused, -1).
+// One kind of state that moves: `buffers` buffers of `element_bytes` each, laid out alike (the
+// same offsets in each), held on every rank as the blocks of `from` before and of `to` after.
+struct StateKind {
+  int buffers = 1;
+  int element_bytes = 4;
+  std::vector<Blocks> from, to;  // per rank
+  int64_t unit() const { return int64_t{buffers} * element_bytes; }
+};
+
+// A piece of one band of one kind: rows [row_begin, row_end) of a column-sharded tensor's piece,
+// or, for other tensors, the part of the piece inside the band (row range unused, -1).
 struct BandMove {
+  int kind = 0;  // index into the staged kinds
   Piece part;
   int64_t row_begin = -1, row_end = -1;
   int source = 0, destination = 0;
-  int source_tensor = 0, destination_tensor = 0;  // local tensor indices
-  int64_t elements = 0;                           // per buffer
+  int source_block = 0, destination_block = 0;  // in the kind's from / to blocks of each rank
+  int64_t elements = 0;                         // per buffer
 };
 
-// One rank's part of a band in its flat buffers (the same offsets in every buffer).
+// One rank's part of a band in its flat buffers of one kind (the same offsets in every buffer).
 struct BandRange {
   int rank = 0;
+  int kind = 0;
   int64_t offset = 0, count = 0;
 };
 
@@ -52,33 +72,51 @@ struct Band {
 struct StagedRedistribution {
   std::vector<Band> bands;  // in the order they run
   int64_t chunk_elements = 0;
+  std::vector<int> kind_buffers;  // buffers of each kind
   // Per rank, the bytes its state and messages exceed max(old state, new state) by at the worst
   // moment, as the order predicts (the bound the runtime's ledger is held against).
   std::vector<int64_t> predicted_extra_bytes;
+  // Per rank, the bytes it receives from other ranks (every kind, every buffer).
+  std::vector<int64_t> received_bytes;
 };
 
-// `plan` must be plan_redistribution(model, from, to). `buffers` state buffers of
-// `element_bytes` each move together (parameters and Adam moments: 3 × 4 bytes). bucket_bytes ≥
-// 4 × buffers × element_bytes × the longest row; a smaller bucket still works, a row at a time,
-// above the bound.
+// `plan` must be plan_redistribution(model, from, to) of the layouts the parameters are in; each
+// kind's blocks must lie inside those layouts (every block of a rank's within what the rank holds
+// on that side). bucket_bytes ≥ 4 × Σ(kind units) × the longest row; a smaller bucket still
+// works, a row at a time, above the bound.
+StagedRedistribution stage_redistribution(const model::ModelConfig& model,
+                                          const RedistributionPlan& plan,
+                                          const std::vector<StateKind>& kinds,
+                                          int64_t bucket_bytes);
+// One kind: `buffers` buffers of `element_bytes` each, laid out by `from` and `to` (parameters and
+// whole Adam moments: 3 × 4 bytes).
 StagedRedistribution stage_redistribution(const model::ModelConfig& model,
                                           const RedistributionPlan& plan, const Layout& from,
                                           const Layout& to, int64_t bucket_bytes, int buffers,
                                           int element_bytes);
 
-// How this rank's memory follows a staged redistribution: commit(offset, count) before the first
-// write into those elements of every new buffer, release(offset, count) after the last read of
-// those elements of every old buffer.
+// How this rank's memory follows a staged redistribution: commit(kind, offset, count) before the
+// first write into those elements of every new buffer of that kind, release(kind, offset, count)
+// after the last read of those elements of every old buffer of that kind.
 struct StateMemory {
-  std::function<void(int64_t offset, int64_t count)> commit, release;
+  std::function<void(int kind, int64_t offset, int64_t count)> commit, release;
+};
+
+// One kind of state on this rank, on one side: its blocks (the kind's from or to blocks of this
+// rank) and its buffers, or nothing when it holds none.
+template <typename T>
+struct KindState {
+  const Blocks* blocks = nullptr;
+  std::vector<T*> buffers;
 };
 
 // Runs `staged` on this rank: collective over `world` (every rank calls it with the same staged
-// plan; ranks with nothing to do in a band skip it). Messages are booked in the memory ledger as
-// communication. Returns the bytes this rank received from other ranks.
+// plan; ranks with nothing to do in a band skip it). from[k] and to[k] are this rank's state of
+// kind k. Messages are booked in the memory ledger as communication. Returns the bytes this rank
+// received from other ranks.
 template <typename T>
 int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicator& world,
-                            const LocalState<const T>& from, const LocalState<T>& to,
-                            const StateMemory& memory);
+                            const std::vector<KindState<const T>>& from,
+                            const std::vector<KindState<T>>& to, const StateMemory& memory);
 
 }  // namespace malleus::layout

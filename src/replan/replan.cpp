@@ -9,7 +9,8 @@ namespace malleus::replan {
 
 MigrationEstimate estimate_migration(const plan::CostModel& cost, const plan::Plan& from,
                                      const plan::Plan& to) {
-  const layout::MigrationVolume volume = layout::migration_volume(cost.model(), from, to);
+  const layout::MigrationVolume volume =
+      layout::migration_volume(cost.model(), from, to, cost.distributed_optimizer());
   MigrationEstimate estimate;
   estimate.total_bytes = volume.total_bytes();
   estimate.max_rank_bytes = volume.max_received_bytes();
@@ -21,9 +22,10 @@ MigrationEstimate estimate_migration(const plan::CostModel& cost, const plan::Pl
 }
 
 plan::PlannerOptions with_migration_tie_break(plan::PlannerOptions options,
-                                              const model::ModelConfig& model) {
-  options.migration = [model](const plan::Plan& from, const plan::Plan& to) {
-    return static_cast<double>(layout::migration_volume(model, from, to).total_bytes());
+                                              const plan::CostModel& cost) {
+  options.migration = [model = cost.model(), split = cost.distributed_optimizer()](
+                          const plan::Plan& from, const plan::Plan& to) {
+    return static_cast<double>(layout::migration_volume(model, from, to, split).total_bytes());
   };
   return options;
 }

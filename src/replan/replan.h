@@ -27,7 +27,7 @@ MigrationEstimate estimate_migration(const plan::CostModel& cost, const plan::Pl
 // `options` with the planner's tie-break (among equally fast plans, the one moving least) using
 // estimate_migration's bytes.
 plan::PlannerOptions with_migration_tie_break(plan::PlannerOptions options,
-                                              const model::ModelConfig& model);
+                                              const plan::CostModel& cost);
 
 // Is switching from the running plan to a proposed one worth it?
 struct SwitchQuestion {

@@ -60,10 +60,7 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       state_(
           std::make_unique<ParallelState>(plan, model, std::move(world), options.core_lease.get())),
       backend_(backend::make_cpu_backend<float>(options.threads)),
-      // Where it saves memory: with several pipelines every piece has a holder in each (a single
-      // pipeline's holder sets of two or more ranks are its tensor-parallel groups' copies of the
-      // norm gains, too small to split).
-      distributed_optimizer_(options.distributed_optimizer && plan.pipelines.size() > 1) {
+      distributed_optimizer_(layout::splits_moments(plan, options.distributed_optimizer)) {
   check(options.migration_bucket_bytes > 0, "migration_bucket_bytes must be positive, got " +
                                                 std::to_string(options.migration_bucket_bytes));
   backend_->allocations().set_deferring(deferred);
@@ -520,28 +517,48 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   ledger.reset_peak();
   const int64_t state_before = ledger.current().total();
   std::unique_ptr<Engine> next(new Engine(model_config_, plan, state_->world(), options_, true));
+  // Parameters between the local layouts; Adam moments between where each side keeps them (each
+  // rank's optimizer shard, or the local layout), straight from slice to slice: nothing gathered.
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  const layout::LocalState<float> from = local_state(), to = next->writable_local_state();
-  check(from.buffers.empty() || from.buffers.size() == layout::kMigratedBuffers,
-        "migration: the state that moves is not what layout::migration_volume counts");
-  const auto staged = layout::stage_redistribution(
-      model_config_, moves, state_->layout(), next->state_->layout(),
-      options_.migration_bucket_bytes, layout::kMigratedBuffers, sizeof(float));
+  const auto kinds = layout::migrated_state(
+      model_config_, state_->layout(), distributed_optimizer_ ? &state_->grad_sync() : nullptr,
+      next->state_->layout(), next->distributed_optimizer_ ? &next->state_->grad_sync() : nullptr);
+  const auto staged =
+      layout::stage_redistribution(model_config_, moves, kinds, options_.migration_bucket_bytes);
+  const auto me = static_cast<size_t>(state_->rank());
+  std::vector<layout::KindState<const float>> from(kinds.size());
+  std::vector<layout::KindState<float>> to(kinds.size());
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    from[k].blocks = &kinds[k].from[me];
+    to[k].blocks = &kinds[k].to[me];
+  }
+  std::vector<std::vector<float*>> old_buffers(kinds.size());  // given back band by band
+  if (model_) {
+    old_buffers[0] = {model_->params()};
+    old_buffers[1] = {optimizer_->first_moment(), optimizer_->second_moment()};
+  }
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    from[k].buffers.assign(old_buffers[k].begin(), old_buffers[k].end());
+  }
+  if (next->model_) {
+    to[0].buffers = {next->model_->params()};
+    to[1].buffers = {next->optimizer_->first_moment(), next->optimizer_->second_moment()};
+  }
   layout::StateMemory memory;
-  memory.commit = [&](int64_t offset, int64_t count) {
-    for (float* buffer : to.buffers) next->backend_->commit_range(buffer + offset, size_t(count));
+  memory.commit = [&](int kind, int64_t offset, int64_t count) {
+    for (float* buffer : to[size_t(kind)].buffers) {
+      next->backend_->commit_range(buffer + offset, size_t(count));
+    }
   };
-  memory.release = [&](int64_t offset, int64_t count) {
-    for (float* buffer : from.buffers) backend_->decommit_range(buffer + offset, size_t(count));
+  memory.release = [&](int kind, int64_t offset, int64_t count) {
+    for (float* buffer : old_buffers[size_t(kind)]) {
+      backend_->decommit_range(buffer + offset, size_t(count));
+    }
   };
-  const int64_t received = layout::redistribute_staged<float>(staged, state_->world(),
-                                                              layout::read_only(from), to, memory);
+  const int64_t received =
+      layout::redistribute_staged<float>(staged, state_->world(), from, to, memory);
   const int64_t state_peak = ledger.peak_total(), state_after = ledger.current().total();
-  // With the distributed optimizer the moments moved in the local layout (local_state()); the
-  // new engine keeps its own slices of them.
-  next->commit_local_state();
-  release_local_state();
   next->set_steps_done(steps_done_);
   // This engine's memory goes before the new one books the rest of its own.
   optimizer_.reset();

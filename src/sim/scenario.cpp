@@ -97,7 +97,7 @@ ScenarioResult run_scenario(const Scenario& sc) {
   const int N = sc.cluster.num_devices();
   const double GB = sc.batch.global_batch;
   const plan::Rates healthy(static_cast<size_t>(N), 1.0);
-  plan::PlannerOptions options = replan::with_migration_tie_break({}, sc.model);
+  plan::PlannerOptions options = replan::with_migration_tie_break({}, cost);
   options.refine = simulator_evaluator(cost);
   auto sim_time = [&](const plan::Plan& p, const plan::Rates& rates) {
     const SimResult r = simulate(cost, p, rates);

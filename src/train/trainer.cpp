@@ -168,6 +168,7 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
                          batch_config(config));
     cost.set_shifted_recompute(config.shifted_recompute);
     cost.set_tp_subpipeline(config.tp_subpipeline);
+    cost.use_distributed_optimizer(config.distributed_optimizer);
     plan::Plan p = plan::make_strategy("malleus")->plan(cost, {}).plan;
     plan::validate(p, model, world_size, config.global_batch_size, "the planner's plan");
     return p;
@@ -251,6 +252,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
                          batch, profile);
     cost.set_shifted_recompute(config_.shifted_recompute);
     cost.set_tp_subpipeline(config_.tp_subpipeline);
+    cost.use_distributed_optimizer(config_.distributed_optimizer);
     controller_ = std::make_unique<elastic::Controller>(std::move(cost), options);
   }
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
