@@ -12,9 +12,8 @@
 #     removed, whatever the new plan sends across it (the probe);
 #   - within 3 steps of the limit's removal every link reads below 3 and below half its level
 #     before, and the controller then asks again with links below 3: it re-plans back, or
-#     declines by the cost-benefit rule. (A healthy link's probe reads 1-3 on this shared
-#     machine: the reference is the fastest the probe has been, and each step's figure is at
-#     the mercy of two ranks sharing a core.)
+#     declines by the cost-benefit rule. (Link rates are relative to the cluster file's
+#     inter-node figures; a healthy link reads 0.2-1.5 on this shared machine.)
 #
 # Usage: tests/link_straggler_test.sh MALLEUS_BINARY SOURCE_DIR
 # Environment: LINK_TEST_STEPS (60), LINK_TEST_SHAPE_AT (8), LINK_TEST_UNSHAPE_AT (28),
@@ -37,6 +36,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
+trap 'echo "FAIL: ${BASH_COMMAND} exited with $? (line $LINENO)"' ERR
 
 "$hosts" up 2 # exits 77 where namespaces cannot be made
 timeout 300 "$malleus" prepare-data --output "$scratch/data" > /dev/null

@@ -303,6 +303,54 @@ TEST(CostModel, ProfileReplacesPeakThroughput) {
 
 // A slow link (ClusterSpec::link_rates) divides the inter-node bandwidth of the transfers through
 // it, and nothing else: intra-node traffic and compute keep their times.
+// The link monitor's healthy reference: on the test bed's calibrated 2 x 2 cluster (34 us and
+// 0.335 GB/s between hosts) a node's leader sends 512 KiB to another in 34 us + 512 KiB /
+// 0.335 GB/s = 1.6 ms; the other ranks do not probe.
+TEST(CostModel, TheLinkProbeIsOneMessageBetweenNodeLeaders) {
+  const CostModel bed(model::load_model_config("demo"), plan::load_cluster("cpu-bed-2x2"),
+                      plan::BatchConfig{16, 1, 128});
+  const double bytes = 512 * 1024;
+  const std::vector<double> expected = bed.link_probe_seconds_per_byte();
+  ASSERT_EQ(expected.size(), 4u);
+  EXPECT_NEAR(expected[0] * bytes, 34e-6 + bytes / 0.335e9, 1e-9);
+  EXPECT_EQ(expected[2], expected[0]);
+  EXPECT_EQ(expected[1], 0.0);
+  EXPECT_EQ(expected[3], 0.0);
+  // Slow links are what the monitor measures, not the reference: it is the healthy cluster's.
+  EXPECT_EQ(bed.with_link_rates({1.0, 10.0}).link_probe_seconds_per_byte(), expected);
+}
+
+// The probe's schedule: every pair of nodes meets exactly once, no node twice in a round, an odd
+// count gives each node one bye.
+TEST(CostModel, TheLinkProbeScheduleMeetsEveryPairOnce) {
+  EXPECT_EQ(plan::link_probe_rounds(1), 0);
+  for (int nodes = 2; nodes <= 9; ++nodes) {
+    std::vector<std::vector<int>> met(static_cast<size_t>(nodes),
+                                      std::vector<int>(static_cast<size_t>(nodes), 0));
+    std::vector<int> byes(static_cast<size_t>(nodes), 0);
+    for (int round = 0; round < plan::link_probe_rounds(nodes); ++round) {
+      for (int x = 0; x < nodes; ++x) {
+        const int y = plan::link_probe_partner(nodes, round, x);
+        if (y < 0) {
+          ++byes[static_cast<size_t>(x)];
+          continue;
+        }
+        ASSERT_NE(x, y);
+        EXPECT_EQ(plan::link_probe_partner(nodes, round, y), x);  // symmetric: a pair
+        ++met[static_cast<size_t>(x)][static_cast<size_t>(y)];
+      }
+    }
+    for (int x = 0; x < nodes; ++x) {
+      EXPECT_EQ(byes[static_cast<size_t>(x)], nodes % 2) << nodes << " nodes, node " << x;
+      for (int y = 0; y < nodes; ++y) {
+        EXPECT_EQ(met[static_cast<size_t>(x)][static_cast<size_t>(y)], x == y ? 0 : 1)
+            << nodes << " nodes: " << x << " and " << y;
+      }
+    }
+  }
+  EXPECT_THROW(plan::link_probe_partner(3, 3, 0), Error);
+}
+
 TEST(CostModel, SlowLinksSlowOnlyTheTransfersThroughThem) {
   const auto model = model::load_model_config("demo");
   plan::ClusterSpec cluster = plan::load_cluster("cpu-local");

@@ -320,6 +320,33 @@ TEST(LinkMonitor, ASlowLinkShowsWithinTheWindowAndRecovers) {
   EXPECT_NEAR(links.node_rates()[1], 1.0, 1e-9);
 }
 
+// With the cost model's healthy probe time as the reference, a link slowed to a tenth of what the
+// cluster file says reads 10 even when the probe's first steps ran on a busy machine (5 times
+// slower than the model): with its own references only, the monitor took the busy steps for
+// healthy and read the slowed link at 2. Only the nodes' leaders probe (the others report 0).
+TEST(LinkMonitor, AModelReferenceDoesNotDependOnTheFirstSteps) {
+  const std::vector<double> expected{0.004 / 1e6, 0, 0.004 / 1e6, 0};  // seconds per byte
+  elastic::LinkMonitor own({0, 0, 1, 1}, elastic::MonitorOptions{.window = 3});
+  elastic::LinkMonitor modelled({0, 0, 1, 1}, elastic::MonitorOptions{.window = 3}, expected);
+  auto step = [&](double seconds_per_mb) {
+    const std::vector<double> m{seconds_per_mb, 1e6, 0, 0, seconds_per_mb, 1e6, 0, 0};
+    own.observe(m);
+    modelled.observe(m);
+  };
+  for (int s = 1; s <= 8; ++s) step(0.02);  // busy first steps
+  EXPECT_NEAR(own.node_rates()[1], 1.0, 1e-9);
+  EXPECT_NEAR(modelled.node_rates()[1], 5.0, 1e-9);  // the busy machine's probe, read as it is
+  for (int s = 9; s <= 11; ++s) step(0.04);          // the link at a tenth
+  EXPECT_NEAR(own.node_rates()[1], 2.0, 1e-9);
+  EXPECT_NEAR(modelled.node_rates()[1], 10.0, 1e-9);
+  for (int s = 12; s <= 20; ++s) step(0.001);  // a quiet machine, faster than the model
+  EXPECT_NEAR(modelled.node_rates()[1], 0.25, 1e-9);
+  for (int s = 21; s <= 23; ++s) step(0.04);  // the reference did not move
+  EXPECT_NEAR(modelled.node_rates()[1], 10.0, 1e-9);
+  EXPECT_NEAR(modelled.rank_rates()[1], 1.0, 1e-9);  // never measured
+  EXPECT_THROW(elastic::LinkMonitor({0, 1}, {}, {1e-9}), Error);
+}
+
 // The controller re-plans for a link only when every reading of the window moved the same way:
 // the step that was only partly slowed (1.3) does not fire it, nor is it planned for when compute
 // fires first; the settled reading is. Recovery fires it again, planning for the healthy link.

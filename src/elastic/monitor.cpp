@@ -24,6 +24,15 @@ double Monitor::reference(int rank) const {
   return it == st.references.end() ? 0 : it->second.value;
 }
 
+void Monitor::set_reference(int rank, const std::string& geometry, double value) {
+  check(rank >= 0 && static_cast<size_t>(rank) < ranks_.size(),
+        "monitor: no rank " + std::to_string(rank) + " to set the reference of");
+  check(value > 0, "monitor: a reference must be positive, got " + std::to_string(value));
+  Reference& ref = ranks_[static_cast<size_t>(rank)].references[geometry];
+  ref.value = value;
+  ref.fixed = true;
+}
+
 const std::vector<double>& Monitor::observe(const std::vector<double>& measurements,
                                             const std::vector<std::string>& geometries) {
   const size_t n = ranks_.size();
@@ -57,7 +66,7 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
       }
     }
     if (ref.value > 0) {
-      if (ref.block.size() >= window) {
+      if (ref.block.size() >= window && !ref.fixed) {
         ref.value = std::min(ref.value, median({ref.block.begin(), ref.block.end()}));
       }
       st.rate = now / ref.value;
@@ -99,13 +108,24 @@ MonitorOptions own_references_only(MonitorOptions options) {
 
 }  // namespace
 
-LinkMonitor::LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options)
+LinkMonitor::LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options,
+                         const std::vector<double>& expected_seconds_per_byte)
     : node_of_rank_(std::move(node_of_rank)),
       ranks_(static_cast<int>(node_of_rank_.size()), own_references_only(options)) {
   int nodes = 0;
   for (int n : node_of_rank_) {
     check(n >= 0, "link monitor: a rank's node must not be negative");
     nodes = std::max(nodes, n + 1);
+  }
+  check(
+      expected_seconds_per_byte.empty() || expected_seconds_per_byte.size() == node_of_rank_.size(),
+      "link monitor: expected a healthy probe time for each of the " +
+          std::to_string(node_of_rank_.size()) + " ranks, got " +
+          std::to_string(expected_seconds_per_byte.size()));
+  for (size_t r = 0; r < expected_seconds_per_byte.size(); ++r) {
+    if (expected_seconds_per_byte[r] > 0) {  // 0: a rank that does not probe
+      ranks_.set_reference(static_cast<int>(r), "probe", expected_seconds_per_byte[r]);
+    }
   }
   node_rates_.assign(static_cast<size_t>(nodes), 1.0);
 }

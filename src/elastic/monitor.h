@@ -57,11 +57,16 @@ class Monitor {
   // The healthy time per FLOP rank `rank` is rated against in its current geometry; 0 while it
   // has none yet.
   double reference(int rank) const;
+  // Fixes rank `rank`'s reference in `geometry` at `value` (time per FLOP): a healthy time known
+  // without measuring (the cost model's, for the link probe). The rank is rated against it from
+  // its first step there, with no calibration, and its own steps never move it.
+  void set_reference(int rank, const std::string& geometry, double value);
 
  private:
   struct Reference {
     std::deque<double> block;  // the last `block` measured times per FLOP, newest last
     double value = 0;          // the healthy time per FLOP; 0: not known yet
+    bool fixed = false;        // set_reference's: measurements do not move it
   };
   struct RankState {
     std::string geometry;       // of the current visit; empty before the first step
@@ -79,19 +84,30 @@ class Monitor {
 
 // The link monitor: how many times slower each node's link to the other nodes now is than it
 // was when healthy (1 = healthy), measured separately from the compute rates. Each step every
-// rank reports the elapsed time and the bytes of the engine's link probe
-// (runtime::StepResult::link_measurements: a fixed all-reduce across the job, timed after the
-// ranks met, so a slow device's late arrival is not counted); a Monitor rates each rank's time
-// per byte against its own healthy time per byte with the same references and windows as compute
-// (one geometry: the probe is the same under every plan, so a plan that sends nothing across a
-// link still sees it, and a re-plan never reseeds a reference), and a node's link rate is the
-// median over its ranks. With two nodes both read the slowdown of the one link between them;
-// with more, the probe's ring through every node slows all of them (docs/elastic.md, "Slow
-// links").
+// node's leader reports the elapsed time and the bytes of the engine's link probe
+// (runtime::StepResult::link_measurements: the fastest of its exchanges with the other nodes'
+// leaders, each timed after the pair met, so a slow device's late arrival is not counted; the
+// other ranks report nothing); a Monitor rates each leader's time per byte against its healthy
+// time per byte with the same references and windows as compute (one geometry: the probe is the
+// same under every plan, so a plan that sends nothing across a link still sees it, and a re-plan
+// never reseeds a reference), and a node's link rate is the median over its measured ranks. The
+// healthy time per byte, when given, is the cost model's for the probe on the cluster's healthy
+// links, fixed: a link rate then says how many times slower than the cluster file's inter-node
+// bandwidth the link now is, which is what the planner divides that bandwidth by
+// (plan::ClusterSpec::link_rates), and it does not depend on the first steps: a reference taken
+// from them, on a busy machine (on emulated links the transfer itself is CPU work), hid a link
+// slowed later. Without it, each rank's own (the lowest median of `block` steps). An exchange
+// runs at the pace of the slower of its two links, so with three or more nodes the fastest
+// exchange of a node with a healthy link is fast and only a slow node reads slow
+// (docs/elastic.md, "Slow links"); with two, both nodes read the one link between them.
 class LinkMonitor {
  public:
-  // `node_of_rank`: the cluster node of each rank (the cost model's numbering).
-  LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options = {});
+  // `node_of_rank`: the cluster node of each rank (the cost model's numbering);
+  // `expected_seconds_per_byte`: each rank's probe time per byte on healthy links as the cost
+  // model predicts it (plan::CostModel::link_probe_seconds_per_byte; 0 for a rank that does not
+  // probe), or empty: own references.
+  LinkMonitor(std::vector<int> node_of_rank, MonitorOptions options = {},
+              const std::vector<double>& expected_seconds_per_byte = {});
   // Adds one step: every rank's (seconds, bytes) of its probe (0, 0: not measured). Returns every
   // node's link rate.
   const std::vector<double>& observe(const std::vector<double>& link_measurements);

@@ -208,7 +208,7 @@ MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last
   // The runtime packs gradients in fp32 (gradient_bytes per element).
   const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
   use.communication = std::max({largest, synced ? std::min(params, kGradSyncChunkElements) : 0.0,
-                                probed ? kLinkProbeElements : 0.0}) *
+                                probed ? 2 * kLinkProbeElements : 0.0}) *
                       f.gradient_bytes;
   return use;
 }
@@ -359,6 +359,41 @@ double CostModel::allreduce_time(const std::vector<int>& ranks, double bytes) co
   if (ranks.size() <= 1) return 0;
   return allreduce_time(static_cast<int>(ranks.size()), bytes, cluster_.span_bandwidth(ranks),
                         cluster_.span_latency(ranks));
+}
+
+std::vector<double> CostModel::link_probe_seconds_per_byte() const {
+  std::vector<double> expected(static_cast<size_t>(cluster_.num_devices()), 0.0);
+  if (cluster_.nodes < 2) return expected;
+  // The healthy cluster's: slow links are what the monitor measures.
+  const double bytes = kLinkProbeElements * sizeof(float);
+  const double seconds = cluster_.inter_node_latency + bytes / cluster_.inter_node_bandwidth;
+  for (int node = 0; node < cluster_.nodes; ++node) {
+    expected[static_cast<size_t>(node * cluster_.devices_per_node)] = seconds / bytes;
+  }
+  return expected;
+}
+
+int link_probe_rounds(int nodes) {
+  return nodes < 2 ? 0 : nodes % 2 == 0 ? nodes - 1 : nodes;
+}
+
+int link_probe_partner(int nodes, int round, int node) {
+  // Nodes 0..M-2 on a circle and node M-1 (M = nodes rounded up to even; node M-1 is nobody
+  // when nodes is odd) in the middle: in round r, x and y pair when x + y = 2r (mod M-1), and
+  // the node with 2x = 2r pairs with the middle.
+  const int m = nodes % 2 == 0 ? nodes : nodes + 1;
+  check(nodes >= 2 && round >= 0 && round < m - 1 && node >= 0 && node < nodes,
+        "link probe schedule: no round " + std::to_string(round) + " for node " +
+            std::to_string(node) + " of " + std::to_string(nodes));
+  int partner;
+  if (node == m - 1) {
+    partner = round;
+  } else if (node == round) {
+    partner = m - 1;
+  } else {
+    partner = ((2 * round - node) % (m - 1) + (m - 1)) % (m - 1);
+  }
+  return partner < nodes ? partner : -1;
 }
 
 double CostModel::p2p_time(const Stage& from, const Stage& to) const {

@@ -112,12 +112,18 @@ struct MemoryFootprint {
 // The runtime sums gradients across pipelines in packed chunks of at most this many elements (a
 // larger single piece alone), which bounds its packing buffer.
 inline constexpr double kGradSyncChunkElements = 16.0 * 1024 * 1024;
-// On several nodes every rank also all-reduces a fixed probe of this many fp32 elements (512 KiB)
-// twice across the whole job each step, timed for the link monitor (runtime::Engine), through the
-// same packing buffer. 1 MiB through the links in all: large against a token-bucket shaper's
-// burst, so that a throttled link shows at its rate, and small against a step (a few ms on the
-// test bed's healthy links).
+// On several nodes each node's first rank (its leader) exchanges a fixed probe of this many fp32
+// elements (512 KiB) each way with every other node's leader each step, twice, one partner per
+// round of link_probe_partner's schedule, timed for the link monitor (runtime::Engine), through
+// the ranks' packing buffer (send and receive halves). Large against a token-bucket shaper's
+// burst, so that a throttled link shows at its rate, and small against a step (about 2 ms a round
+// on the test bed's healthy links, 20 ms on one throttled to a tenth).
 inline constexpr double kLinkProbeElements = 128.0 * 1024;
+// The link probe's fixed schedule among `nodes` nodes (the circle method: every pair of nodes
+// meets once, each node in at most one pair per round): its number of rounds, and node `node`'s
+// partner in round `round`, or -1 for a bye (an odd number of nodes).
+int link_probe_rounds(int nodes);
+int link_probe_partner(int nodes, int round, int node);
 
 // Bytes by kind, as backend::MemoryKind names them.
 struct MemoryUse {
@@ -254,6 +260,10 @@ class CostModel {
   double allreduce_time(const std::vector<int>& ranks, double bytes) const;
   double allreduce_time(int parts, double bytes, double bandwidth, double latency) const;
   double p2p_time(const Stage& from, const Stage& to) const;
+  // Every device's link probe time per byte on this cluster's healthy links (one message of
+  // kLinkProbeElements fp32 between two nodes; each node's first device probes, the others
+  // report 0): the reference of the link monitor (elastic::LinkMonitor).
+  std::vector<double> link_probe_seconds_per_byte() const;
 
   GroupCost group_cost(const Stage& stage, const Rates& rates) const;
   // Each member's compute time relative to the group's slowest member (1 for the slowest): the

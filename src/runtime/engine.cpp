@@ -417,22 +417,46 @@ void Engine::sync_gradients() {
 
 std::pair<double, double> Engine::probe_links() {
   comm::Communicator& world = state_->world();
-  // Meet first, so the timed all-reduces are the transfer (the slowest rank's arrival is compute,
-  // measured elsewhere). Twice, the faster counted twice: a delay that hits one of them (a time
-  // slice lost on a shared core) is not taken for the link.
-  double token = 0;
-  all_reduce_sum(world, &token, 1, lease());
+  const std::vector<int>& hosts = options_.hosts;
+  const int me = world.rank();
+  const std::vector<int> leaders = host_leaders(hosts);
+  const int my_host = hosts[static_cast<size_t>(me)];
+  if (leaders[static_cast<size_t>(my_host)] != me) return {0, 0};
+  // The host's leader exchanges kLinkProbeElements floats each way with every other host's
+  // leader, one partner per round of a fixed schedule, holding its host's core lease throughout
+  // and waiting in MPI's own blocking wait: a leader that gave the core back between polls
+  // would read the scheduler's delays, not the link (on a busy machine, 20-60 times the
+  // transfer). Each exchange is timed after the pair met (an untimed one-byte exchange), twice,
+  // the faster counted; the leader reports the fastest of its exchanges: every exchange runs at
+  // the pace of the slower of the two links, so a host whose link is healthy has a fast one,
+  // and only a slow host's are all slow.
   const size_t elements = static_cast<size_t>(plan::kLinkProbeElements);
-  float* probe = pack_buffer(elements);
+  float* buffer = pack_buffer(2 * elements);
+  std::fill_n(buffer, 2 * elements, 0.0f);
+  const size_t bytes = elements * sizeof(float);
+  constexpr int kProbeTag = 32000;  // above any micro-batch's activation tags
   double fastest = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < 2; ++i) {
-    std::fill_n(probe, elements, 0.0f);
-    const auto start = Clock::now();
-    all_reduce_sum(world, probe, elements, lease());
-    fastest = std::min(fastest, seconds_since(start));
+  const int host_count = static_cast<int>(leaders.size());
+  for (int round = 0; round < plan::link_probe_rounds(host_count); ++round) {
+    const int partner_host = plan::link_probe_partner(host_count, round, my_host);
+    if (partner_host < 0) continue;  // a bye (an odd number of hosts)
+    const int partner = leaders[static_cast<size_t>(partner_host)];
+    char sent = 0, received = 0;
+    std::vector<comm::Request> meet;
+    meet.push_back(world.irecv(&received, 1, partner, kProbeTag));
+    meet.push_back(world.isend(&sent, 1, partner, kProbeTag));
+    comm::Request::wait_all(meet);
+    for (int i = 0; i < 2; ++i) {
+      const auto start = Clock::now();
+      std::vector<comm::Request> exchange;
+      exchange.push_back(world.irecv(buffer + elements, bytes, partner, kProbeTag));
+      exchange.push_back(world.isend(buffer, bytes, partner, kProbeTag));
+      comm::Request::wait_all(exchange);
+      fastest = std::min(fastest, seconds_since(start));
+    }
   }
-  const double n = world.size();
-  return {2 * fastest, 2 * 2 * (n - 1) / n * static_cast<double>(elements * sizeof(float))};
+  if (!std::isfinite(fastest)) return {0, 0};  // one host: nothing crossed a link
+  return {fastest, static_cast<double>(bytes)};
 }
 
 // Each rank updates its slice of every chunk (parameters packed as the gradients were, moments

@@ -33,8 +33,8 @@ struct EngineOptions {
   // Time the compute sections for the straggler monitor (off only to measure what timing costs;
   // an injected slowdown still times the sections it lengthens).
   bool measure = true;
-  // The host each rank runs on (host_indices(world)); on several hosts every step also times a
-  // fixed probe all-reduce across the job for the link monitor. Empty: one host, nothing timed.
+  // The host each rank runs on (host_indices(world)); on several hosts every step the hosts'
+  // leaders also time a fixed probe of their links for the link monitor. Empty: one host.
   std::vector<int> hosts;
   // The shifted critical path (Merak) for stages that recompute activations: a stage other than
   // the last posts the receive of a micro-batch's output gradient, recomputes that micro-batch's
@@ -71,13 +71,11 @@ struct StepResult {
   // its own allocations (backend::memory_ledger), in rank order: by kind, and the peak total.
   std::vector<backend::MemoryFigures> peak_memory;
   std::vector<double> peak_memory_total;
-  // This rank's link probe, for the link monitor (on several hosts; 0 on one): the elapsed time of
-  // all-reducing plan::kLinkProbeElements floats over every rank twice (the faster counted
-  // twice), timed after the ranks met (an untimed one-number all-reduce first), so it is
-  // the transfer and not the wait for the slowest rank; and the bytes a ring all-reduce moves
-  // through each member's link (2·(n−1)/n × the buffer). The same probe under every plan: a link is
-  // measured whether or not the plan sends anything across it, and its healthy reference never
-  // changes with the plan.
+  // This rank's link probe, for the link monitor (on several hosts; 0 on one, and on every rank
+  // but a host's leader, its lowest rank): the fastest of the leader's timed exchanges of
+  // plan::kLinkProbeElements floats each way with the other hosts' leaders (Engine::probe_links),
+  // and the bytes sent each way. The same probe under every plan: a link is measured whether or
+  // not the plan sends anything across it, and its healthy reference never changes with the plan.
   double link_seconds = 0, link_bytes = 0;
   // The two figures above of every rank, in rank order (gathered with the loss).
   std::vector<double> link_measurements;
@@ -175,7 +173,8 @@ class Engine {
   void zero_grads();
   // Sums gradients over the refinement groups.
   void sync_gradients();
-  // Collective over the world: times the link probe; returns this rank's (seconds, bytes).
+  // On every host's leader (a no-op elsewhere): times the link probe with the other leaders;
+  // returns this rank's (seconds, bytes).
   std::pair<double, double> probe_links();
   double local_norm_squares();
   // The distributed optimizer's update of this rank's slices, then the all-gather of parameters.

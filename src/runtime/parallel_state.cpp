@@ -92,6 +92,16 @@ std::vector<int> host_indices(const comm::Communicator& world) {
   return hosts;
 }
 
+std::vector<int> host_leaders(const std::vector<int>& hosts) {
+  std::vector<int> leaders;
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    const auto host = static_cast<size_t>(hosts[r]);
+    if (host >= leaders.size()) leaders.resize(host + 1, -1);
+    if (leaders[host] < 0) leaders[host] = static_cast<int>(r);
+  }
+  return leaders;
+}
+
 ParallelState::ParallelState(const plan::Plan& plan, const model::ModelConfig& model,
                              comm::Communicator world, CoreLease* lease)
     : plan_(plan), world_(std::move(world)), layout_(layout::plan_layout(plan, model)) {

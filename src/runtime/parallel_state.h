@@ -54,6 +54,8 @@ class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
 // host being a distinct host name (one per machine, or per emulated host of scripts/hosts.sh).
 // Collective.
 std::vector<int> host_indices(const comm::Communicator& world);
+// Each host's leader (its lowest rank), by host index, from host_indices' result.
+std::vector<int> host_leaders(const std::vector<int>& hosts);
 
 class ParallelState {
  public:

@@ -68,6 +68,7 @@ constexpr auto fields(const StepRecord*) {
       Field<R, std::vector<double>>{"injected", &R::injected},
       Field<R, std::vector<double>>{"compute_s", &R::compute_s},
       Field<R, std::vector<double>>{"link_rates", &R::link_rates},
+      Field<R, std::vector<double>>{"link_s", &R::link_s},
       Field<R, double>{"monitor_overhead_s", &R::monitor_overhead_s},
       Field<R, std::vector<double>>{"peak_memory_bytes", &R::peak_memory_bytes},
       Field<R, std::vector<double>>{"peak_parameters_bytes", &R::peak_parameters_bytes},

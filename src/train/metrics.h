@@ -31,6 +31,8 @@ struct StepRecord {
   std::vector<double> injected;    // injected rate of every rank; empty when nothing was injected
   std::vector<double> compute_s;   // every rank's measured compute time (the monitor's input)
   std::vector<double> link_rates;  // monitored rate of every node's link; empty on one host
+  std::vector<double> link_s;      // every rank's measured link probe time (the link monitor's
+                                   // input); empty on one host
   double monitor_overhead_s = kUnknown;  // monitoring and deciding, a re-plan's migration included
   // Every rank's peak memory during the step, from its own allocations: the peak of the total,
   // and each kind's own peak (backend/memory.h), in bytes.

@@ -266,8 +266,12 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
     const plan::ClusterSpec cluster = elastic::local_cluster(config_.cluster, world_.size());
     std::vector<int> node_of_rank;
     for (int r = 0; r < world_.size(); ++r) node_of_rank.push_back(cluster.node_of(r));
+    // The reference of a healthy link is also what the cluster file says the probe takes, so
+    // busy first steps cannot set one that hides a link slowed later.
+    const plan::CostModel cost(model_config, cluster, batch_config(config_));
     link_monitor_ = std::make_unique<elastic::LinkMonitor>(
-        node_of_rank, elastic::MonitorOptions{.window = config.monitor_window});
+        node_of_rank, elastic::MonitorOptions{.window = config.monitor_window},
+        cost.link_probe_seconds_per_byte());
   } else {
     engine_options_.hosts.clear();
   }
@@ -388,6 +392,8 @@ StepStats Trainer::train_step() {
   }
   if (link_monitor_) {
     stats.link_rates = link_monitor_->observe(r.link_measurements);
+    for (size_t i = 0; i < r.link_measurements.size(); i += 2)
+      stats.link_s.push_back(r.link_measurements[i]);
   }
   if (controller_) {
     // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
