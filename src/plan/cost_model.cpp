@@ -361,6 +361,10 @@ double CostModel::allreduce_time(const std::vector<int>& ranks, double bytes) co
                         cluster_.span_latency(ranks));
 }
 
+bool CostModel::probes_links(int device) const {
+  return cluster_.nodes > 1 && device % cluster_.devices_per_node == 0;
+}
+
 std::vector<double> CostModel::link_probe_seconds_per_byte() const {
   std::vector<double> expected(static_cast<size_t>(cluster_.num_devices()), 0.0);
   if (cluster_.nodes < 2) return expected;
@@ -652,7 +656,7 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P, distributed_optimizer_, shifted_recompute_ && !last, cluster_.nodes > 1)
+                       P, distributed_optimizer_, shifted_recompute_ && !last, probes_links(r))
                 .total();
       }
     }
@@ -738,7 +742,7 @@ std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
         if (r < 0 || r >= plan.world_size) continue;
         out[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
-                       P, distributed_optimizer_, shifted_recompute_ && j<S - 1, cluster_.nodes> 1);
+                       P, distributed_optimizer_, shifted_recompute_ && j < S - 1, probes_links(r));
       }
     }
   }

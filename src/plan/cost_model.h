@@ -141,8 +141,10 @@ struct MemoryUse {
 // optimizer (ZeRO-1) every piece has `pipelines` holders: each keeps 1/pipelines of the
 // optimizer state (fp32 master weights and moments, optimizer_bytes) and of the summed gradients
 // (a shard of its own next to the full gradients). `recompute_ahead`: the stage recomputes ahead
-// of its backward (the shifted schedule), with a scratch per recomputing layer. `probed`: the job
-// spans several nodes, so the packing buffer also holds the link probe (kLinkProbeElements).
+// of its backward (the shifted schedule), with a scratch per recomputing layer. `probed`: the rank
+// is its node's leader in a job of several nodes (CostModel::probes_links), so its packing buffer
+// also holds the link probe (2 × kLinkProbeElements: what it sends and receives). Where the rank is
+// not known (a stage's fullest member), callers pass whether the job spans several nodes.
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
                      int in_flight, const model::Recompute& recompute, int pipelines,
                      bool distributed_optimizer, bool recompute_ahead = false, bool probed = false);
@@ -264,6 +266,9 @@ class CostModel {
   // kLinkProbeElements fp32 between two nodes; each node's first device probes, the others
   // report 0): the reference of the link monitor (elastic::LinkMonitor).
   std::vector<double> link_probe_seconds_per_byte() const;
+  // Whether `device` times the link probe (its node's first device, on several nodes), so its
+  // packing buffer also holds the probe.
+  bool probes_links(int device) const;
 
   GroupCost group_cost(const Stage& stage, const Rates& rates) const;
   // Each member's compute time relative to the group's slowest member (1 for the slowest): the

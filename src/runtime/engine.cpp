@@ -423,13 +423,16 @@ std::pair<double, double> Engine::probe_links() {
   const int my_host = hosts[static_cast<size_t>(me)];
   if (leaders[static_cast<size_t>(my_host)] != me) return {0, 0};
   // The host's leader exchanges kLinkProbeElements floats each way with every other host's
-  // leader, one partner per round of a fixed schedule, holding its host's core lease throughout
-  // and waiting in MPI's own blocking wait: a leader that gave the core back between polls
-  // would read the scheduler's delays, not the link (on a busy machine, 20-60 times the
-  // transfer). Each exchange is timed after the pair met (an untimed one-byte exchange), twice,
-  // the faster counted; the leader reports the fastest of its exchanges: every exchange runs at
-  // the pace of the slower of the two links, so a host whose link is healthy has a fast one,
-  // and only a slow host's are all slow.
+  // leader, one partner per round of a fixed schedule, waiting in MPI's own blocking wait: a
+  // leader that slept between polls read the scheduler's delays, not the link (on a busy
+  // machine, 20-60 times the transfer). It gives its turn on the core back first: a leader
+  // holding it while waiting for another host's leader deadlocked a job whose emulated hosts'
+  // ranks share the machine's cores (the other leader waited for the turn). Each exchange is
+  // timed after the pair met (an untimed one-byte exchange), twice, the faster counted; the
+  // leader reports the fastest of its exchanges: every exchange runs at the pace of the slower
+  // of the two links, so a host whose link is healthy has a fast one, and only a slow host's
+  // are all slow.
+  CoreLease::Gap gap(lease());
   const size_t elements = static_cast<size_t>(plan::kLinkProbeElements);
   float* buffer = pack_buffer(2 * elements);
   std::fill_n(buffer, 2 * elements, 0.0f);
