@@ -155,7 +155,7 @@ TEST(Layout, OptimizerShardOwnsEachElementOnce) {
       EXPECT_EQ(shard.elements, offset);
       // The blocks of rows tile the shard, each inside the rank's own tensors.
       int64_t covered = 0;
-      for (const auto& block : layout::shard_blocks(model, sync, shard)) {
+      for (const auto& block : layout::shard_blocks(model::ParameterLayout(model), sync, shard)) {
         const int64_t rows = block.row_end - block.row_begin;
         const auto& spec = block.spec;
         const bool columns = spec.shard_axis == model::ShardAxis::kColumns;

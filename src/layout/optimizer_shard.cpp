@@ -80,9 +80,8 @@ OptimizerShard optimizer_shard(const GradSyncPlan& sync, int rank, double chunk_
   return shard;
 }
 
-Blocks shard_blocks(const model::ModelConfig& model, const GradSyncPlan& sync,
+Blocks shard_blocks(const model::ParameterLayout& full, const GradSyncPlan& sync,
                     const OptimizerShard& shard) {
-  const model::ParameterLayout full(model);
   Blocks blocks;
   for (const ShardChunk& chunk : shard.chunks) {
     int64_t at = 0;  // the piece's start in the chunk
@@ -118,11 +117,12 @@ Blocks shard_blocks(const model::ModelConfig& model, const GradSyncPlan& sync,
 std::vector<Blocks> moment_blocks(const model::ModelConfig& model, const Layout& layout,
                                   const GradSyncPlan* sync) {
   if (sync == nullptr) return layout_blocks(model, layout);
+  const model::ParameterLayout full(model);
   std::vector<Blocks> blocks(layout.shards.size());
   for (size_t r = 0; r < blocks.size(); ++r) {
     if (!layout.shards[r]) continue;
     blocks[r] = shard_blocks(
-        model, *sync, optimizer_shard(*sync, static_cast<int>(r), plan::kGradSyncChunkElements));
+        full, *sync, optimizer_shard(*sync, static_cast<int>(r), plan::kGradSyncChunkElements));
   }
   return blocks;
 }

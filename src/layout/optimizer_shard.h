@@ -57,7 +57,8 @@ inline bool splits_moments(const plan::Plan& plan, bool distributed_optimizer) {
 }
 
 // The blocks of rows (layout::Block) a rank's optimizer shard holds, at their offsets in it.
-Blocks shard_blocks(const model::ModelConfig& model, const GradSyncPlan& sync,
+// `full`: the model's whole ParameterLayout.
+Blocks shard_blocks(const model::ParameterLayout& full, const GradSyncPlan& sync,
                     const OptimizerShard& shard);
 
 // Where every rank keeps its Adam moments under `layout`: its optimizer shard's blocks when
