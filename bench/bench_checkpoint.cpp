@@ -1,7 +1,8 @@
 // Checkpoint I/O against the disk it runs on, in one run (scripts/bench_checkpoint.sh):
 //
 // - the disk's own sequential speed: every rank writes (and fsyncs) a plain file as large as its
-//   part of a checkpoint, all at once, then reads it back with the page cache dropped for it;
+//   part of a save, all at once, then reads one as large as its part of a load with the page
+//   cache dropped for it (the same bytes per rank as the save and the load it is held against);
 // - sharded saves of a 106M-parameter model (parameters and both Adam moments, 1.27 GB) under the
 //   data-parallel plan of the job (every rank holds the whole model and writes the half, third...
 //   it owns), synchronous: bytes over the time from the start of the save to its commit;
@@ -63,24 +64,31 @@ void evict_tree(const fs::path& dir) {
   }
 }
 
-// The disk's sequential write and read of `bytes` on this rank (all ranks at once), in seconds.
+// Writes `bytes` to `path` with plain write() calls from one buffer, and fsyncs it.
+void write_plain(const fs::path& path, const std::vector<char>& block, int64_t bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  check(fd >= 0, "cannot create " + path.string());
+  for (int64_t done = 0; done < bytes;) {
+    const auto n = static_cast<size_t>(std::min<int64_t>(block.size(), bytes - done));
+    check(::write(fd, block.data(), n) == static_cast<ssize_t>(n), "write failed");
+    done += static_cast<int64_t>(n);
+  }
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// The disk's sequential write and read on this rank (all ranks at once), in seconds: writing
+// `write_bytes` (what the rank writes in a save), and reading `read_bytes` (what it reads in a
+// load) with the page cache dropped, so each is compared with the same bytes per rank.
 std::pair<double, double> raw_disk(const fs::path& path, const std::vector<char>& block,
-                                   int64_t bytes, const comm::Communicator& world) {
+                                   int64_t write_bytes, int64_t read_bytes,
+                                   const comm::Communicator& world) {
   world.barrier();
   auto start = Clock::now();
-  {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    check(fd >= 0, "cannot create " + path.string());
-    for (int64_t done = 0; done < bytes;) {
-      const auto n = static_cast<size_t>(std::min<int64_t>(block.size(), bytes - done));
-      check(::write(fd, block.data(), n) == static_cast<ssize_t>(n), "write failed");
-      done += static_cast<int64_t>(n);
-    }
-    ::fsync(fd);
-    ::close(fd);
-  }
+  write_plain(path, block, write_bytes);
   world.barrier();
   const double write_s = world.all_reduce_max(since(start));
+  if (read_bytes != write_bytes) write_plain(path, block, read_bytes);  // not timed
   evict(path);
   world.barrier();
   start = Clock::now();
@@ -138,16 +146,20 @@ int main(int argc, char** argv) {
     owned += layout::piece_elements(full, p.piece) * 12;
   }
   const int64_t checkpoint_bytes = 12 * full.num_parameters();
+  // A load reads whole stored pieces: under dp every tensor is stored whole, and a pipeline stage
+  // holds whole tensors, so a rank reads its stage's parameters and moments (checked below).
+  const int64_t load_bytes = 12 * stage.total_size();
 
   if (me == 0) {
     fs::create_directories(dir);
     std::printf(
         "model %s: %.1fM parameters, checkpoint %.2f GB (parameters + Adam moments, fp32)\n"
-        "%d ranks; saved under dp%d (each rank writes %.0f MB), loaded under pp%d; %d "
-        "rounds, medians [min, max]\n",
+        "%d ranks; saved under dp%d (rank 0 writes %.0f MB), loaded under pp%d (rank 0 reads "
+        "%.0f MB); the disk alone writes and reads the same bytes per rank; %d rounds, "
+        "medians [min, max]\n",
         model.name.c_str(), static_cast<double>(full.num_parameters()) / 1e6,
         static_cast<double>(checkpoint_bytes) / 1e9, ranks, ranks, static_cast<double>(owned) / 1e6,
-        ranks, rounds);
+        ranks, static_cast<double>(load_bytes) / 1e6, rounds);
     std::fflush(stdout);
   }
   world.barrier();
@@ -162,7 +174,8 @@ int main(int argc, char** argv) {
   int64_t step = 0;
   for (int round = 0; round < rounds; ++round) {
     // The disk alone: each rank writes what it writes in a save.
-    const auto [w, r] = raw_disk(dir / ("raw_" + std::to_string(me)), block, owned, world);
+    const auto [w, r] =
+        raw_disk(dir / ("raw_" + std::to_string(me)), block, owned, load_bytes, world);
     disk_write.push_back(static_cast<double>(checkpoint_bytes) / w);
     disk_read.push_back(static_cast<double>(checkpoint_bytes) / r);
 
@@ -184,6 +197,8 @@ int main(int argc, char** argv) {
     const train::CheckpointIndex index(saved);
     const int64_t read = index.read(stage, {p.data(), m.data(), v.data()});
     const double load_s = world.all_reduce_max(since(start));
+    check(read == load_bytes, "the load read " + std::to_string(read) + " bytes, expected " +
+                                  std::to_string(load_bytes));
     load.push_back(static_cast<double>(world.all_reduce_sum(read)) / load_s);
 
     // An asynchronous save: the step waits for the copy only.

@@ -2,6 +2,7 @@
 // element by element against brute force on a small model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -256,6 +257,46 @@ TEST(Layout, PackAndUnpackColumnSlices) {
   layout::unpack_piece(packed.data(), down, piece, back.data());
   EXPECT_EQ(back[size_t(down.offset + 3 + 1)], buffer[size_t(down.offset + 3 + 1)]);
   EXPECT_EQ(back[size_t(down.offset + 3)], -1.0f);  // column 0 of the slice untouched
+}
+
+// A piece lies in a rank's buffer as one run, in pack_piece's order, exactly when its copy is one
+// copy: rows of a row-sharded tensor, a replicated tensor, a column piece as wide as the local
+// part.
+TEST(Layout, ContiguousOffsetIsWherePackPieceCopiesFromInOneRun) {
+  const auto model = small_model();
+  model::ShardSpec shard = model::ShardSpec::full(model);
+  shard.ffn_begin = 2;
+  shard.ffn = 3;
+  const model::ParameterLayout local(model, shard);
+  std::vector<float> buffer(static_cast<size_t>(local.total_size()));
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = float(i);
+  const model::ParameterLayout full(model);
+  int runs = 0;
+  for (const auto& t : local.tensors()) {
+    const int index = static_cast<int>(&full.find(t.name) - full.tensors().data());
+    const int64_t extent = t.shard_axis == model::ShardAxis::kColumns ? t.shape[1] : t.shape[0];
+    // The whole local part, and its last row or column alone.
+    for (const layout::Piece piece :
+         {layout::Piece{index, t.shard_begin, t.shard_begin + extent},
+          layout::Piece{index, t.shard_begin + extent - 1, t.shard_begin + extent}}) {
+      const auto elements = static_cast<size_t>(layout::piece_elements(full, piece));
+      std::vector<float> packed(elements);
+      layout::pack_piece(buffer.data(), t, piece, packed.data());
+      const std::optional<int64_t> at = layout::contiguous_offset(t, piece);
+      const bool strided = t.shard_axis == model::ShardAxis::kColumns &&
+                           piece.end - piece.begin < extent && t.shape[0] > 1;
+      ASSERT_EQ(at.has_value(), !strided)
+          << t.name << " [" << piece.begin << ", " << piece.end << ")";
+      if (!at) continue;
+      ++runs;
+      EXPECT_TRUE(std::equal(packed.begin(), packed.end(), buffer.begin() + *at)) << t.name;
+    }
+  }
+  EXPECT_GT(runs, 0);
+  // down_proj [8, 3] of [8, 6]: one column of three is strided, all three are one run.
+  const auto& down = local.find("model.layers.0.mlp.down_proj.weight");
+  EXPECT_FALSE(layout::contiguous_offset(down, {0, 3, 4}).has_value());
+  EXPECT_EQ(layout::contiguous_offset(down, {0, 2, 5}), down.offset);
 }
 
 // A migration run band by band (layout/staged_redistribution.h): every element still reaches

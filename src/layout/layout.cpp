@@ -280,6 +280,17 @@ void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piec
   }
 }
 
+std::optional<int64_t> contiguous_offset(const model::TensorSpec& local, const Piece& piece) {
+  const int64_t from = piece.begin - local.shard_begin, length = piece.end - piece.begin;
+  if (local.shard_axis == model::ShardAxis::kColumns) {
+    const int64_t rows = local.shape[0], cols = local.shape[1];
+    if (rows != 1 && length != cols) return std::nullopt;  // a strided run of columns
+    return local.offset + from;
+  }
+  const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
+  return local.offset + from * row;
+}
+
 template void pack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
 template void pack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
 template void unpack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);

@@ -111,5 +111,10 @@ template <typename T>
 void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out);
 template <typename T>
 void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece, T* local_buffer);
+// Where `piece` lies in a flat buffer laid out by `local` when it lies there as one run, in the
+// order pack_piece writes it (row pieces, replicated tensors, column pieces as wide as the local
+// tensor): its offset in elements. Then pack_piece / unpack_piece are one copy, and a reader can
+// put a stored piece's bytes straight where they belong, without a copy at all.
+std::optional<int64_t> contiguous_offset(const model::TensorSpec& local, const Piece& piece);
 
 }  // namespace malleus::layout

@@ -2,6 +2,7 @@
 // manifest that says where each piece lies (train/checkpoint.h describes the format).
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -298,18 +299,26 @@ struct Region {
   const model::TensorSpec* full = nullptr;
   layout::Piece stored, part;  // the stored piece, and the part of it held here
   const std::string* xxh3 = nullptr;
+  // Where its bytes go verbatim in the rank's buffer, when they do (the whole stored piece is
+  // held here and lies there as one run): read straight there. Else null: read into a staging
+  // buffer, then unpacked.
+  float* direct = nullptr;
+  int64_t staged_at = 0;  // else: its offset in its span's staging buffer, in elements
 };
 
 // Regions next to each other in one file, read with one call.
 struct Span {
   size_t first = 0, last = 0;  // regions [first, last)
   int64_t offset = 0, bytes = 0;
+  int64_t staged = 0;  // elements of its regions read into staging
 };
 
 // Reads go in spans of at most this much (a region larger than that alone): large enough for the
-// disk's sequential speed, small enough that two of them (one on its way from the disk, one being
-// checked and unpacked) cost little memory.
+// disk's sequential speed, small enough that the staging of two of them (one on its way from the
+// disk, one being checked and unpacked) costs little memory.
 constexpr int64_t kSpanBytes = int64_t{32} << 20;
+// Regions per span, within the iovec count one preadv takes (IOV_MAX is 1024 on Linux).
+constexpr size_t kSpanRegions = 512;
 
 // A file open for reading, closed with the object.
 class ReadOnlyFile {
@@ -346,9 +355,13 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
       const std::optional<layout::Piece> part = layout::overlap(p.piece, local_spec);
       if (!part) continue;
       const int64_t bytes = layout::piece_elements(full, p.piece) * int64_t{sizeof(float)};
+      const bool whole = part->begin == p.piece.begin && part->end == p.piece.end;
+      const std::optional<int64_t> run =
+          whole ? layout::contiguous_offset(local_spec, *part) : std::nullopt;
       for (size_t b = 0; b < buffers.size(); ++b) {
         regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, b,
-                           &local_spec, &full.tensor(t), p.piece, *part, &p.xxh3[b]});
+                           &local_spec, &full.tensor(t), p.piece, *part, &p.xxh3[b],
+                           run ? buffers[b] + *run : nullptr});
       }
     }
   }
@@ -357,17 +370,20 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
   });
   std::vector<Span> spans;
   for (size_t i = 0; i < regions.size(); ++i) {
-    const Region& r = regions[i];
+    Region& r = regions[i];
+    const int64_t staged = r.direct ? 0 : r.bytes / int64_t{sizeof(float)};
     if (!spans.empty()) {
       Span& span = spans.back();
       if (*regions[span.first].file == *r.file && span.offset + span.bytes == r.offset &&
-          span.bytes + r.bytes <= kSpanBytes) {
+          span.bytes + r.bytes <= kSpanBytes && span.last - span.first < kSpanRegions) {
+        r.staged_at = span.staged;
         span.bytes += r.bytes;
+        span.staged += staged;
         span.last = i + 1;
         continue;
       }
     }
-    spans.push_back({i, i + 1, r.offset, r.bytes});
+    spans.push_back({i, i + 1, r.offset, r.bytes, staged});
   }
 
   // Each file opened once, its size checked against the manifest before anything is read.
@@ -390,46 +406,75 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
     check(file.fd >= 0, where + ": cannot open " + name + ": " + std::strerror(errno));
     ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   }
-  auto read_span = [&](const Span& span, float* into) {
+
+  // Staging only for the regions that cannot go straight to their place: two buffers, as large
+  // as the most any span stages, allocated (and faulted in) only if some span needs them.
+  int64_t most_staged = 0;
+  for (const Span& span : spans) most_staged = std::max(most_staged, span.staged);
+  std::array<std::unique_ptr<float[]>, 2> staging;
+  if (most_staged > 0) {
+    for (auto& s : staging) s.reset(new float[static_cast<size_t>(most_staged)]);
+  }
+  auto destination = [&](const Region& r, size_t k) {
+    return r.direct != nullptr ? r.direct : staging[k % 2].get() + r.staged_at;
+  };
+  // A span with one preadv, each region's bytes going to its destination.
+  auto read_span = [&](size_t k) {
+    const Span& span = spans[k];
     const std::string& name = *regions[span.first].file;
     const int fd = files.at(name).fd;
-    auto* bytes = reinterpret_cast<char*>(into);
+    std::vector<iovec> parts;
+    for (size_t i = span.first; i < span.last; ++i) {
+      parts.push_back({destination(regions[i], k), static_cast<size_t>(regions[i].bytes)});
+    }
+    size_t first = 0;
     for (int64_t done = 0; done < span.bytes;) {
-      const ssize_t n = ::pread(fd, bytes + done, static_cast<size_t>(span.bytes - done),
-                                static_cast<off_t>(span.offset + done));
+      const ssize_t n = ::preadv(fd, parts.data() + first, static_cast<int>(parts.size() - first),
+                                 static_cast<off_t>(span.offset + done));
       if (n < 0 && errno == EINTR) continue;
       check(n > 0, where + ": cannot read " + name + " (it shrank while reading)");
       done += n;
+      // Past the parts read whole; into the one read in part.
+      for (auto left = static_cast<size_t>(n); left > 0;) {
+        iovec& part = parts[first];
+        const size_t step = std::min(left, part.iov_len);
+        part.iov_base = static_cast<char*>(part.iov_base) + step;
+        part.iov_len -= step;
+        left -= step;
+        if (part.iov_len == 0) ++first;
+      }
     }
+  };
+  // The kernel fetches a span ahead of the one being read, so the disk always has work queued.
+  auto prefetch = [&](size_t k) {
+    if (k >= spans.size()) return;
+    const Span& span = spans[k];
+    ::posix_fadvise(files.at(*regions[span.first].file).fd, span.offset, span.bytes,
+                    POSIX_FADV_WILLNEED);
   };
 
   // The next span comes from the disk (another thread) while this one is checked and unpacked,
   // so the disk does not wait for the checksums and copies.
-  int64_t largest = 0;
-  for (const Span& span : spans) largest = std::max(largest, span.bytes);
-  const auto staging_elements = static_cast<size_t>(largest) / sizeof(float);
-  std::array<std::unique_ptr<float[]>, 2> staging;
-  for (auto& s : staging) s.reset(new float[spans.empty() ? 0 : staging_elements]);
   std::vector<float> cut;
   int64_t bytes_read = 0;
   std::future<void> next;
-  if (!spans.empty()) next = std::async(std::launch::async, read_span, spans[0], staging[0].get());
+  if (!spans.empty()) next = std::async(std::launch::async, read_span, size_t{0});
   for (size_t k = 0; k < spans.size(); ++k) {
     next.get();
-    const float* ready = staging[k % 2].get();
-    if (k + 1 < spans.size()) {
-      next = std::async(std::launch::async, read_span, spans[k + 1], staging[(k + 1) % 2].get());
-    }
+    if (k + 1 < spans.size()) next = std::async(std::launch::async, read_span, k + 1);
+    prefetch(k + 2);
     const Span& span = spans[k];
     for (size_t i = span.first; i < span.last; ++i) {
       const Region& r = regions[i];
-      const float* stored = ready + (r.offset - span.offset) / int64_t{sizeof(float)};
+      const float* stored = destination(r, k);
       const std::string actual = checksum_hex(stored, static_cast<size_t>(r.bytes));
       check(actual == *r.xxh3, where + ": " + *r.file +
                                    " is corrupt: " + piece_text(r.full->name, r.stored) + " (" +
                                    kBufferNames[r.buffer] + ") has checksum " + actual +
                                    ", expected " + *r.xxh3 + " (from manifest.json)");
-      if (r.part.begin == r.stored.begin && r.part.end == r.stored.end) {
+      if (r.direct != nullptr) {
+        // Already in place.
+      } else if (r.part.begin == r.stored.begin && r.part.end == r.stored.end) {
         layout::unpack_piece(stored, *r.local, r.part, buffers[r.buffer]);
       } else {
         // Only part of the stored piece is held here (another plan's cuts): cut it out.
