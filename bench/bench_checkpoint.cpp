@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -105,6 +106,35 @@ std::pair<double, double> raw_disk(const fs::path& path, const std::vector<char>
   return {write_s, read_s};
 }
 
+// A stand-in for a training step on the state a rank holds: the "forward and backward" read the
+// parameters once and then compute (fixed work, `compute` rounds of arithmetic on a block that
+// stays in cache); the "update" writes every element of the parameters and both moments, as AdamW
+// does. `before_update` runs between the two, where the trainer waits for a background copy.
+struct StandInStep {
+  std::vector<float>* params;
+  std::vector<float>* adam_m;
+  std::vector<float>* adam_v;
+  int64_t compute = 0;
+  std::vector<float> block = std::vector<float>(size_t{16} << 10, 1.0f);
+  float sink = 0;
+
+  void run(const std::function<void()>& before_update = {}) {
+    float sum = 0;
+    for (const float x : *params) sum += x;
+    for (int64_t k = 0; k < compute; ++k) {
+      for (float& x : block) x = x * 0.999f + 0.001f;
+    }
+    sink += sum + block[0];
+    if (before_update) before_update();
+    std::vector<float>&p = *params, &m = *adam_m, &v = *adam_v;
+    for (size_t i = 0; i < p.size(); ++i) {
+      m[i] = 0.9f * m[i] + 1e-3f;
+      v[i] = 0.999f * v[i] + 1e-6f;
+      p[i] -= 1e-6f * m[i];
+    }
+  }
+};
+
 std::string range(const std::vector<double>& values, double scale, const char* format) {
   const Summary s = summarize(values);
   char text[96];
@@ -166,6 +196,23 @@ int main(int argc, char** argv) {
 
   const std::vector<char> block(size_t{8} << 20, 'x');
   std::vector<double> disk_write, disk_read, save, load, sync_stall, async_stall, async_total;
+  // The saving step's extra time, against a step without a save, for each kind of save.
+  std::vector<double> plain_step, sync_extra, async_extra, deferred_extra;
+  StandInStep stand_in{&params, &adam_m, &adam_v};
+  {
+    // Fixed work for the stand-in step's compute, about 1 s of this machine alone (measured
+    // once, the same on every rank).
+    stand_in.compute = 0;
+    auto start = Clock::now();
+    stand_in.run();
+    const double fixed = since(start);
+    stand_in.compute = 2000;
+    start = Clock::now();
+    stand_in.run();
+    const double per_round = world.all_reduce_max(std::max(since(start) - fixed, 1e-6) / 2000);
+    stand_in.compute = static_cast<int64_t>(
+        world.all_reduce_max(static_cast<double>(static_cast<int64_t>(1.0 / per_round))));
+  }
   train::Checkpoint header;
   header.model = model;
   header.train_config = Json::object();
@@ -210,9 +257,36 @@ int main(int argc, char** argv) {
     async_stall.push_back(world.all_reduce_max(since(start)));
     writer.wait();
     async_total.push_back(world.all_reduce_max(since(start)));
+
+    // The same saves between stand-in training steps: the saving step's extra time is the save
+    // plus the next step, less a step without a save, so it counts the next step's compute
+    // slowed down by the copy and the writing going on beside it.
+    auto timed_step = [&](const std::function<void()>& before_update = {}) {
+      world.barrier();
+      const auto begin = Clock::now();
+      stand_in.run(before_update);
+      return world.all_reduce_max(since(begin));
+    };
+    timed_step();
+    plain_step.push_back(std::min(timed_step(), timed_step()));
+    const double plain = plain_step.back();
+    for (int kind = 0; kind < 3; ++kind) {
+      timed_step();
+      header.step = ++step;
+      world.barrier();
+      start = Clock::now();
+      writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
+                   /*background=*/kind > 0, /*copy_in_background=*/kind == 2);
+      stand_in.run([&] { writer.wait_for_copy(); });
+      const double extra = world.all_reduce_max(since(start)) - plain;
+      (kind == 0 ? sync_extra : kind == 1 ? async_extra : deferred_extra).push_back(extra);
+      writer.wait();
+      world.barrier();
+      if (me == 0) fs::remove_all(train::checkpoint_dir(dir, step));
+    }
     if (me == 0) {
-      fs::remove_all(train::checkpoint_dir(dir, step - 1));
-      fs::remove_all(train::checkpoint_dir(dir, step));
+      fs::remove_all(train::checkpoint_dir(dir, step - 4));
+      fs::remove_all(train::checkpoint_dir(dir, step - 3));
     }
     world.barrier();
   }
@@ -238,6 +312,20 @@ int main(int argc, char** argv) {
         range(async_stall, 1.0, "%.3f [%.3f, %.3f] s").c_str(), 100 * stall_ratio);
     std::printf("| asynchronous save, start to commit | %s |\n",
                 range(async_total, 1.0, "%.2f [%.2f, %.2f] s").c_str());
+    std::printf(
+        "\nBetween stand-in training steps (%s each without a save): the saving step's "
+        "extra time\n| save | median [min, max] |\n|---|---|\n",
+        range(plain_step, 1.0, "%.2f [%.2f, %.2f] s").c_str());
+    const double sync_median = summarize(sync_extra).median;
+    std::printf("| synchronous | %s |\n", range(sync_extra, 1.0, "%.3f [%.3f, %.3f] s").c_str());
+    std::printf("| asynchronous, copy at the save | %s (%.1f %% of synchronous) |\n",
+                range(async_extra, 1.0, "%.3f [%.3f, %.3f] s").c_str(),
+                100 * summarize(async_extra).median / sync_median);
+    std::printf(
+        "| asynchronous, copy during the next step's forward and backward | %s (%.1f %% "
+        "of synchronous) |\n",
+        range(deferred_extra, 1.0, "%.3f [%.3f, %.3f] s").c_str(),
+        100 * summarize(deferred_extra).median / sync_median);
   }
   return 0;
 }

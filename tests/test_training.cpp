@@ -7,8 +7,10 @@
 #include <fstream>
 
 #include "comm/communicator.h"
+#include "layout/layout.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_writer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 
@@ -91,6 +93,77 @@ TEST(Training, ResumeIsBitExact) {
   const auto a = straight.snapshot(), b = resumed.snapshot();
   EXPECT_EQ(a.adam_m, b.adam_m);
   EXPECT_EQ(a.adam_v, b.adam_v);
+}
+
+// An asynchronous save copies the state in the background during the next step (CheckFreq): the
+// step's update waits for the copy, so the checkpoint holds exactly the state of its own step.
+TEST(Training, AsynchronousCheckpointHoldsTheStateOfItsStep) {
+  ScratchDir dir;
+  auto config = tiny_run(dir);
+  config.steps = 7;
+  config.checkpoint_every = 5;
+  ASSERT_TRUE(config.async_checkpoints);
+  const auto model = model::load_model_config(config.model);
+  train::Trainer straight(config, model, world());
+  for (int s = 0; s < 5; ++s) straight.train_step();
+  const train::Checkpoint at5 = straight.snapshot();
+
+  train::Trainer run(config, model, world());
+  run.run();  // saves at step 5 (copied while step 6 runs) and at step 7
+  const train::Checkpoint saved =
+      train::load_checkpoint(dir / "run" / "checkpoints" / "step_00000005");
+  EXPECT_EQ(saved.step, 5);
+  EXPECT_EQ(saved.params, at5.params);
+  EXPECT_EQ(saved.adam_m, at5.adam_m);
+  EXPECT_EQ(saved.adam_v, at5.adam_v);
+}
+
+// The writer's own promise: once wait_for_copy() returns, the buffers may change and the
+// checkpoint still holds what they held at begin().
+TEST(CheckpointWriter, BackgroundCopyIsTheStateAtBegin) {
+  ScratchDir dir;
+  const auto model = model::load_model_config("tiny");
+  const model::ParameterLayout full(model);
+  const auto total = static_cast<size_t>(full.total_size());
+  std::vector<float> p(total), m(total), v(total);
+  for (size_t i = 0; i < total; ++i) {
+    p[i] = static_cast<float>(i);
+    m[i] = static_cast<float>(i) * 0.5f;
+    v[i] = static_cast<float>(i) * 0.25f;
+  }
+  const std::vector<float> p0 = p, m0 = m, v0 = v;
+  layout::Layout whole;
+  whole.shards = {model::ShardSpec::full(model)};
+  whole.replica_group = {0};
+  const auto refinement = layout::common_refinement(model, {&whole});
+  train::Checkpoint header;
+  header.model = model;
+  header.train_config = Json::object();
+  train::CheckpointWriter writer(world());
+  for (int64_t step = 1; step <= 3; ++step) {
+    header.step = step;
+    writer.begin(dir / "ckpt", header, &full, {p.data(), m.data(), v.data()}, refinement,
+                 /*background=*/true, /*copy_in_background=*/true);
+    writer.wait_for_copy();
+    EXPECT_FALSE(writer.copying());
+    // The next update, while the file is still being written.
+    for (size_t i = 0; i < total; ++i) {
+      p[i] = -p[i];
+      m[i] = -m[i];
+      v[i] = -v[i];
+    }
+    writer.wait();
+    ASSERT_TRUE(writer.last().has_value());
+    EXPECT_GE(writer.last()->stall_s, 0.0);
+    const train::Checkpoint saved =
+        train::load_checkpoint(train::checkpoint_dir(dir / "ckpt", step));
+    const float sign = step % 2 == 1 ? 1.0f : -1.0f;
+    for (size_t i = 0; i < total; ++i) {
+      ASSERT_EQ(saved.params[i], sign * p0[i]) << "step " << step << " element " << i;
+      ASSERT_EQ(saved.adam_m[i], sign * m0[i]) << "step " << step << " element " << i;
+      ASSERT_EQ(saved.adam_v[i], sign * v0[i]) << "step " << step << " element " << i;
+    }
+  }
 }
 
 TEST(Training, MicroBatchSplitDoesNotChangeTheStep) {

@@ -140,7 +140,8 @@ double Engine::run_probe(double slowdown, double* seconds) {
   return 2.0 * kProbeRepeats * kProbeSize * kProbeSize * kProbeSize;
 }
 
-StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, double slowdown) {
+StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, double slowdown,
+                        const std::function<void()>& before_update) {
   check(slowdown >= 1, "an injected slowdown must be at least 1");
   StepResult result;
   ParallelState& st = *state_;
@@ -148,8 +149,8 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
   const float loss_scale = 1.0f / static_cast<float>(global_tokens);
   double loss_sum = 0;
-  release_local_state();                  // moments lent out since the last step
-  backend::memory_ledger().reset_peak();  // this step's peak, measured from here
+  if (!before_update) release_local_state();  // moments lent out since the last step
+  backend::memory_ledger().reset_peak();      // this step's peak, measured from here
 
   if (model_) {
     zero_grads();
@@ -273,6 +274,10 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   result.recompute_ahead_measurements.assign(shared.begin() + long(recompute_at), shared.end());
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
+  if (before_update) {
+    before_update();
+    release_local_state();
+  }
   if (optimizer_) {
     // Not a section the monitor times (its cost does not scale with the plan's work), but an
     // emulated slow device is slow here too.

@@ -126,7 +126,13 @@ class Engine {
   // sections (and of its optimizer step) it keeps computing — busy work, not sleep — for
   // (slowdown − 1) × the section's elapsed time, inside the timed section; it reports nothing
   // else, so the monitor measures it like any other slowdown.
-  StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0);
+  //
+  // `before_update`, when given, runs just before the optimizer changes the parameters and
+  // moments (the forward, backward and gradient sync have only read them): a checkpoint copying
+  // this state in the background waits there (train/checkpoint_writer.h). Moments lent out by
+  // local_state() stay until then.
+  StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0,
+                  const std::function<void()>& before_update = {});
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches
   // dealt round-robin to the pipelines. Collective; the result is on every rank.
   double evaluate(const SampleFn& sample, int count);

@@ -28,6 +28,24 @@ void agree(const comm::Communicator& world, const std::string& error, int root =
 
 }  // namespace
 
+void CheckpointWriter::mark_copied(Pending& p) {
+  {
+    std::lock_guard lock(p.mutex);
+    p.copied = true;
+  }
+  p.copy_done.notify_all();
+}
+
+void CheckpointWriter::copy_state(Pending& p) {
+  if (p.local != nullptr) {
+    p.snapshot = std::make_unique<ShardSnapshot>(
+        snapshot_shard(p.rank, p.header.model, *p.local, p.sources, p.pieces,
+                       p.reuse ? std::move(*p.reuse) : ShardSnapshot{}));
+    p.reuse.reset();
+  }
+  mark_copied(p);
+}
+
 CheckpointWriter::~CheckpointWriter() {
   if (pending_ && pending_->thread.joinable()) pending_->thread.join();
 }
@@ -35,7 +53,8 @@ CheckpointWriter::~CheckpointWriter() {
 void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
                              const model::ParameterLayout* local,
                              const std::vector<const float*>& buffers,
-                             const std::vector<layout::RefinedPiece>& refinement, bool background) {
+                             const std::vector<layout::RefinedPiece>& refinement, bool background,
+                             bool copy_in_background) {
   wait();
   const double started = now_s();
   const fs::path dir = checkpoint_dir(root, header.step);
@@ -72,24 +91,39 @@ void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
   p.buffers = buffers.empty() ? 0 : static_cast<int>(buffers.size());
   p.started = started;
   p.background = background;
+  p.rank = world_.rank();
   if (local != nullptr) {
-    p.snapshot = std::make_unique<ShardSnapshot>(snapshot_shard(
-        world_.rank(), header.model, *local, buffers, owned_pieces(refinement, world_.rank()),
-        spare_ ? std::move(*spare_) : ShardSnapshot{}));
-    spare_.reset();
+    p.local = local;
+    p.sources = buffers;
+    p.pieces = owned_pieces(refinement, world_.rank());
+    p.reuse = std::move(spare_);
   }
-  p.thread = std::thread([&p] {
+  // The copy: here, or first thing on the writer's thread.
+  const bool copy_later = background && copy_in_background;
+  if (!copy_later) copy_state(p);
+  p.thread = std::thread([&p, copy_later] {
     try {
+      if (copy_later) copy_state(p);
       p.entry = p.snapshot && !p.snapshot->pieces.empty()
                     ? write_shard(p.tmp, *p.snapshot).dump()
                     : Json::object().dump();  // nothing owned here, no file
     } catch (const std::exception& e) {
+      mark_copied(p);  // a failed copy is over too: the buffers are free again
       p.entry = Json{{"error", e.what()}}.dump();
     }
     p.done = true;
   });
   p.stall_s = now_s() - started;
   if (!background) wait();
+}
+
+void CheckpointWriter::wait_for_copy() {
+  if (!copying()) return;
+  Pending& p = *pending_;
+  const double start = now_s();
+  std::unique_lock lock(p.mutex);
+  p.copy_done.wait(lock, [&p] { return p.copied.load(); });
+  p.stall_s += now_s() - start;
 }
 
 bool CheckpointWriter::poll() {

@@ -3,7 +3,10 @@
 // A save starts collectively: rank 0 makes the temporary directory every rank writes into, and
 // each rank copies the pieces it owns (train/checkpoint.h) out of its live state into host
 // memory. That copy is all the training step waits for: a background thread then writes the
-// rank's file while training goes on. The commit is collective too, and happens at the first
+// rank's file while training goes on. The copy itself can run in the background too (CheckFreq,
+// Mohan et al., FAST 2021): the parameters and moments change only at the optimizer's update, so
+// it may overlap the next step's forward and backward, and the step waits for it (wait_for_copy)
+// only if it is not done by its update. The commit is collective too, and happens at the first
 // poll() after every rank's file is on disk (or at wait()): rank 0 writes the manifest, renames
 // the directory into place, and only then points `latest` at it; every rank learns the verdict
 // before it returns, so no rank ever looks for a file of a checkpoint not yet committed.
@@ -13,8 +16,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -30,8 +35,9 @@ namespace malleus::train {
 // What one finished save took, as rank 0 saw it.
 struct SaveStats {
   std::filesystem::path dir;
-  double stall_s = 0;  // the saving step's wait: the copy to host memory (and for a
-                       // synchronous save, the writing and the commit)
+  double stall_s = 0;  // the saving step's wait: the copy to host memory, or what was left of
+                       // it at wait_for_copy (for a synchronous save, also the writing and the
+                       // commit)
   double total_s = 0;  // from the start of the save to its commit
   int64_t bytes = 0;   // written by all ranks
 };
@@ -51,9 +57,19 @@ class CheckpointWriter {
   // (every rank passes its own view of the same one); null `local` on a rank holding nothing.
   // A save still in flight is committed first. With `background` false the save is committed
   // before it returns. Throws Error on every rank if any rank failed.
+  //
+  // With `copy_in_background` (and `background`) the copy too runs on the writer's thread:
+  // `buffers` must then stay alive and unchanged until wait_for_copy() (or poll() or wait()
+  // committing the save) has returned.
   void begin(const std::filesystem::path& root, const Checkpoint& header,
              const model::ParameterLayout* local, const std::vector<const float*>& buffers,
-             const std::vector<layout::RefinedPiece>& refinement, bool background);
+             const std::vector<layout::RefinedPiece>& refinement, bool background,
+             bool copy_in_background = false);
+  // Not collective. Returns once the save in flight (if any) holds its own copy of the state, so
+  // that the buffers passed to begin() may change; its wait counts into the save's stall.
+  void wait_for_copy();
+  // Whether a save in flight may still be reading the buffers passed to begin().
+  bool copying() const { return pending_.has_value() && !pending_->copied.load(); }
   // Collective. Commits the save in flight if every rank has written its file; returns whether
   // it did. No communication when nothing is in flight.
   bool poll();
@@ -70,11 +86,22 @@ class CheckpointWriter {
     int buffers = 0;
     bool background = true;
     double started = 0, stall_s = 0;
+    // What the copy reads (when this rank holds state), and the memory it may reuse.
+    int rank = 0;
+    const model::ParameterLayout* local = nullptr;
+    std::vector<const float*> sources;
+    std::vector<OwnedPiece> pieces;
+    std::unique_ptr<ShardSnapshot> reuse;
     std::unique_ptr<ShardSnapshot> snapshot;
     std::thread thread;
-    std::atomic<bool> done{false};
+    std::atomic<bool> copied{false}, done{false};
+    std::mutex mutex;  // with `copy_done`: wait_for_copy's wait for `copied`
+    std::condition_variable copy_done;
     std::string entry;  // write_shard's result, or {"error": ...}, as JSON text
   };
+  // The snapshot of the pending save's state, then `copied` set.
+  static void copy_state(Pending& p);
+  static void mark_copied(Pending& p);
   void commit();
 
   comm::Communicator world_;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "common/error.h"
@@ -356,8 +357,13 @@ StepStats Trainer::train_step() {
   const double lr = schedule_.at(step_);
   StepStats stats;
   stats.injected = stragglers_.rates(world_.size(), step_ + 1);
-  const runtime::StepResult r = engine_->step(sample, static_cast<float>(lr), config_.grad_clip,
-                                              stats.injected[static_cast<size_t>(world_.rank())]);
+  // A save's copy still reading the state (a background copy, CheckpointWriter) holds the
+  // optimizer's update back until it is done.
+  std::function<void()> before_update;
+  if (writer_.copying()) before_update = [this] { writer_.wait_for_copy(); };
+  const runtime::StepResult r =
+      engine_->step(sample, static_cast<float>(lr), config_.grad_clip,
+                    stats.injected[static_cast<size_t>(world_.rank())], before_update);
   consumed_samples_ += config_.global_batch_size;
   ++step_;
 
@@ -452,9 +458,13 @@ void Trainer::save(const std::filesystem::path& root) {
   header.consumed_samples = consumed_samples_;
   header.tokenizer = tokenizer_;
   const layout::LocalState<float> state = engine_->local_state();
+  // Asynchronous saves copy the state in the background too, while the next step's forward and
+  // backward run; its update waits for the copy (train_step).
   writer_.begin(root, header, state.layout, {state.buffers.begin(), state.buffers.end()},
-                engine_->state().grad_sync().pieces, config_.async_checkpoints);
-  engine_->release_local_state();  // the writer copied what it writes
+                engine_->state().grad_sync().pieces, config_.async_checkpoints,
+                /*copy_in_background=*/config_.async_checkpoints);
+  // Moments gathered for the copy are given back once it is done: here, or by the next step.
+  if (!writer_.copying()) engine_->release_local_state();
   report_saved();
 }
 
