@@ -118,12 +118,16 @@ struct StandInStep {
   std::vector<float> block = std::vector<float>(size_t{16} << 10, 1.0f);
   float sink = 0;
 
+  void compute_rounds(int64_t rounds) {
+    for (int64_t k = 0; k < rounds; ++k) {
+      for (float& x : block) x = x * 0.999f + 0.001f;
+    }
+  }
+
   void run(const std::function<void()>& before_update = {}) {
     float sum = 0;
     for (const float x : *params) sum += x;
-    for (int64_t k = 0; k < compute; ++k) {
-      for (float& x : block) x = x * 0.999f + 0.001f;
-    }
+    compute_rounds(compute);
     sink += sum + block[0];
     if (before_update) before_update();
     std::vector<float>&p = *params, &m = *adam_m, &v = *adam_v;
@@ -200,16 +204,11 @@ int main(int argc, char** argv) {
   std::vector<double> plain_step, sync_extra, async_extra, deferred_extra;
   StandInStep stand_in{&params, &adam_m, &adam_v};
   {
-    // Fixed work for the stand-in step's compute, about 1 s of this machine alone (measured
-    // once, the same on every rank).
-    stand_in.compute = 0;
-    auto start = Clock::now();
-    stand_in.run();
-    const double fixed = since(start);
-    stand_in.compute = 2000;
-    start = Clock::now();
-    stand_in.run();
-    const double per_round = world.all_reduce_max(std::max(since(start) - fixed, 1e-6) / 2000);
+    // Fixed work for the stand-in step's compute, about 1 s of this machine (the compute timed
+    // on its own, once; the same on every rank).
+    const auto start = Clock::now();
+    stand_in.compute_rounds(1000);
+    const double per_round = world.all_reduce_max(since(start)) / 1000;
     stand_in.compute = static_cast<int64_t>(
         world.all_reduce_max(static_cast<double>(static_cast<int64_t>(1.0 / per_round))));
   }
@@ -283,6 +282,16 @@ int main(int argc, char** argv) {
       writer.wait();
       world.barrier();
       if (me == 0) fs::remove_all(train::checkpoint_dir(dir, step));
+    }
+    if (me == 0) {
+      std::printf(
+          "round %d: disk write %.0f MB/s, save %.0f MB/s, disk read %.0f MB/s, load %.0f MB/s, "
+          "stall sync %.2f s, async %.3f s; step %.2f s, extra sync %.2f s, copy at save %.2f "
+          "s, copy during next step %.2f s\n",
+          round + 1, disk_write.back() / 1e6, save.back() / 1e6, disk_read.back() / 1e6,
+          load.back() / 1e6, sync_stall.back(), async_stall.back(), plain, sync_extra.back(),
+          async_extra.back(), deferred_extra.back());
+      std::fflush(stdout);
     }
     if (me == 0) {
       fs::remove_all(train::checkpoint_dir(dir, step - 4));
