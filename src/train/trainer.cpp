@@ -281,6 +281,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
 }
 
 void Trainer::restore(const Checkpoint& checkpoint) {
+  writer_.wait_for_copy();  // the state is about to change
   if (checkpoint.tokenizer && tokenizer_) {
     check(tokenizer::same_tokenizer(*checkpoint.tokenizer, *tokenizer_),
           "the checkpoint's model was trained with a " + checkpoint.tokenizer->describe() +
@@ -335,6 +336,7 @@ void Trainer::restore(const Checkpoint& checkpoint) {
 }
 
 Checkpoint Trainer::snapshot() {
+  writer_.wait_for_copy();  // the gather reuses (and gives back) what a background copy reads
   runtime::FullState full = engine_->gather();
   Checkpoint c;
   c.model = model_config_;
