@@ -7,9 +7,11 @@
 # Needs root (network namespaces); exits 77 where they cannot be made.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 rounds=${1:-5} steps=${2:-4}
-cmake --build build --target malleus bench_comm bench_plans > /dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+bench_build_targets build malleus bench_comm bench_plans
+bench_allow_mpirun
 export MALLEUS_HOSTS_PREFIX=${MALLEUS_HOSTS_PREFIX:-mb} MALLEUS_HOSTS_SUBNET=${MALLEUS_HOSTS_SUBNET:-198.18.15}
 cluster=configs/clusters/cpu-bed-2x2.json
 scratch=$(mktemp -d /tmp/bench_bed.XXXXXX)

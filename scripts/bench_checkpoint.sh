@@ -7,11 +7,12 @@
 # (default: build, 2 ranks, 3 rounds, ./bench-checkpoint, removed afterwards).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 build="${1:-build}"
 ranks="${2:-2}"
 rounds="${3:-3}"
 dir="${4:-bench-checkpoint}"
-[[ -f "$build/build.ninja" || -f "$build/Makefile" ]] || cmake -S . -B "$build" -G Ninja >/dev/null
-cmake --build "$build" --target bench_checkpoint >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+bench_build_targets "$build" bench_checkpoint
+bench_allow_mpirun
 exec timeout 1800 mpirun --oversubscribe --bind-to core -np "$ranks" "$build/bench/bench_checkpoint" "$rounds" "$dir"

@@ -17,12 +17,14 @@
 # when no other benchmark runs (its timings are the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 runs=${1:-3} steps=${2:-30} shape_at=${3:-8}
 rate=268mbit slowdown=10
 cluster=configs/clusters/cpu-bed-2x2.json
 malleus=${MALLEUS_BINARY:-build/malleus}
-[[ -n ${MALLEUS_BINARY:-} ]] || cmake --build build --target malleus > /dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+[[ -n ${MALLEUS_BINARY:-} ]] || bench_build_targets build malleus
+bench_allow_mpirun
 export MALLEUS_HOSTS_PREFIX=${MALLEUS_HOSTS_PREFIX:-mk} MALLEUS_HOSTS_SUBNET=${MALLEUS_HOSTS_SUBNET:-198.18.16}
 scratch=$(mktemp -d /tmp/bench_links.XXXXXX)
 job=""
@@ -35,7 +37,7 @@ trap cleanup EXIT
 trap 'exit 143' TERM INT
 
 echo "# bench_links: 2 hosts x 2 ranks, host 1's link to $rate after step $shape_at of $steps;" \
-  "$runs runs each; $(uptime | sed 's/.*load/load/')"
+  "$runs runs each; load average $(bench_load_average)"
 timeout 300 "$malleus" prepare-data --output "$scratch/data" > /dev/null
 
 one_run() { # name flags...
@@ -67,7 +69,7 @@ for ((i = 1; i <= runs; ++i)); do
   one_run "uniform-$i" --no-replan
   one_run "compute-only-$i" --no-replan-links
   one_run "link-aware-$i"
-  echo "round $i done ($(uptime | sed 's/.*load/load/'))"
+  echo "round $i done (load average $(bench_load_average))"
 done
 
 # The cost model's healthy dp4 and best slowed step times.
@@ -129,4 +131,4 @@ for arm in arms:
     for i, n in enumerate(notes[arm], 1):
         print(f"{arm} {i}: {n}")
 EOF
-echo "($(uptime | sed 's/.*load/load/'))"
+echo "(load average $(bench_load_average))"

@@ -7,11 +7,10 @@
 # configured and bench_plans built or brought up to date first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 build="${1:-build}"
 shift || true
-[[ -f "$build/build.ninja" || -f "$build/Makefile" ]] || cmake -S . -B "$build" -G Ninja >/dev/null
-cmake --build "$build" --target bench_plans >/dev/null
-# More ranks than cores needs --oversubscribe, and then ranks waiting in MPI must yield the CPU
-# to the ones computing instead of busy-polling; root (containers) needs explicit permission.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+bench_build_targets "$build" bench_plans
+bench_allow_mpirun
 exec mpirun --oversubscribe -np 4 "$build/bench/bench_plans" "$@"

@@ -17,21 +17,16 @@
 # Results go to runs/bench-recompute (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 runs=${1:-3}
 steps=${2:-1}
 seq=${3:-1024}
-[[ -x build/malleus ]] || scripts/build.sh
-compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
-out=${BENCH_OUT:-runs/bench-recompute}
-rm -rf "$out"
-mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-cat > "$out/model.json" << JSON
-{"name": "bench-12x512", "vocab_size": 257, "hidden_size": 512, "num_layers": 12,
- "num_heads": 8, "num_kv_heads": 8, "ffn_hidden_size": 1376, "max_seq_len": $seq}
-JSON
+bench_ready_to_train
+out=$(bench_output_dir runs/bench-recompute fresh)
+bench_write_model "$out/model.json" bench-12x512 512 12 8 1376 "$seq"
 shape=(--model "$out/model.json" --seq-len "$seq" --micro-batch 1 --global-batch 4)
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average before: $(bench_load_average)"
 
 # plan NAME MODE: pp2, 6 layers per stage, both stages recomputing MODE.
 plan() {
@@ -75,7 +70,7 @@ for i in $(seq "$runs"); do
     base=${mode%-shifted}
     flags=(--no-shifted-recompute)
     [[ $mode == *-shifted ]] && flags=(--shifted-recompute)
-    echo "== $mode, run $i ($(cut -d' ' -f1-3 /proc/loadavg))"
+    echo "== $mode, run $i ($(bench_load_average))"
     # The run directory in memory: the checkpoint at the end (nothing to measure here) is written
     # fast and then dropped; metrics.jsonl is kept.
     timeout 1800 mpirun --bind-to core --map-by core -np 2 build/malleus train "${shape[@]}" \
@@ -87,5 +82,5 @@ for i in $(seq "$runs"); do
     rm -rf "$scratch/run"
   done
 done
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(bench_load_average)"
 python3 bench/recompute_summary.py "$out" "${modes[@]}"

@@ -17,18 +17,14 @@
 # Results go to runs/bench-recovery/<model>/run<i>/ (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 models=${1:-demo,100m}
 runs=${2:-3}
-[[ -x build/malleus ]] || scripts/build.sh
-compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
-out=${BENCH_OUT:-runs/bench-recovery}
-mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-cat > "$out/model-100m.json" << 'EOF'
-{"name": "m100", "vocab_size": 257, "hidden_size": 768, "num_layers": 14, "num_heads": 12,
- "num_kv_heads": 12, "ffn_hidden_size": 2048, "max_seq_len": 256}
-EOF
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_ready_to_train
+out=$(bench_output_dir runs/bench-recovery)
+bench_write_model "$out/model-100m.json" m100 768 14 12 2048 256
+echo "load average before: $(bench_load_average)"
 
 job=""
 trap '[[ -n $job ]] && kill $job 2> /dev/null; true' EXIT
@@ -104,4 +100,4 @@ print(sys.argv[1] + ": " + "; ".join(
     f"{name} {statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f})"
     for name, c in zip(names, zip(*rows))) + f" over {len(rows)} runs")' "$model"
 done
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(bench_load_average)"

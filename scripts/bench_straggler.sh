@@ -18,17 +18,17 @@
 # Results go to runs/bench-straggler/<scenario>/run<i>/{replan,uniform} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 scenarios=${1:-injected,external,two,two-shared}
 runs=${2:-3}
 steps=${3:-100}
 from=$((steps / 5)) to=$((steps * 4 / 5))
-[[ -x build/malleus ]] || scripts/build.sh
-compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
-out=${BENCH_OUT:-runs/bench-straggler}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+bench_ready_to_train
+out=$(bench_output_dir runs/bench-straggler)
 common=(--model demo --seq-len 128 --micro-batch 1 --global-batch 16 --steps "$steps" --threads 1
         --lr 1e-3 --warmup-steps 10 --eval-every 0 --checkpoint-every 0 --val-data "")
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average before: $(bench_load_average)"
 
 slower=""
 trap '[[ -n $slower ]] && kill $slower 2> /dev/null; true' EXIT
@@ -81,4 +81,4 @@ for scenario in "${chosen[@]}"; do
   build/malleus report "${dirs[0]}/replan" --output "$out/$scenario-timeline.svg" > /dev/null
   echo "timeline of run 1: $out/$scenario-timeline.svg"
 done
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(bench_load_average)"

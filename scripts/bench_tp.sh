@@ -12,20 +12,15 @@
 # runs/bench-tp (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_common.sh
+source scripts/bench_common.sh
 runs=${1:-5}
 steps=${2:-4}
 seq=${3:-512}
-[[ -x build/malleus ]] || scripts/build.sh
-compgen -G "data/fortunes/train_*.bin" > /dev/null || build/malleus prepare-data
-out=${BENCH_OUT:-runs/bench-tp}
-rm -rf "$out"
-mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-cat > "$out/model.json" << JSON
-{"name": "bench-6x512", "vocab_size": 257, "hidden_size": 512, "num_layers": 6,
- "num_heads": 8, "num_kv_heads": 8, "ffn_hidden_size": 1376, "max_seq_len": $seq}
-JSON
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_ready_to_train
+out=$(bench_output_dir runs/bench-tp fresh)
+bench_write_model "$out/model.json" bench-6x512 512 6 8 1376 "$seq"
+echo "load average before: $(bench_load_average)"
 
 for mb in 1 2; do
   dir="$out/mb$mb"
@@ -56,5 +51,5 @@ JSON
     done
   done
 done
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(bench_load_average)"
 python3 bench/tp_summary.py "$out" 1 2
