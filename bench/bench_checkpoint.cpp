@@ -4,8 +4,9 @@
 //   part of a save, all at once, then reads one as large as its part of a load with the page
 //   cache dropped for it (the same bytes per rank as the save and the load it is held against);
 // - sharded saves of a 106M-parameter model (parameters and both Adam moments, 1.27 GB) under the
-//   data-parallel plan of the job (every rank holds the whole model and writes the half, third...
-//   it owns), synchronous: bytes over the time from the start of the save to its commit;
+//   data-parallel plan of the job with the distributed optimizer (every rank holds the whole
+//   model's parameters and writes the pieces of them it owns, and its optimizer shard's slice of
+//   the moments), synchronous: bytes over the time from the start of the save to its commit;
 // - loads of that checkpoint under a pipeline plan (each rank reads the pieces of its own stage,
 //   page cache dropped first): bytes read over time;
 // - the stall of an asynchronous save (the copy to host memory the step waits for) against the
@@ -33,8 +34,10 @@
 #include "common/json.h"
 #include "common/stats.h"
 #include "layout/layout.h"
+#include "layout/optimizer_shard.h"
 #include "model/config.h"
 #include "model/parameters.h"
+#include "plan/cost_model.h"
 #include "plan/plan.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_writer.h"
@@ -131,11 +134,11 @@ struct StandInStep {
     sink += sum + block[0];
     if (before_update) before_update();
     std::vector<float>&p = *params, &m = *adam_m, &v = *adam_v;
-    for (size_t i = 0; i < p.size(); ++i) {
+    for (size_t i = 0; i < m.size(); ++i) {
       m[i] = 0.9f * m[i] + 1e-3f;
       v[i] = 0.999f * v[i] + 1e-6f;
-      p[i] -= 1e-6f * m[i];
     }
+    for (float& x : p) x -= 1e-6f * x;
   }
 };
 
@@ -167,18 +170,32 @@ int main(int argc, char** argv) {
   const layout::Layout loading_layout = layout::plan_layout(loading, model);
   const model::ParameterLayout stage(model, *loading_layout.shards[static_cast<size_t>(me)]);
 
+  // The distributed optimizer (ZeRO-1, as a run with several pipelines has it): each rank keeps
+  // its slice of the Adam moments, its optimizer shard.
+  const layout::GradSyncPlan sync = layout::plan_grad_sync(model, saving);
+  const layout::OptimizerShard shard =
+      layout::optimizer_shard(sync, me, plan::kGradSyncChunkElements);
+  const layout::Blocks moment_blocks = layout::shard_blocks(full, sync, shard);
   const auto total = static_cast<size_t>(full.total_size());
-  std::vector<float> params(total), adam_m(total), adam_v(total);
-  for (size_t i = 0; i < total; ++i) {
-    params[i] = static_cast<float>(i % 1021) * 1e-3f;
+  std::vector<float> params(total), adam_m(static_cast<size_t>(shard.elements)),
+      adam_v(adam_m.size());
+  for (size_t i = 0; i < total; ++i) params[i] = static_cast<float>(i % 1021) * 1e-3f;
+  for (size_t i = 0; i < adam_m.size(); ++i) {
     adam_m[i] = static_cast<float>(i % 977) * 1e-5f;
     adam_v[i] = static_cast<float>(i % 911) * 1e-7f;
   }
   const auto refinement = layout::common_refinement(model, {&saving});
-  int64_t owned = 0;
-  for (const auto& p : train::owned_pieces(refinement, me)) {
-    owned += layout::piece_elements(full, p.piece) * 12;
+  const std::vector<train::SavedKind> state =
+      train::saved_state(model, refinement, me, full, params.data(), &moment_blocks, adam_m.data(),
+                         adam_v.data(), /*moments_split=*/true);
+  int64_t owned = 0;  // bytes this rank writes
+  for (const train::SavedKind& kind : state) {
+    for (const train::OwnedPart& p : kind.parts) {
+      owned += p.part.elements * 4 * static_cast<int64_t>(kind.buffers.size());
+    }
   }
+  const double most_owned = world.all_reduce_max(static_cast<double>(owned));
+  const double least_owned = -world.all_reduce_max(-static_cast<double>(owned));
   const int64_t checkpoint_bytes = 12 * full.num_parameters();
   // A load reads whole stored pieces: under dp every tensor is stored whole, and a pipeline stage
   // holds whole tensors, so a rank reads its stage's parameters and moments (checked below).
@@ -188,12 +205,12 @@ int main(int argc, char** argv) {
     fs::create_directories(dir);
     std::printf(
         "model %s: %.1fM parameters, checkpoint %.2f GB (parameters + Adam moments, fp32)\n"
-        "%d ranks; saved under dp%d (rank 0 writes %.0f MB), loaded under pp%d (rank 0 reads "
-        "%.0f MB); the disk alone writes and reads the same bytes per rank; %d rounds, "
-        "medians [min, max]\n",
+        "%d ranks; saved under dp%d with the distributed optimizer (rank 0 writes %.0f MB; "
+        "ranks write %.0f to %.0f MB), loaded under pp%d (rank 0 reads %.0f MB); the disk alone "
+        "writes and reads the same bytes per rank; %d rounds, medians [min, max]\n",
         model.name.c_str(), static_cast<double>(full.num_parameters()) / 1e6,
         static_cast<double>(checkpoint_bytes) / 1e9, ranks, ranks, static_cast<double>(owned) / 1e6,
-        ranks, static_cast<double>(load_bytes) / 1e6, rounds);
+        least_owned / 1e6, most_owned / 1e6, ranks, static_cast<double>(load_bytes) / 1e6, rounds);
     std::fflush(stdout);
   }
   world.barrier();
@@ -229,8 +246,7 @@ int main(int argc, char** argv) {
     header.step = ++step;
     world.barrier();
     auto start = Clock::now();
-    writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
-                 /*background=*/false);
+    writer.begin(dir, header, state, /*background=*/false);
     const double sync_s = world.all_reduce_max(since(start));
     save.push_back(static_cast<double>(checkpoint_bytes) / sync_s);
     sync_stall.push_back(sync_s);
@@ -251,8 +267,7 @@ int main(int argc, char** argv) {
     header.step = ++step;
     world.barrier();
     start = Clock::now();
-    writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
-                 /*background=*/true);
+    writer.begin(dir, header, state, /*background=*/true);
     async_stall.push_back(world.all_reduce_max(since(start)));
     writer.wait();
     async_total.push_back(world.all_reduce_max(since(start)));
@@ -274,8 +289,8 @@ int main(int argc, char** argv) {
       header.step = ++step;
       world.barrier();
       start = Clock::now();
-      writer.begin(dir, header, &full, {params.data(), adam_m.data(), adam_v.data()}, refinement,
-                   /*background=*/kind > 0, /*copy_in_background=*/kind == 2);
+      writer.begin(dir, header, state, /*background=*/kind > 0,
+                   /*copy_in_background=*/kind == 2);
       stand_in.run([&] { writer.wait_for_copy(); });
       const double extra = world.all_reduce_max(since(start)) - plain;
       (kind == 0 ? sync_extra : kind == 1 ? async_extra : deferred_extra).push_back(extra);

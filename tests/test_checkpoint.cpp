@@ -23,6 +23,7 @@
 #include "common/files.h"
 #include "common/json.h"
 #include "layout/layout.h"
+#include "layout/optimizer_shard.h"
 #include "model/config.h"
 #include "model/parameters.h"
 #include "train/checkpoint.h"
@@ -333,9 +334,9 @@ TEST_F(CorruptCheckpoint, WrongFormatOrVersion) {
   EXPECT_CONTAINS(load_error(), "format is \"something-else\"");
   json = manifest();
   json["format"] = "malleus-checkpoint";
-  json["version"] = 4;
+  json["version"] = 5;
   write_manifest(json);
-  EXPECT_CONTAINS(load_error(), "version 4 is not supported");
+  EXPECT_CONTAINS(load_error(), "version 5 is not supported");
 }
 
 TEST_F(CorruptCheckpoint, ManifestMissingKey) {
@@ -540,11 +541,58 @@ void save_sharded(const fs::path& dir, const Checkpoint& c, const layout::Layout
     const auto& local = *locals[static_cast<size_t>(r)];
     const auto p = slice(full, c.params, local), m = slice(full, c.adam_m, local),
                v = slice(full, c.adam_v, local);
-    const ShardSnapshot snap = snapshot_shard(r, c.model, local, {p.data(), m.data(), v.data()},
-                                              owned_pieces(refinement, r));
+    const layout::Blocks blocks = layout::local_blocks(full, local);
+    const ShardSnapshot snap =
+        snapshot_shard(r, saved_state(c.model, refinement, r, local, p.data(), &blocks, m.data(),
+                                      v.data(), /*moments_split=*/false));
     shards.push_back(write_shard(tmp, snap));
   }
-  commit_sharded_checkpoint(tmp, dir, c, shards, 3);
+  commit_sharded_checkpoint(tmp, dir, c, shards, /*with_moments=*/true);
+}
+
+// `blocks`' part of a full-model buffer, laid out as the blocks say (`elements` in all).
+std::vector<float> gather_blocks(const model::ParameterLayout& full,
+                                 const std::vector<float>& buffer, const layout::Blocks& blocks,
+                                 int64_t elements) {
+  const layout::Blocks whole_model = layout::local_blocks(full, full);
+  std::vector<float> out(static_cast<size_t>(elements), 0.0f);
+  for (const layout::Block& b : blocks) {
+    const layout::BlockPart part = layout::whole(b);
+    std::vector<float> packed(static_cast<size_t>(part.elements));
+    layout::pack_block_part(buffer.data(), whole_model[static_cast<size_t>(b.tensor)], part,
+                            packed.data());
+    layout::unpack_block_part(packed.data(), b, part, out.data());
+  }
+  return out;
+}
+
+// Small chunks for the distributed optimizer's shards, so that its slices cut column-sharded
+// pieces between rows (what a large model's chunks do to its large pieces).
+constexpr double kSmallChunk = 1500;
+
+// Writes `c` as a sharded checkpoint of `l` with the distributed optimizer: each rank's moments in
+// its optimizer shard, written as they lie there.
+void save_sharded_split(const fs::path& dir, const Checkpoint& c, const layout::Layout& l) {
+  const model::ParameterLayout full(c.model);
+  const auto refinement = layout::common_refinement(c.model, {&l});
+  const layout::GradSyncPlan sync = layout::plan_grad_sync(c.model, l);
+  const fs::path tmp = temporary_dir(dir, 1);
+  fs::create_directories(tmp);
+  std::vector<Json> shards;
+  const auto locals = layout::local_layouts(c.model, l);
+  for (int r = 0; r < l.world_size(); ++r) {
+    const auto& local = *locals[static_cast<size_t>(r)];
+    const auto p = slice(full, c.params, local);
+    const layout::OptimizerShard shard = layout::optimizer_shard(sync, r, kSmallChunk);
+    const layout::Blocks blocks = layout::shard_blocks(full, sync, shard);
+    const auto m = gather_blocks(full, c.adam_m, blocks, shard.elements);
+    const auto v = gather_blocks(full, c.adam_v, blocks, shard.elements);
+    const ShardSnapshot snap = snapshot_shard(
+        r, saved_state(c.model, refinement, r, local, p.data(), &blocks, m.data(), v.data(),
+                       /*moments_split=*/true));
+    shards.push_back(write_shard(tmp, snap));
+  }
+  commit_sharded_checkpoint(tmp, dir, c, shards, /*with_moments=*/true);
 }
 
 TEST(ShardedCheckpoint, EachElementIsStoredOnceAndLoadsWhole) {
@@ -639,6 +687,158 @@ TEST(ShardedCheckpoint, OverlappingPiecesAreRefused) {
   json["manifest_xxh3"] = manifest_checksum(json);
   write_file_atomic(dir / "manifest.json", json.dump(2));
   EXPECT_FALSE(error_of([&] { CheckpointIndex{dir}; }).empty());
+}
+
+TEST(ShardedCheckpoint, MomentsAreWrittenFromOptimizerShardsEachElementOnce) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(11);
+  const model::ParameterLayout full(c.model);
+  const layout::Layout l = three_rank_layout(c.model);
+  save_sharded_split(tmp / "ckpt", c, l);
+  // Every element of the parameters and of both moments stored exactly once over the files.
+  int64_t bytes = 0;
+  for (int r = 0; r < 3; ++r) {
+    bytes += static_cast<int64_t>(fs::file_size(tmp / "ckpt" / shard_file_name(r)));
+  }
+  EXPECT_EQ(bytes, 12 * full.num_parameters());
+  const Json manifest = read_json_file((tmp / "ckpt" / "manifest.json").string());
+  EXPECT_EQ(manifest["version"], 4);
+  // The shards' slices cut some column-sharded piece between its rows.
+  int partial_rows = 0, moment_pieces = 0;
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    for (const Json& piece : entry["pieces"]) {
+      if (piece["state"] != "moments") continue;
+      ++moment_pieces;
+      if (!piece.contains("rows")) continue;
+      const auto& spec = full.find(piece["tensor"].get<std::string>());
+      if (piece["rows"][0] != 0 || piece["rows"][1] != spec.full_shape[0]) ++partial_rows;
+    }
+  }
+  EXPECT_GT(moment_pieces, 0);
+  EXPECT_GT(partial_rows, 0);
+  // Whole, and bit-identical.
+  expect_same(c, load_checkpoint(tmp / "ckpt"), true);
+
+  // Read straight into another plan's optimizer shards (other cuts, other chunks), and into
+  // whole moments of another shard.
+  const CheckpointIndex index(tmp / "ckpt");
+  model::ShardSpec other = tp_shard(2, 2, 16, 40, 100, 150);
+  other.layer_begin = 1;
+  other.has_embedding = false;
+  layout::Layout l2;
+  l2.shards = {model::ShardSpec::full(c.model), other, tp_shard(0, 2, 0, 16, 0, 100)};
+  l2.replica_group = {0, 1, 2};
+  const layout::GradSyncPlan sync2 = layout::plan_grad_sync(c.model, l2);
+  const auto locals2 = layout::local_layouts(c.model, l2);
+  for (int r = 0; r < 3; ++r) {
+    const layout::OptimizerShard shard = layout::optimizer_shard(sync2, r, 700);
+    const layout::Blocks blocks = layout::shard_blocks(full, sync2, shard);
+    const model::ParameterLayout& local = *locals2[static_cast<size_t>(r)];
+    const layout::Blocks param_blocks = layout::local_blocks(full, local);
+    std::vector<float> p(static_cast<size_t>(local.total_size()));
+    std::vector<float> m(static_cast<size_t>(shard.elements)), v(m.size());
+    const StateTarget moments{&blocks, {m.data(), v.data()}};
+    index.read({&param_blocks, {p.data()}}, &moments);
+    EXPECT_TRUE(bit_identical(p, slice(full, c.params, local))) << "rank " << r;
+    EXPECT_TRUE(bit_identical(m, gather_blocks(full, c.adam_m, blocks, shard.elements)))
+        << "rank " << r;
+    EXPECT_TRUE(bit_identical(v, gather_blocks(full, c.adam_v, blocks, shard.elements)))
+        << "rank " << r;
+  }
+  std::vector<float> p(static_cast<size_t>(locals2[1]->total_size())), m(p.size()), v(p.size());
+  index.read(*locals2[1], {p.data(), m.data(), v.data()});
+  EXPECT_TRUE(bit_identical(m, slice(full, c.adam_m, *locals2[1])));
+  EXPECT_TRUE(bit_identical(v, slice(full, c.adam_v, *locals2[1])));
+}
+
+TEST(ShardedCheckpoint, DamagedOrOverlappingMomentPiecesAreRefused) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(12);
+  const fs::path dir = tmp / "ckpt";
+  save_sharded_split(dir, c, three_rank_layout(c.model));
+  const Json manifest = read_json_file((dir / "manifest.json").string());
+  // The last moment piece of rank 1's file: its second moment, the file's last bytes.
+  const Json& pieces = manifest["files"][shard_file_name(1)]["pieces"];
+  ASSERT_EQ(pieces.back()["state"], "moments");
+  const fs::path file = dir / shard_file_name(1);
+  const std::string good = read_file(file);
+  flip_byte(file, good.size() - 2);
+  std::string message = error_of([&] { load_checkpoint(dir); });
+  EXPECT_CONTAINS(message, "rank_00001.bin is corrupt");
+  EXPECT_CONTAINS(message, "(adam_v)");
+  write_file_atomic(file, good.substr(0, good.size() - 4));
+  EXPECT_CONTAINS(error_of([&] { load_checkpoint(dir); }), "rank_00001.bin is truncated");
+  write_file_atomic(file, good);
+  expect_same(c, load_checkpoint(dir), true);
+
+  // A moment piece moved one row down, into its neighbour's (resealed, as a forger would).
+  Json json = manifest;
+  bool edited = false;
+  for (auto& [name, entry] : json["files"].items()) {
+    for (Json& piece : entry["pieces"]) {
+      if (edited || piece["state"] != "moments" || !piece.contains("rows")) continue;
+      const auto& spec = model::ParameterLayout(c.model).find(piece["tensor"].get<std::string>());
+      if (piece["rows"][1] == spec.full_shape[0]) continue;
+      piece["rows"][0] = piece["rows"][0].get<int64_t>() + 1;
+      piece["rows"][1] = piece["rows"][1].get<int64_t>() + 1;
+      edited = true;
+    }
+  }
+  ASSERT_TRUE(edited);
+  json.erase("manifest_xxh3");
+  json["manifest_xxh3"] = manifest_checksum(json);
+  write_file_atomic(dir / "manifest.json", json.dump(2));
+  message = error_of([&] { CheckpointIndex{dir}; });
+  EXPECT_CONTAINS(message, "manifest.json");
+  EXPECT_CONTAINS(message, "moments");
+}
+
+// Version 3 stored every piece's parameters and both moments together; such checkpoints still
+// load.
+TEST(ShardedCheckpoint, Version3StillLoads) {
+  TempDir tmp;
+  const Checkpoint c = make_checkpoint(13);
+  const model::ParameterLayout full(c.model);
+  const fs::path dir = tmp / "v3";
+  fs::create_directories(dir);
+  // One rank's file: every tensor whole, its parameters, then its first and second moment.
+  std::string data;
+  Json pieces = Json::array();
+  for (size_t t = 0; t < full.tensors().size(); ++t) {
+    const model::TensorSpec& spec = full.tensors()[t];
+    const int64_t extent =
+        spec.shard_axis == model::ShardAxis::kColumns ? spec.full_shape[1] : spec.full_shape[0];
+    Json sums = Json::array();
+    const int64_t offset = static_cast<int64_t>(data.size());
+    for (const std::vector<float>* buffer : {&c.params, &c.adam_m, &c.adam_v}) {
+      std::vector<float> packed(static_cast<size_t>(spec.size));
+      layout::pack_piece(buffer->data(), spec, {static_cast<int>(t), 0, extent}, packed.data());
+      sums.push_back(checksum_hex(packed.data(), packed.size() * sizeof(float)));
+      data.append(reinterpret_cast<const char*>(packed.data()), packed.size() * sizeof(float));
+    }
+    pieces.push_back(
+        {{"tensor", spec.name}, {"begin", 0}, {"end", extent}, {"offset", offset}, {"xxh3", sums}});
+  }
+  write_file_atomic(dir / shard_file_name(0), data);
+  Json tensors = Json::array();
+  for (const auto& t : full.tensors())
+    tensors.push_back({{"name", t.name}, {"shape", t.full_shape}});
+  Json json = {
+      {"format", "malleus-checkpoint"},
+      {"version", 3},
+      {"model", c.model.to_json()},
+      {"train_config", c.train_config},
+      {"step", c.step},
+      {"consumed_samples", c.consumed_samples},
+      {"tensors", tensors},
+      {"buffers", {"params", "adam_m", "adam_v"}},
+      {"files",
+       {{shard_file_name(0), {{"bytes", static_cast<int64_t>(data.size())}, {"pieces", pieces}}}}}};
+  json["manifest_xxh3"] = manifest_checksum(json);
+  write_file_atomic(dir / "manifest.json", json.dump(2));
+  expect_same(c, load_checkpoint(dir), true);
+  flip_byte(dir / shard_file_name(0), data.size() - 1);
+  EXPECT_CONTAINS(error_of([&] { load_checkpoint(dir); }), "rank_00000.bin is corrupt");
 }
 
 TEST(Latest, DirectoryNamesAndLatestPointer) {

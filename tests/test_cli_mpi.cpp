@@ -378,10 +378,17 @@ TEST(CliMpi, ShardedCheckpointFromFourRanksResumesOnThreeSlow) {
   ASSERT_EQ(straight.size(), 4u) << first.output;
 
   // Every rank wrote its own file, and together they store each element once: parameters and
-  // both Adam moments of the tiny model, 4 bytes each.
+  // both Adam moments of the tiny model, 4 bytes each. The moments came straight from each
+  // rank's optimizer shard (both plans have two pipelines: the distributed optimizer splits them),
+  // pieces of their own written by every rank.
   const fs::path checkpoint = dir / "run" / "checkpoints" / checkpoint_name(2);
   const Json manifest = read_json_file((checkpoint / "manifest.json").string());
-  EXPECT_EQ(manifest["version"], 3);
+  EXPECT_EQ(manifest["version"], 4);
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    int moment_pieces = 0;
+    for (const Json& piece : entry["pieces"]) moment_pieces += piece["state"] == "moments";
+    EXPECT_GT(moment_pieces, 0) << file;
+  }
   int64_t elements = 0;
   for (const Json& t : manifest["tensors"]) {
     int64_t n = 1;
@@ -396,6 +403,19 @@ TEST(CliMpi, ShardedCheckpointFromFourRanksResumesOnThreeSlow) {
     bytes += file_size_or_zero(checkpoint / name);
   }
   EXPECT_EQ(bytes, 12 * elements);
+  // Saving gathered nothing: the step after the save (whose update waited for the background
+  // copy) held no more optimizer memory than the first step, on every rank.
+  std::map<int64_t, Json> records;
+  {
+    std::ifstream metrics(dir / "run" / "metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const Json record = Json::parse(line);
+      if (record.contains("loss")) records[record["step"].get<int64_t>()] = record;
+    }
+  }
+  ASSERT_TRUE(records.count(1) && records.count(3)) << first.output;
+  ASSERT_EQ(records[3]["peak_optimizer_bytes"].size(), 4u);
+  EXPECT_EQ(records[3]["peak_optimizer_bytes"], records[1]["peak_optimizer_bytes"]);
 
   // Resumed from step 2 on 3 ranks under another plan: the same losses, up to fp32 order.
   const auto resumed = run_mpi(3, "train --resume " + checkpoint.string() + " --plan " + three +

@@ -136,13 +136,16 @@ TEST(CheckpointWriter, BackgroundCopyIsTheStateAtBegin) {
   whole.shards = {model::ShardSpec::full(model)};
   whole.replica_group = {0};
   const auto refinement = layout::common_refinement(model, {&whole});
+  const layout::Blocks blocks = layout::local_blocks(full, full);
   train::Checkpoint header;
   header.model = model;
   header.train_config = Json::object();
   train::CheckpointWriter writer(world());
   for (int64_t step = 1; step <= 3; ++step) {
     header.step = step;
-    writer.begin(dir / "ckpt", header, &full, {p.data(), m.data(), v.data()}, refinement,
+    writer.begin(dir / "ckpt", header,
+                 train::saved_state(model, refinement, 0, full, p.data(), &blocks, m.data(),
+                                    v.data(), /*moments_split=*/false),
                  /*background=*/true, /*copy_in_background=*/true);
     writer.wait_for_copy();
     EXPECT_FALSE(writer.copying());

@@ -214,6 +214,20 @@ int64_t Block::axis_end() const {
   return spec.shard_axis == model::ShardAxis::kColumns ? spec.shard_begin + spec.shape[1] : row_end;
 }
 
+namespace {
+
+// The block of a local tensor: all of its rows (of its columns, when column-sharded).
+Block tensor_block(int full_tensor, const model::TensorSpec& spec) {
+  Block block{full_tensor, spec, 0, spec.full_shape[0]};
+  if (spec.shard_axis != model::ShardAxis::kColumns) {
+    block.row_begin = spec.shard_begin;
+    block.row_end = spec.shard_begin + spec.shape[0];
+  }
+  return block;
+}
+
+}  // namespace
+
 std::vector<Blocks> layout_blocks(const model::ModelConfig& model, const Layout& layout) {
   const model::ParameterLayout full(model);
   std::unordered_map<std::string, int> full_index;
@@ -225,15 +239,67 @@ std::vector<Blocks> layout_blocks(const model::ModelConfig& model, const Layout&
   for (size_t r = 0; r < locals.size(); ++r) {
     if (!locals[r]) continue;
     for (const model::TensorSpec& spec : locals[r]->tensors()) {
-      Block block{full_index.at(spec.name), spec, 0, spec.full_shape[0]};
-      if (spec.shard_axis != model::ShardAxis::kColumns) {
-        block.row_begin = spec.shard_begin;
-        block.row_end = spec.shard_begin + spec.shape[0];
-      }
-      blocks[r].push_back(std::move(block));
+      blocks[r].push_back(tensor_block(full_index.at(spec.name), spec));
     }
   }
   return blocks;
+}
+
+Blocks local_blocks(const model::ParameterLayout& full, const model::ParameterLayout& local) {
+  Blocks blocks;
+  for (const model::TensorSpec& spec : local.tensors()) {
+    const model::TensorSpec& whole_tensor = full.find(spec.name);
+    blocks.push_back(tensor_block(static_cast<int>(&whole_tensor - full.tensors().data()), spec));
+  }
+  return blocks;
+}
+
+std::optional<BlockPart> overlap(const Block& a, const Block& b) {
+  if (a.tensor != b.tensor) return std::nullopt;
+  const int64_t begin = std::max(a.axis_begin(), b.axis_begin());
+  const int64_t end = std::min(a.axis_end(), b.axis_end());
+  if (begin >= end) return std::nullopt;
+  BlockPart part;
+  part.part = {a.tensor, begin, end};
+  if (a.spec.shard_axis == model::ShardAxis::kColumns) {
+    part.row_begin = std::max(a.row_begin, b.row_begin);
+    part.row_end = std::min(a.row_end, b.row_end);
+    if (part.row_begin >= part.row_end) return std::nullopt;
+    part.elements = (end - begin) * (part.row_end - part.row_begin);
+  } else {
+    part.elements = (end - begin) * (a.spec.full_shape.size() > 1 ? a.spec.full_shape[1] : 1);
+  }
+  return part;
+}
+
+BlockPart whole(const Block& block) {
+  return *overlap(block, block);
+}
+
+model::TensorSpec rows_view(const model::TensorSpec& spec, int64_t row_begin, int64_t row_end) {
+  if (row_begin < 0) return spec;
+  model::TensorSpec view = spec;
+  view.offset += row_begin * spec.shape[1];
+  view.shape[0] = row_end - row_begin;
+  view.size = view.shape[0] * view.shape[1];
+  return view;
+}
+
+Block packed_block(const model::TensorSpec& full, const BlockPart& part) {
+  Block block;
+  block.tensor = part.part.tensor;
+  if (full.shard_axis == model::ShardAxis::kColumns) {
+    // All rows described, placed so that row i lies where the buffer keeps it.
+    const int64_t width = part.part.end - part.part.begin;
+    block.spec = piece_tensor(full, part.part, -part.row_begin * width);
+    block.row_begin = part.row_begin;
+    block.row_end = part.row_end;
+  } else {
+    block.spec = piece_tensor(full, part.part);
+    block.row_begin = part.part.begin;
+    block.row_end = part.part.end;
+  }
+  return block;
 }
 
 std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces) {
@@ -291,6 +357,18 @@ std::optional<int64_t> contiguous_offset(const model::TensorSpec& local, const P
   return local.offset + from * row;
 }
 
+template <typename T>
+void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out) {
+  pack_piece(buffer, rows_view(block.spec, part.row_begin, part.row_end), part.part, out);
+}
+
+template <typename T>
+void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer) {
+  unpack_piece(in, rows_view(block.spec, part.row_begin, part.row_end), part.part, buffer);
+}
+
+template void pack_block_part<float>(const float*, const Block&, const BlockPart&, float*);
+template void unpack_block_part<float>(const float*, const Block&, const BlockPart&, float*);
 template void pack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
 template void pack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
 template void unpack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);

@@ -100,6 +100,33 @@ using Blocks = std::vector<Block>;
 // Each rank's local layout under `layout` as blocks, one per local tensor in its order (empty for
 // ranks holding nothing).
 std::vector<Blocks> layout_blocks(const model::ModelConfig& model, const Layout& layout);
+// One rank's local layout `local` as blocks, one per local tensor in its order; `full` is the
+// model's whole ParameterLayout.
+Blocks local_blocks(const model::ParameterLayout& full, const model::ParameterLayout& local);
+
+// The part of a full tensor that two blocks of it both hold: `part` along the tensor's split
+// axis and, for a column-sharded tensor, rows [row_begin, row_end) of those columns (for other
+// tensors the rows are part's own range, and row_begin = row_end = -1).
+struct BlockPart {
+  Piece part;
+  int64_t row_begin = -1, row_end = -1;
+  int64_t elements = 0;
+};
+std::optional<BlockPart> overlap(const Block& a, const Block& b);
+// Everything `block` holds, as a part.
+BlockPart whole(const Block& block);
+// `spec` seen as only rows [row_begin, row_end) of it (a column-sharded block's; for row_begin < 0
+// it is returned as it is): what pack_piece / unpack_piece then read and write of a part.
+model::TensorSpec rows_view(const model::TensorSpec& spec, int64_t row_begin, int64_t row_end);
+// A contiguous buffer holding exactly `part` of `full` (tensor `part.part.tensor` of the model),
+// as pack_block_part writes it, described as a block: parts cut out of parts (a checkpoint's
+// stored pieces read into another plan's blocks) use the same pack and unpack.
+Block packed_block(const model::TensorSpec& full, const BlockPart& part);
+// Copies `part` (which `block` holds) between a buffer laid out with `block` and a contiguous one.
+template <typename T>
+void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out);
+template <typename T>
+void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer);
 
 // One owner for every piece of a one-layout refinement (holders[0]): the holder with the fewest
 // elements given so far, lowest rank on ties, so that every holder of replicated state gets

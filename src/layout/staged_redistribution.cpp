@@ -35,12 +35,7 @@ BandRange local_part(int rank, int kind, const Block& block, int64_t begin, int6
 
 // `local` seen as only rows [move.row_begin, move.row_end) of it, for a column-sharded move.
 model::TensorSpec band_view(const model::TensorSpec& local, const BandMove& move) {
-  if (move.row_begin < 0) return local;
-  model::TensorSpec view = local;
-  view.offset += move.row_begin * local.shape[1];
-  view.shape[0] = move.row_end - move.row_begin;
-  view.size = view.shape[0] * view.shape[1];
-  return view;
+  return rows_view(local, move.row_begin, move.row_end);
 }
 
 // Bytes of the parts `rank` has among `parts`.

@@ -618,6 +618,18 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   return next;
 }
 
+HeldState Engine::held_state() {
+  if (!model_) return {};
+  if (moment_blocks_.empty()) {
+    const model::ParameterLayout full(model_config_);
+    moment_blocks_ = shard_ ? layout::shard_blocks(full, state_->grad_sync(), *shard_)
+                            : layout::local_blocks(full, model_->layout());
+  }
+  return {
+      &model_->layout(),           model_->params(),  &moment_blocks_, optimizer_->first_moment(),
+      optimizer_->second_moment(), shard_.has_value()};
+}
+
 layout::LocalState<float> Engine::local_state() {
   layout::LocalState<float> state = writable_local_state();
   if (!shard_) return state;

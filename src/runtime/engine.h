@@ -102,6 +102,19 @@ struct MigrationStats {
   int64_t peak_extra_bytes = 0, state_extra_bytes = 0, predicted_extra_bytes = 0;
 };
 
+// This rank's state where the engine keeps it, nothing gathered or copied: parameters in its local
+// layout, Adam moments in `moment_blocks` (its optimizer shard's blocks of rows when the moments
+// are split among holders, else the local layout's tensors). What checkpoints write and read,
+// each rank its own part. Null pointers on an idle rank.
+struct HeldState {
+  const model::ParameterLayout* layout = nullptr;
+  float* params = nullptr;
+  const layout::Blocks* moment_blocks = nullptr;
+  float* adam_m = nullptr;
+  float* adam_v = nullptr;
+  bool moments_split = false;  // moment_blocks are the optimizer shard's
+};
+
 // The full model state gathered on one rank (params, Adam moments in the full model's layout).
 struct FullState {
   std::vector<float> params, adam_m, adam_v;
@@ -152,8 +165,12 @@ class Engine {
   // under options.migration_bucket_bytes. This engine is left without use (and without memory).
   std::unique_ptr<Engine> migrate(const plan::Plan& plan, MigrationStats* stats = nullptr);
 
-  // Parameters and both Adam moments in this rank's layout (nothing when idle): what moves
-  // between plans and to and from checkpoints (each rank writing and reading its own part).
+  // This rank's state as it lies (not collective): what a checkpoint copies out of and reads
+  // into. Writing into it is not followed by anything: the engine uses what it finds there.
+  HeldState held_state();
+
+  // Parameters and both Adam moments in this rank's layout (nothing when idle): what a gather to
+  // one rank and a scatter from it move.
   // With the distributed optimizer the moments are gathered within each holder set into buffers
   // of the whole local layout (collective over the ranks holding state; the extra memory is the
   // moments of the local layout, what the rank held before the distributed optimizer), kept
@@ -211,6 +228,7 @@ class Engine {
   bool distributed_optimizer_ = false;
   std::optional<layout::OptimizerShard> shard_;  // none on idle ranks
   backend::Buffer<float> grad_shard_;
+  layout::Blocks moment_blocks_;  // where the Adam moments lie (HeldState), once asked for
   // Both moments in the local layout, while local_state() lends them out.
   backend::Buffer<float> staged_m_, staged_v_;
   int64_t steps_done_ = 0;  // kept on idle ranks too

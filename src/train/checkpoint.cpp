@@ -195,7 +195,7 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
   int64_t version = 0;
   const std::string text = read_file(dir / kManifest);
   const Json manifest = verified_manifest(text, source, &version);
-  if (version == kShardedVersion) {
+  if (version >= kShardedVersion3) {
     // The whole model on this process: the sharded reader with the full layout as the shard.
     const CheckpointIndex index(dir, text);
     Checkpoint checkpoint = index.header();
@@ -286,10 +286,10 @@ Json verified_manifest(const std::string& text, const std::string& source, int64
   check(format == kFormat,
         source + ": format is \"" + format + "\", expected \"" + std::string(kFormat) + "\"");
   *version = reader.required<int64_t>("version");
-  check(*version == kVersion || *version == kShardedVersion,
+  check(*version == kVersion || *version == kShardedVersion3 || *version == kShardedVersion,
         source + ": version " + std::to_string(*version) +
-            " is not supported (this build reads versions " + std::to_string(kVersion) + " and " +
-            std::to_string(kShardedVersion) + ")");
+            " is not supported (this build reads versions " + std::to_string(kVersion) + ", " +
+            std::to_string(kShardedVersion3) + " and " + std::to_string(kShardedVersion) + ")");
   // Before any value is used: an edited step, data position or model would otherwise resume
   // silently into another schedule, data order or model.
   const auto recorded = reader.required<std::string>(kManifestChecksum);

@@ -10,7 +10,7 @@
 // complete; an older checkpoint with the same name is replaced only then.
 //
 // That single-file form (format version 2) is what one process writes (import, tests); runs on
-// several ranks write sharded checkpoints (version 3, below). load_checkpoint reads both.
+// several ranks write sharded checkpoints (version 4, below). load_checkpoint reads all.
 #pragma once
 
 #include <cstdint>
@@ -80,57 +80,98 @@ void mark_latest(const std::filesystem::path& root, const std::filesystem::path&
 // The checkpoint named by <root>/latest, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
 
-// ---- Sharded checkpoints (format version 3) ----
+// ---- Sharded checkpoints (format version 4; version 3 still loads) ----
 //
 // Each rank writes only the pieces of the model state it owns, into one file of its own,
-// rank_NNNNN.bin; manifest.json describes where every piece lies. The pieces are those of the
-// common refinement of the run's layout (layout::common_refinement), each given to one of its
-// holders (layout::balanced_owners), so every element is written exactly once and replicated
-// state is spread over its holders. One file per rank rather than per piece: a rank writes one
-// sequential stream (what a disk is fastest at) and the checkpoint has as many files as ranks,
-// not thousands (a 70B model has ~10^4 pieces under tensor parallelism); the manifest gives every
-// piece's byte offset, so a reader still seeks straight to the pieces it needs.
+// rank_NNNNN.bin; manifest.json describes where every piece lies. The state is of two kinds,
+// each laid out its own way on a rank (layout::Block): parameters in the rank's local layout, and
+// Adam moments there too or, with the distributed optimizer, in its optimizer shard
+// (layout/optimizer_shard.h).
 //
-// A piece is stored as its parameters, then (with optimizer state) its Adam first and second
-// moments, each packed as layout::pack_piece writes it, each with its own XXH3 in the manifest:
-// a reader checks exactly the bytes it reads.
+// - Parameters: the pieces of the common refinement of the run's layout
+//   (layout::common_refinement), each given to one of its holders (layout::balanced_owners), so
+//   that every element is written exactly once and replicated state is spread over its holders.
+// - Adam moments, kept whole: the same pieces, by the same owners. Split among holders (ZeRO-1):
+//   every block of a rank's optimizer shard, written by that rank, since the shard already gives
+//   each element one owner; nothing is gathered. A moment piece of a column-sharded tensor may then
+//   hold only some rows of its columns ("rows" in the manifest).
 //
-// Commit across ranks (train/sharded_save.h): every rank writes its file into the same temporary
-// directory "<dir>.tmp.<pid of rank 0>"; once all report success, rank 0 writes manifest.json
-// last, renames the directory into place and only then updates `latest`. A rank that dies while
-// writing leaves only the temporary directory (removed by clean_stale_temporaries) and the
-// previous checkpoint `latest`.
+// One file per rank rather than per piece: a rank writes one sequential stream (what a disk is
+// fastest at) and the checkpoint has as many files as ranks, not thousands (a 70B model has ~10^4
+// pieces under tensor parallelism); the manifest gives every piece's byte offset, so a reader
+// still seeks straight to the pieces it needs.
+//
+// A stored piece is its parameters, or its Adam first then second moment, each packed as
+// layout::pack_block_part writes it, each with its own XXH3 in the manifest: a reader checks
+// exactly the bytes it reads. (Version 3 stored every piece's parameters and both moments
+// together, by the parameters' owner; it is read as those two kinds.)
+//
+// Commit across ranks (train/checkpoint_writer.h): every rank writes its file into the same
+// temporary directory "<dir>.tmp.<pid of rank 0>"; once all report success, rank 0 writes
+// manifest.json last, renames the directory into place and only then updates `latest`. A rank
+// that dies while writing leaves only the temporary directory (removed by clean_stale_temporaries)
+// and the previous checkpoint `latest`.
 
-// A piece of model state a rank writes: `piece` of the full model, found in the rank's own local
-// tensor `local_tensor`.
-struct OwnedPiece {
-  layout::Piece piece;
-  int local_tensor = 0;
+// The kinds of state, in the order a rank saves and reads them.
+enum class StateKind { kParams = 0, kMoments = 1 };
+// Buffers of each kind: parameters; Adam first and second moments.
+inline int kind_buffers(StateKind kind) {
+  return kind == StateKind::kParams ? 1 : 2;
+}
+
+// A part of a rank's state it writes: `part` of `block`, the block of its buffers holding it.
+struct OwnedPart {
+  layout::Block block;
+  layout::BlockPart part;
 };
 
-// The pieces a rank owns, copied out of its live buffers: what the writer of an asynchronous
-// save works from while training goes on (the copy is all the training step waits for).
+// One kind of a rank's state as a save reads it: its buffers (one, or both moments; laid out
+// alike) and the parts of it this rank writes.
+struct SavedKind {
+  StateKind kind = StateKind::kParams;
+  std::vector<const float*> buffers;
+  std::vector<OwnedPart> parts;
+};
+
+// What `rank` writes of its state: the parameters' pieces it owns (owned_pieces of `refinement`,
+// the common refinement of the run's layout) in `local`; and when `moment_blocks` is given, its
+// Adam moments `adam_m`, `adam_v` kept there: the same pieces when `moments_split` is false (the
+// blocks are then those of `local`), else every block (its optimizer shard's).
+std::vector<SavedKind> saved_state(const model::ModelConfig& model,
+                                   const std::vector<layout::RefinedPiece>& refinement, int rank,
+                                   const model::ParameterLayout& local, const float* params,
+                                   const layout::Blocks* moment_blocks, const float* adam_m,
+                                   const float* adam_v, bool moments_split);
+
+// The parts a rank owns, copied out of its live buffers: what the writer of an asynchronous save
+// works from while training goes on (the copy is all the training step waits for).
 struct ShardSnapshot {
+  struct Piece {
+    StateKind kind = StateKind::kParams;
+    layout::BlockPart part;
+  };
   int rank = 0;
-  int buffers = 0;  // 1 (parameters) or 3 (parameters, Adam first and second moments)
-  std::vector<layout::Piece> pieces;
-  std::vector<int64_t> elements;  // per piece
-  // Per piece in order: each buffer's copy of it in turn. Not a std::vector: zero-filling
+  std::vector<Piece> pieces;
+  // Per piece in order: each buffer of its kind in turn. Not a std::vector: zero-filling
   // gigabytes only to overwrite them would lengthen the step's stall.
   std::unique_ptr<float[]> data;
   size_t capacity = 0;  // floats allocated at `data`
 };
 
-// `buffers` are laid out by `local` (the rank's ParameterLayout): params[, adam_m, adam_v].
 // `reuse`: an earlier snapshot whose memory is taken over when large enough (a save after the
 // first then faults in no fresh pages while the step waits).
-ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
-                             const model::ParameterLayout& local,
-                             const std::vector<const float*>& buffers,
-                             const std::vector<OwnedPiece>& pieces, ShardSnapshot reuse = {});
+ShardSnapshot snapshot_shard(int rank, const std::vector<SavedKind>& state,
+                             ShardSnapshot reuse = {});
 
-// The pieces `rank` owns in a sharded checkpoint of `layout`'s state: `refinement` is the
-// common refinement of that one layout (ParallelState::grad_sync().pieces).
+// A piece of the parameters a rank writes: `piece` of the full model, found in the rank's own
+// local tensor `local_tensor`.
+struct OwnedPiece {
+  layout::Piece piece;
+  int local_tensor = 0;
+};
+
+// The parameter pieces `rank` owns in a sharded checkpoint of `layout`'s state: `refinement` is
+// the common refinement of that one layout (ParallelState::grad_sync().pieces).
 std::vector<OwnedPiece> owned_pieces(const std::vector<layout::RefinedPiece>& refinement, int rank);
 
 // The file a rank writes: "rank_00003.bin".
@@ -145,12 +186,20 @@ Json write_shard(const std::filesystem::path& dir, const ShardSnapshot& snapshot
 std::filesystem::path temporary_dir(const std::filesystem::path& dir, int64_t pid);
 
 // Rank 0's half of the commit, once every rank's write_shard returned: checks that the files'
-// pieces cover every tensor exactly once, writes the tokenizer and manifest.json into `tmp`
-// (manifest last) and moves `tmp` to `dir` (an older checkpoint of that name is replaced only
-// then). `header` gives the model, config and progress (its buffers are not used).
+// pieces cover every tensor exactly once (each kind), writes the tokenizer and manifest.json into
+// `tmp` (manifest last) and moves `tmp` to `dir` (an older checkpoint of that name is replaced
+// only then). `header` gives the model, config and progress (its buffers are not used).
+// `with_moments`: whether the pieces include the Adam moments.
 void commit_sharded_checkpoint(const std::filesystem::path& tmp, const std::filesystem::path& dir,
                                const Checkpoint& header, const std::vector<Json>& shards,
-                               int buffers);
+                               bool with_moments);
+
+// Where a rank keeps one kind of its state, to be read into: the blocks its buffers hold (one
+// buffer for parameters, two for the moments, laid out alike).
+struct StateTarget {
+  const layout::Blocks* blocks = nullptr;
+  std::vector<float*> buffers;
+};
 
 // A checkpoint's manifest, parsed and verified (its own checksum, the model's tensors, and for a
 // sharded one that its pieces tile every tensor exactly once), without reading any data.
@@ -167,18 +216,21 @@ class CheckpointIndex {
   // Model, training config and progress; no buffers, no tokenizer.
   const Checkpoint& header() const { return header_; }
 
-  // Sharded checkpoints: fills `buffers` (parameters, then both Adam moments if three are given),
-  // laid out by `local`, with what `local` holds, reading only the stored pieces that overlap it,
+  // Sharded checkpoints: fills the parameters (`params`) and, when given, the Adam moments
+  // (`moments`) with what their blocks hold, reading only the stored pieces that overlap them,
   // each checked against its checksum. Returns the bytes read. Throws Error naming the file at
   // fault if one is missing, truncated or corrupt.
+  int64_t read(const StateTarget& params, const StateTarget* moments = nullptr) const;
+  // The same for buffers laid out by `local`: parameters, then both Adam moments if three are
+  // given.
   int64_t read(const model::ParameterLayout& local, const std::vector<float*>& buffers) const;
 
  private:
   struct StoredPiece {
     std::string file;
-    layout::Piece piece;
+    layout::BlockPart part;
     int64_t offset = 0;             // bytes into the file
-    std::vector<std::string> xxh3;  // per buffer
+    std::vector<std::string> xxh3;  // per buffer of its kind
   };
   std::filesystem::path dir_;
   std::string text_;
@@ -186,7 +238,8 @@ class CheckpointIndex {
   bool has_optimizer_ = false;
   Checkpoint header_;
   Json manifest_;
-  std::vector<std::vector<StoredPiece>> pieces_;  // per full-model tensor, in axis order
+  // Per kind, per full-model tensor; in axis order, then row order.
+  std::vector<std::vector<StoredPiece>> pieces_[2];
   std::map<std::string, int64_t> file_bytes_;
 };
 

@@ -17,9 +17,11 @@ namespace malleus::train::detail {
 namespace fs = std::filesystem;
 
 inline constexpr const char* kFormat = "malleus-checkpoint";
-// Version 2 added the manifest's own checksum; version 3 is the sharded form.
+// Version 2 added the manifest's own checksum; version 3 is the sharded form; version 4 stores
+// the Adam moments as pieces of their own (written by their optimizer shard's owner).
 inline constexpr int64_t kVersion = 2;
-inline constexpr int64_t kShardedVersion = 3;
+inline constexpr int64_t kShardedVersion3 = 3;
+inline constexpr int64_t kShardedVersion = 4;
 inline constexpr const char* kManifestChecksum = "manifest_xxh3";
 inline constexpr const char* kManifest = "manifest.json";
 

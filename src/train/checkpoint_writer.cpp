@@ -37,10 +37,9 @@ void CheckpointWriter::mark_copied(Pending& p) {
 }
 
 void CheckpointWriter::copy_state(Pending& p) {
-  if (p.local != nullptr) {
+  if (!p.state.empty()) {
     p.snapshot = std::make_unique<ShardSnapshot>(
-        snapshot_shard(p.rank, p.header.model, *p.local, p.sources, p.pieces,
-                       p.reuse ? std::move(*p.reuse) : ShardSnapshot{}));
+        snapshot_shard(p.rank, p.state, p.reuse ? std::move(*p.reuse) : ShardSnapshot{}));
     p.reuse.reset();
   }
   mark_copied(p);
@@ -51,9 +50,7 @@ CheckpointWriter::~CheckpointWriter() {
 }
 
 void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
-                             const model::ParameterLayout* local,
-                             const std::vector<const float*>& buffers,
-                             const std::vector<layout::RefinedPiece>& refinement, bool background,
+                             std::vector<SavedKind> state, bool background,
                              bool copy_in_background) {
   wait();
   const double started = now_s();
@@ -88,14 +85,12 @@ void CheckpointWriter::begin(const fs::path& root, const Checkpoint& header,
   p.header.params.clear();
   p.header.adam_m.clear();
   p.header.adam_v.clear();
-  p.buffers = buffers.empty() ? 0 : static_cast<int>(buffers.size());
+  p.kinds = static_cast<int>(state.size());
   p.started = started;
   p.background = background;
   p.rank = world_.rank();
-  if (local != nullptr) {
-    p.local = local;
-    p.sources = buffers;
-    p.pieces = owned_pieces(refinement, world_.rank());
+  if (!state.empty()) {
+    p.state = std::move(state);
     p.reuse = std::move(spare_);
   }
   // The copy: here, or first thing on the writer's thread.
@@ -144,8 +139,8 @@ void CheckpointWriter::commit() {
   Pending& p = *pending_;
   if (p.thread.joinable()) p.thread.join();
   const std::vector<std::string> entries = world_.gather_text(p.entry, 0);
-  // Every rank agrees on how many buffers were saved (ranks holding nothing pass none).
-  const int buffers = static_cast<int>(world_.all_reduce_max(static_cast<double>(p.buffers)));
+  // Every rank agrees on whether the moments were saved (ranks holding nothing pass no state).
+  const bool with_moments = world_.all_reduce_max(static_cast<double>(p.kinds)) > 1;
   std::string error;
   SaveStats stats;
   if (world_.rank() == 0) {
@@ -161,7 +156,7 @@ void CheckpointWriter::commit() {
         stats.bytes += entry["bytes"].get<int64_t>();
         shards.push_back(std::move(entry));
       }
-      commit_sharded_checkpoint(p.tmp, p.dir, p.header, shards, buffers);
+      commit_sharded_checkpoint(p.tmp, p.dir, p.header, shards, with_moments);
       // `latest` moves only once the checkpoint it names is complete and in place.
       mark_latest(p.root, p.dir);
     } catch (const std::exception& e) {

@@ -52,19 +52,16 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   // Collective. Starts saving `header` (model, config, progress, tokenizer: its buffers are not
-  // used) and this rank's state into <root>/step_N: `local` lays out `buffers` (parameters, and
-  // both Adam moments when saved), `refinement` is the common refinement of the run's layout
-  // (every rank passes its own view of the same one); null `local` on a rank holding nothing.
-  // A save still in flight is committed first. With `background` false the save is committed
-  // before it returns. Throws Error on every rank if any rank failed.
+  // used) and this rank's `state` (saved_state: its parameters, and its Adam moments when saved;
+  // empty on a rank holding nothing) into <root>/step_N. A save still in flight is committed
+  // first. With `background` false the save is committed before it returns. Throws Error on
+  // every rank if any rank failed.
   //
-  // With `copy_in_background` (and `background`) the copy too runs on the writer's thread:
-  // `buffers` must then stay alive and unchanged until wait_for_copy() (or poll() or wait()
-  // committing the save) has returned.
+  // With `copy_in_background` (and `background`) the copy too runs on the writer's thread: the
+  // buffers `state` points into must then stay alive and unchanged until wait_for_copy() (or
+  // poll() or wait() committing the save) has returned.
   void begin(const std::filesystem::path& root, const Checkpoint& header,
-             const model::ParameterLayout* local, const std::vector<const float*>& buffers,
-             const std::vector<layout::RefinedPiece>& refinement, bool background,
-             bool copy_in_background = false);
+             std::vector<SavedKind> state, bool background, bool copy_in_background = false);
   // Not collective. Returns once the save in flight (if any) holds its own copy of the state, so
   // that the buffers passed to begin() may change; its wait counts into the save's stall.
   void wait_for_copy();
@@ -83,14 +80,12 @@ class CheckpointWriter {
   struct Pending {
     std::filesystem::path root, dir, tmp;
     Checkpoint header;
-    int buffers = 0;
+    int kinds = 0;  // of state saved: parameters, and the moments too
     bool background = true;
     double started = 0, stall_s = 0;
-    // What the copy reads (when this rank holds state), and the memory it may reuse.
+    // What the copy reads (empty when this rank holds no state), and the memory it may reuse.
     int rank = 0;
-    const model::ParameterLayout* local = nullptr;
-    std::vector<const float*> sources;
-    std::vector<OwnedPiece> pieces;
+    std::vector<SavedKind> state;
     std::unique_ptr<ShardSnapshot> reuse;
     std::unique_ptr<ShardSnapshot> snapshot;
     std::thread thread;
@@ -106,7 +101,8 @@ class CheckpointWriter {
 
   comm::Communicator world_;
   // The last save's host copy, written and kept for the next: a save then copies into memory
-  // already mapped (12 bytes per element this rank owns stay allocated between saves).
+  // already mapped (4 bytes per parameter and 8 per moment element this rank writes stay
+  // allocated between saves).
   std::unique_ptr<ShardSnapshot> spare_;
   std::optional<Pending> pending_;
   std::optional<SaveStats> last_;

@@ -1,5 +1,6 @@
-// Sharded checkpoints (format version 3): one file per rank holding the pieces it owns, and the
-// manifest that says where each piece lies (train/checkpoint.h describes the format).
+// Sharded checkpoints (format version 4, and version 3 read): one file per rank holding the pieces
+// it owns, and the manifest that says where each piece lies (train/checkpoint.h describes the
+// format).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/uio.h>
@@ -34,9 +35,34 @@ int64_t axis_extent(const model::TensorSpec& full) {
   return full.shard_axis == model::ShardAxis::kColumns ? full.full_shape[1] : full.full_shape[0];
 }
 
+const char* kKindNames[] = {"params", "moments"};
+
+bool column_sharded(const model::TensorSpec& full) {
+  return full.shard_axis == model::ShardAxis::kColumns;
+}
+
 std::string piece_text(const std::string& tensor, const layout::Piece& piece) {
   return "tensor \"" + tensor + "\" [" + std::to_string(piece.begin) + ", " +
          std::to_string(piece.end) + ")";
+}
+
+std::string part_text(const std::string& tensor, const layout::BlockPart& part) {
+  std::string text = piece_text(tensor, part.part);
+  if (part.row_begin >= 0) {
+    text += " rows [" + std::to_string(part.row_begin) + ", " + std::to_string(part.row_end) + ")";
+  }
+  return text;
+}
+
+// A piece of the full model along its split axis as a part: all its rows.
+layout::BlockPart piece_part(const model::ParameterLayout& full, const layout::Piece& piece) {
+  layout::BlockPart part{piece, -1, -1, layout::piece_elements(full, piece)};
+  const model::TensorSpec& spec = full.tensor(piece.tensor);
+  if (column_sharded(spec)) {
+    part.row_begin = 0;
+    part.row_end = spec.full_shape[0];
+  }
+  return part;
 }
 
 // A test hook standing for a rank that dies while writing (tests/test_cli_mpi.cpp): with
@@ -71,23 +97,52 @@ std::vector<OwnedPiece> owned_pieces(const std::vector<layout::RefinedPiece>& re
   return mine;
 }
 
-ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
-                             const model::ParameterLayout& local,
-                             const std::vector<const float*>& buffers,
-                             const std::vector<OwnedPiece>& pieces, ShardSnapshot reuse) {
-  check(buffers.size() == 1 || buffers.size() == 3,
-        "snapshot_shard: expected parameters, or parameters and both Adam moments");
+std::vector<SavedKind> saved_state(const model::ModelConfig& model,
+                                   const std::vector<layout::RefinedPiece>& refinement, int rank,
+                                   const model::ParameterLayout& local, const float* params,
+                                   const layout::Blocks* moment_blocks, const float* adam_m,
+                                   const float* adam_v, bool moments_split) {
   const model::ParameterLayout full(model);
+  const layout::Blocks blocks = layout::local_blocks(full, local);
+  std::vector<SavedKind> state(moment_blocks != nullptr ? 2 : 1);
+  state[0] = {StateKind::kParams, {params}, {}};
+  const std::vector<OwnedPiece> owned = owned_pieces(refinement, rank);
+  for (const OwnedPiece& p : owned) {
+    state[0].parts.push_back(
+        {blocks[static_cast<size_t>(p.local_tensor)], piece_part(full, p.piece)});
+  }
+  if (moment_blocks == nullptr) return state;
+  state[1] = {StateKind::kMoments, {adam_m, adam_v}, {}};
+  if (moments_split) {
+    // The optimizer shard gives every element one owner already: all of it, as it lies.
+    for (const layout::Block& block : *moment_blocks) {
+      state[1].parts.push_back({block, layout::whole(block)});
+    }
+  } else {
+    check(moment_blocks->size() == blocks.size(),
+          "saved_state: whole moments must be laid out like the parameters");
+    for (const OwnedPiece& p : owned) {
+      state[1].parts.push_back(
+          {(*moment_blocks)[static_cast<size_t>(p.local_tensor)], piece_part(full, p.piece)});
+    }
+  }
+  return state;
+}
+
+ShardSnapshot snapshot_shard(int rank, const std::vector<SavedKind>& state, ShardSnapshot reuse) {
   ShardSnapshot snapshot;
   snapshot.rank = rank;
-  snapshot.buffers = static_cast<int>(buffers.size());
-  int64_t total = 0;
-  for (const OwnedPiece& p : pieces) {
-    snapshot.pieces.push_back(p.piece);
-    snapshot.elements.push_back(layout::piece_elements(full, p.piece));
-    total += snapshot.elements.back();
+  size_t needed = 0;
+  for (const SavedKind& kind : state) {
+    check(kind.buffers.size() == static_cast<size_t>(kind_buffers(kind.kind)),
+          "snapshot_shard: " + std::string(kKindNames[static_cast<int>(kind.kind)]) + " take " +
+              std::to_string(kind_buffers(kind.kind)) + " buffers, not " +
+              std::to_string(kind.buffers.size()));
+    for (const OwnedPart& p : kind.parts) {
+      snapshot.pieces.push_back({kind.kind, p.part});
+      needed += static_cast<size_t>(p.part.elements) * kind.buffers.size();
+    }
   }
-  const size_t needed = static_cast<size_t>(total) * buffers.size();
   if (reuse.data && reuse.capacity >= needed) {
     snapshot.data = std::move(reuse.data);
     snapshot.capacity = reuse.capacity;
@@ -96,10 +151,12 @@ ShardSnapshot snapshot_shard(int rank, const model::ModelConfig& model,
     snapshot.capacity = needed;
   }
   float* cursor = snapshot.data.get();
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    for (const float* buffer : buffers) {
-      layout::pack_piece(buffer, local.tensor(pieces[i].local_tensor), pieces[i].piece, cursor);
-      cursor += snapshot.elements[i];
+  for (const SavedKind& kind : state) {
+    for (const OwnedPart& p : kind.parts) {
+      for (const float* buffer : kind.buffers) {
+        layout::pack_block_part(buffer, p.block, p.part, cursor);
+        cursor += p.part.elements;
+      }
     }
   }
   return snapshot;
@@ -114,19 +171,26 @@ Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
   const float* cursor = snapshot.data.get();
   for (size_t i = 0; i < snapshot.pieces.size(); ++i) {
     if (die && i == snapshot.pieces.size() / 2) ::raise(SIGKILL);
+    const ShardSnapshot::Piece& piece = snapshot.pieces[i];
+    const int buffers = kind_buffers(piece.kind);
     Json sums = Json::array();
-    const auto bytes = static_cast<size_t>(snapshot.elements[i]) * sizeof(float);
-    for (int b = 0; b < snapshot.buffers; ++b) {
+    const auto bytes = static_cast<size_t>(piece.part.elements) * sizeof(float);
+    for (int b = 0; b < buffers; ++b) {
       file.write(cursor, bytes);
       sums.push_back(checksum_hex(cursor, bytes));
-      cursor += snapshot.elements[i];
+      cursor += piece.part.elements;
     }
-    pieces.push_back({{"tensor", snapshot.pieces[i].tensor},
-                      {"begin", snapshot.pieces[i].begin},
-                      {"end", snapshot.pieces[i].end},
-                      {"offset", offset},
-                      {"xxh3", sums}});
-    offset += static_cast<int64_t>(bytes) * snapshot.buffers;
+    Json entry = {{"state", kKindNames[static_cast<int>(piece.kind)]},
+                  {"tensor", piece.part.part.tensor},
+                  {"begin", piece.part.part.begin},
+                  {"end", piece.part.part.end}};
+    if (piece.part.row_begin >= 0) {
+      entry["rows"] = std::vector<int64_t>{piece.part.row_begin, piece.part.row_end};
+    }
+    entry["offset"] = offset;
+    entry["xxh3"] = sums;
+    pieces.push_back(std::move(entry));
+    offset += static_cast<int64_t>(bytes) * buffers;
   }
   if (die) ::raise(SIGKILL);
   file.commit();
@@ -135,11 +199,10 @@ Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
 
 void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
                                const Checkpoint& header, const std::vector<Json>& shards,
-                               int buffers) {
+                               bool with_moments) {
   const fs::path dir = normalized(dir_arg);
   const std::string where = "checkpoint " + dir.string();
-  check(buffers == 1 || buffers == 3,
-        where + ": 1 or 3 buffers per piece, not " + std::to_string(buffers));
+  const size_t buffers = with_moments ? 3 : 1;
   const model::ParameterLayout full(header.model);
   Json tensors = Json::array();
   for (const auto& t : full.tensors())
@@ -223,7 +286,7 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifes
     index[spec.name] = static_cast<int>(i);
   }
 
-  pieces_.assign(full.tensors().size(), {});
+  for (auto& kind : pieces_) kind.assign(full.tensors().size(), {});
   check(files.is_object() && !files.empty(), source + ": \"files\" must be a non-empty object");
   for (const auto& [file, entry_json] : files.items()) {
     const std::string file_source = source + " files \"" + file + "\"";
@@ -240,51 +303,112 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifes
       JsonReader p(pieces[i], file_source + " pieces[" + std::to_string(i) + "]");
       StoredPiece stored;
       stored.file = file;
+      // Version 3 stores every piece's parameters and both moments together; version 4 each
+      // kind as pieces of its own.
+      StateKind kind = StateKind::kParams;
+      if (version_ > kShardedVersion3) {
+        const auto state = p.required<std::string>("state");
+        check(state == kKindNames[0] || (state == kKindNames[1] && has_optimizer_),
+              p.source() + ": \"state\" is \"" + state + "\", expected \"params\"" +
+                  (has_optimizer_ ? " or \"moments\"" : " (the manifest lists no moments)"));
+        kind = state == kKindNames[0] ? StateKind::kParams : StateKind::kMoments;
+      }
       const auto tensor = p.required<std::string>("tensor");
-      stored.piece.begin = p.required<int64_t>("begin");
-      stored.piece.end = p.required<int64_t>("end");
+      stored.part.part.begin = p.required<int64_t>("begin");
+      stored.part.part.end = p.required<int64_t>("end");
+      std::optional<std::vector<int64_t>> rows;
+      if (version_ > kShardedVersion3) rows = p.optional<std::vector<int64_t>>("rows", {});
       stored.offset = p.required<int64_t>("offset");
       stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
       p.finish();
       const auto found = index.find(tensor);
       check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
-      stored.piece.tensor = found->second;
-      const auto& spec = full.tensor(stored.piece.tensor);
-      check(0 <= stored.piece.begin && stored.piece.begin < stored.piece.end &&
-                stored.piece.end <= axis_extent(spec),
-            p.source() + ": " + piece_text(tensor, stored.piece) + " is outside the tensor");
+      stored.part.part.tensor = found->second;
+      const auto& spec = full.tensor(stored.part.part.tensor);
+      check(0 <= stored.part.part.begin && stored.part.part.begin < stored.part.part.end &&
+                stored.part.part.end <= axis_extent(spec),
+            p.source() + ": " + piece_text(tensor, stored.part.part) + " is outside the tensor");
+      stored.part = piece_part(full, stored.part.part);
+      if (rows && !rows->empty()) {
+        check(column_sharded(spec), p.source() + ": \"rows\" given for tensor \"" + tensor +
+                                        "\", which is not split by columns");
+        check(rows->size() == 2 && 0 <= (*rows)[0] && (*rows)[0] < (*rows)[1] &&
+                  (*rows)[1] <= spec.full_shape[0],
+              p.source() + ": \"rows\" must be [first, end) within the tensor's " +
+                  std::to_string(spec.full_shape[0]) + " rows");
+        stored.part.row_begin = (*rows)[0];
+        stored.part.row_end = (*rows)[1];
+        stored.part.elements =
+            (stored.part.part.end - stored.part.part.begin) * (stored.part.row_end - (*rows)[0]);
+      }
       check(stored.offset == offset, p.source() + ": at byte offset " +
                                          std::to_string(stored.offset) + ", expected " +
                                          std::to_string(offset));
-      check(stored.xxh3.size() == buffers.size(),
+      const size_t expected_sums =
+          version_ > kShardedVersion3 ? size_t(kind_buffers(kind)) : buffers.size();
+      check(stored.xxh3.size() == expected_sums,
             p.source() + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
-                std::to_string(buffers.size()) + " buffers");
-      offset += layout::piece_elements(full, stored.piece) * int64_t{sizeof(float)} *
-                static_cast<int64_t>(buffers.size());
-      pieces_[static_cast<size_t>(stored.piece.tensor)].push_back(std::move(stored));
+                std::to_string(expected_sums) + " buffers");
+      const int64_t piece_bytes = stored.part.elements * int64_t{sizeof(float)};
+      offset += piece_bytes * static_cast<int64_t>(expected_sums);
+      const size_t t = static_cast<size_t>(stored.part.part.tensor);
+      if (version_ == kShardedVersion3 && has_optimizer_) {
+        // The moments follow the parameters.
+        StoredPiece moments = stored;
+        moments.offset += piece_bytes;
+        moments.xxh3 = {stored.xxh3[1], stored.xxh3[2]};
+        stored.xxh3.resize(1);
+        pieces_[1][t].push_back(std::move(moments));
+      }
+      pieces_[static_cast<int>(kind)][t].push_back(std::move(stored));
     }
     check(offset == bytes, file_source + ": its pieces take " + std::to_string(offset) +
                                " bytes, but \"bytes\" says " + std::to_string(bytes));
     file_bytes_[file] = bytes;
   }
-  // Every element stored exactly once: each tensor's pieces, in axis order, tile it.
-  for (size_t t = 0; t < pieces_.size(); ++t) {
-    auto& list = pieces_[t];
-    std::sort(list.begin(), list.end(), [](const StoredPiece& a, const StoredPiece& b) {
-      return a.piece.begin < b.piece.begin;
-    });
-    int64_t next = 0;
-    for (const StoredPiece& p : list) {
-      check(p.piece.begin == next,
-            source + ": " + piece_text(full.tensor(static_cast<int>(t)).name, p.piece) + " (" +
-                p.file + ") " + (p.piece.begin < next ? "overlaps" : "leaves a gap before") +
-                " the piece before it");
-      next = p.piece.end;
+  // Every element of each kind stored exactly once: each tensor's pieces, in axis order, tile it;
+  // pieces of a column-sharded tensor over the same columns tile its rows.
+  for (int k = 0; k < (has_optimizer_ ? 2 : 1); ++k) {
+    for (size_t t = 0; t < pieces_[k].size(); ++t) {
+      auto& list = pieces_[k][t];
+      const model::TensorSpec& spec = full.tensor(static_cast<int>(t));
+      std::sort(list.begin(), list.end(), [](const StoredPiece& a, const StoredPiece& b) {
+        return std::pair(a.part.part.begin, a.part.row_begin) <
+               std::pair(b.part.part.begin, b.part.row_begin);
+      });
+      const std::string what = std::string(" (") + kKindNames[k] + ", ";
+      int64_t next = 0;
+      for (size_t i = 0; i < list.size();) {
+        const StoredPiece& first = list[i];
+        check(first.part.part.begin == next,
+              source + ": " + part_text(spec.name, first.part) + what + first.file + ") " +
+                  (first.part.part.begin < next ? "overlaps" : "leaves a gap before") +
+                  " the piece before it");
+        size_t j = i + 1;
+        if (column_sharded(spec)) {
+          int64_t row = 0;
+          for (j = i; j < list.size() && list[j].part.part.begin == first.part.part.begin; ++j) {
+            const StoredPiece& p = list[j];
+            check(p.part.part.end == first.part.part.end && p.part.row_begin == row,
+                  source + ": " + part_text(spec.name, p.part) + what + p.file + ") " +
+                      (p.part.part.end != first.part.part.end || p.part.row_begin < row
+                           ? "overlaps"
+                           : "leaves a gap before") +
+                      " the piece before it");
+            row = p.part.row_end;
+          }
+          check(row == spec.full_shape[0], source + ": " + piece_text(spec.name, first.part.part) +
+                                               what + first.file + ") is stored only up to row " +
+                                               std::to_string(row) + " of " +
+                                               std::to_string(spec.full_shape[0]));
+        }
+        next = first.part.part.end;
+        i = j;
+      }
+      check(next == axis_extent(spec), source + ": tensor \"" + spec.name + "\" (" + kKindNames[k] +
+                                           ") is stored only up to " + std::to_string(next) +
+                                           " of " + std::to_string(axis_extent(spec)));
     }
-    check(next == axis_extent(full.tensor(static_cast<int>(t))),
-          source + ": tensor \"" + full.tensor(static_cast<int>(t)).name +
-              "\" is stored only up to " + std::to_string(next) + " of " +
-              std::to_string(axis_extent(full.tensor(static_cast<int>(t)))));
   }
 }
 
@@ -294,10 +418,12 @@ namespace {
 struct Region {
   const std::string* file = nullptr;
   int64_t offset = 0, bytes = 0;  // in the file
-  size_t buffer = 0;              // params, adam_m, adam_v
-  const model::TensorSpec* local = nullptr;
+  StateKind kind = StateKind::kParams;
+  size_t buffer = 0;                     // of its kind: params; adam_m, adam_v
+  const layout::Block* block = nullptr;  // where the rank keeps it
+  float* destination = nullptr;          // the buffer `block` lies in
   const model::TensorSpec* full = nullptr;
-  layout::Piece stored, part;  // the stored piece, and the part of it held here
+  layout::BlockPart stored, part;  // the stored piece, and the part of it held here
   const std::string* xxh3 = nullptr;
   // Where its bytes go verbatim in the rank's buffer, when they do (the whole stored piece is
   // held here and lies there as one run): read straight there. Else null: read into a staging
@@ -336,32 +462,51 @@ class ReadOnlyFile {
 
 int64_t CheckpointIndex::read(const model::ParameterLayout& local,
                               const std::vector<float*>& buffers) const {
+  check(buffers.size() == 1 || buffers.size() == 3,
+        "checkpoint " + dir_.string() + ": read parameters, or parameters and both Adam moments");
+  const layout::Blocks blocks = layout::local_blocks(model::ParameterLayout(header_.model), local);
+  const StateTarget params{&blocks, {buffers[0]}};
+  if (buffers.size() == 1) return read(params);
+  const StateTarget moments{&blocks, {buffers[1], buffers[2]}};
+  return read(params, &moments);
+}
+
+int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* moments) const {
   const std::string where = "checkpoint " + dir_.string();
   check(sharded(), where + ": CheckpointIndex::read reads sharded checkpoints only");
-  check(buffers.size() == 1 || buffers.size() == 3,
-        where + ": read parameters, or parameters and both Adam moments");
-  check(buffers.size() == 1 || has_optimizer_,
+  check(moments == nullptr || has_optimizer_,
         where + ": has no optimizer state (its pieces hold parameters only)");
   const model::ParameterLayout full(header_.model);
-  std::unordered_map<std::string, int> index;
-  for (size_t i = 0; i < full.tensors().size(); ++i) index[full.tensors()[i].name] = int(i);
 
   // Every stored buffer of every piece that overlaps what this rank holds, in file order, so
   // each file is read front to back in large sequential reads.
   std::vector<Region> regions;
-  for (const auto& local_spec : local.tensors()) {
-    const int t = index.at(local_spec.name);
-    for (const StoredPiece& p : pieces_[static_cast<size_t>(t)]) {
-      const std::optional<layout::Piece> part = layout::overlap(p.piece, local_spec);
-      if (!part) continue;
-      const int64_t bytes = layout::piece_elements(full, p.piece) * int64_t{sizeof(float)};
-      const bool whole = part->begin == p.piece.begin && part->end == p.piece.end;
-      const std::optional<int64_t> run =
-          whole ? layout::contiguous_offset(local_spec, *part) : std::nullopt;
-      for (size_t b = 0; b < buffers.size(); ++b) {
-        regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, b,
-                           &local_spec, &full.tensor(t), p.piece, *part, &p.xxh3[b],
-                           run ? buffers[b] + *run : nullptr});
+  for (const StateKind kind : {StateKind::kParams, StateKind::kMoments}) {
+    const StateTarget* target = kind == StateKind::kParams ? &params : moments;
+    if (target == nullptr || target->blocks == nullptr) continue;
+    check(target->buffers.size() == size_t(kind_buffers(kind)),
+          where + ": " + kKindNames[static_cast<int>(kind)] + " are read into " +
+              std::to_string(kind_buffers(kind)) + " buffers, not " +
+              std::to_string(target->buffers.size()));
+    for (const layout::Block& block : *target->blocks) {
+      const model::TensorSpec& spec = full.tensor(block.tensor);
+      for (const StoredPiece& p :
+           pieces_[static_cast<int>(kind)][static_cast<size_t>(block.tensor)]) {
+        const std::optional<layout::BlockPart> part =
+            layout::overlap(layout::packed_block(spec, p.part), block);
+        if (!part) continue;
+        const int64_t bytes = p.part.elements * int64_t{sizeof(float)};
+        const std::optional<int64_t> run =
+            part->elements == p.part.elements
+                ? layout::contiguous_offset(
+                      layout::rows_view(block.spec, part->row_begin, part->row_end), part->part)
+                : std::nullopt;
+        for (size_t b = 0; b < target->buffers.size(); ++b) {
+          float* buffer = target->buffers[b];
+          regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, kind, b,
+                             &block, buffer, &spec, p.part, *part, &p.xxh3[b],
+                             run ? buffer + *run : nullptr});
+        }
       }
     }
   }
@@ -468,20 +613,21 @@ int64_t CheckpointIndex::read(const model::ParameterLayout& local,
       const Region& r = regions[i];
       const float* stored = destination(r, k);
       const std::string actual = checksum_hex(stored, static_cast<size_t>(r.bytes));
+      const std::string buffer_name = kBufferNames[r.kind == StateKind::kParams ? 0 : 1 + r.buffer];
       check(actual == *r.xxh3, where + ": " + *r.file +
-                                   " is corrupt: " + piece_text(r.full->name, r.stored) + " (" +
-                                   kBufferNames[r.buffer] + ") has checksum " + actual +
-                                   ", expected " + *r.xxh3 + " (from manifest.json)");
+                                   " is corrupt: " + part_text(r.full->name, r.stored) + " (" +
+                                   buffer_name + ") has checksum " + actual + ", expected " +
+                                   *r.xxh3 + " (from manifest.json)");
       if (r.direct != nullptr) {
         // Already in place.
-      } else if (r.part.begin == r.stored.begin && r.part.end == r.stored.end) {
-        layout::unpack_piece(stored, *r.local, r.part, buffers[r.buffer]);
+      } else if (r.part.elements == r.stored.elements) {
+        layout::unpack_block_part(stored, *r.block, r.part, r.destination);
       } else {
         // Only part of the stored piece is held here (another plan's cuts): cut it out.
-        const model::TensorSpec as_stored = layout::piece_tensor(*r.full, r.stored);
-        cut.resize(static_cast<size_t>(layout::piece_elements(full, r.part)));
-        layout::pack_piece(stored, as_stored, r.part, cut.data());
-        layout::unpack_piece(cut.data(), *r.local, r.part, buffers[r.buffer]);
+        cut.resize(static_cast<size_t>(r.part.elements));
+        layout::pack_block_part(stored, layout::packed_block(*r.full, r.stored), r.part,
+                                cut.data());
+        layout::unpack_block_part(cut.data(), *r.block, r.part, r.destination);
       }
       bytes_read += r.bytes;
     }

@@ -303,11 +303,17 @@ void Trainer::restore(const Checkpoint& checkpoint) {
             " differs from the configured model " + expected.to_json().dump());
   if (checkpoint.sharded) {
     // Every rank reads the pieces its own shard needs under this plan, whatever the plan and
-    // world size that wrote them; nothing goes through rank 0.
-    const layout::LocalState<float> state = engine_->writable_local_state();
+    // world size that wrote them, straight into where it keeps them (the Adam moments into its
+    // optimizer shard when they are split); nothing goes through rank 0 or is scattered.
+    const runtime::HeldState held = engine_->held_state();
     std::string error;
     try {
-      if (state.layout != nullptr) checkpoint.sharded->read(*state.layout, state.buffers);
+      if (held.layout != nullptr) {
+        const layout::Blocks params =
+            layout::local_blocks(model::ParameterLayout(model_config_), *held.layout);
+        const StateTarget moments{held.moment_blocks, {held.adam_m, held.adam_v}};
+        checkpoint.sharded->read({&params, {held.params}}, &moments);
+      }
     } catch (const Error& e) {
       error = e.what();
     }
@@ -320,7 +326,6 @@ void Trainer::restore(const Checkpoint& checkpoint) {
       }
       throw Error(world_.broadcast_text(first, 0));
     }
-    engine_->commit_local_state();
     engine_->set_steps_done(checkpoint.step);
   } else {
     runtime::FullState full;
@@ -459,14 +464,20 @@ void Trainer::save(const std::filesystem::path& root) {
   header.step = step_;
   header.consumed_samples = consumed_samples_;
   header.tokenizer = tokenizer_;
-  const layout::LocalState<float> state = engine_->local_state();
+  // Each rank copies the pieces it owns straight out of where it keeps them: its parameters'
+  // owned pieces, and its Adam moments' (the blocks of its optimizer shard when they are split):
+  // nothing gathered, no moments of the whole local layout allocated.
+  const runtime::HeldState held = engine_->held_state();
+  std::vector<SavedKind> state;
+  if (held.layout != nullptr) {
+    state =
+        saved_state(model_config_, engine_->state().grad_sync().pieces, world_.rank(), *held.layout,
+                    held.params, held.moment_blocks, held.adam_m, held.adam_v, held.moments_split);
+  }
   // Asynchronous saves copy the state in the background too, while the next step's forward and
   // backward run; its update waits for the copy (train_step).
-  writer_.begin(root, header, state.layout, {state.buffers.begin(), state.buffers.end()},
-                engine_->state().grad_sync().pieces, config_.async_checkpoints,
+  writer_.begin(root, header, std::move(state), config_.async_checkpoints,
                 /*copy_in_background=*/config_.async_checkpoints);
-  // Moments gathered for the copy are given back once it is done: here, or by the next step.
-  if (!writer_.copying()) engine_->release_local_state();
   report_saved();
 }
 
