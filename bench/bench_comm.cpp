@@ -9,6 +9,13 @@
 // build/bench/bench_comm gives both figures of configs/clusters/cpu-bed-2x2.json). Each table
 // says whether its pairs share a host (MPI's processor name) and fits latency + bytes / bandwidth
 // to the one-way times of its smallest and largest message.
+//
+// Where ranks outnumber their host's cores, the runtime does not use MPI's own waits: the ranks of
+// a core take turns (runtime::CoreSharing, core lease), and a rank waiting for a message gives its
+// core back and polls gently. Every exchange then also waits for the partner's turn. The same
+// pairs are measured a second time that way (each rank holds its lease between exchanges, as it
+// does while computing between two collectives): the figures a cluster file of such a machine
+// needs (`turns` in the output).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +27,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/stats.h"
+#include "runtime/core_lease.h"
 
 using namespace malleus;
 using Clock = std::chrono::steady_clock;
@@ -44,8 +52,9 @@ std::string processor_name() {
   return std::string(name, static_cast<size_t>(length));
 }
 
-// Times every rank's pair with rank `me xor distance`; rank 0 prints its pair's figures.
-void measure_pairs(const comm::Communicator& world, int distance) {
+// Times every rank's pair with rank `me xor distance`; rank 0 prints its pair's figures. With a
+// core lease, each exchange is waited for as the runtime waits while ranks take turns on cores.
+void measure_pairs(const comm::Communicator& world, int distance, runtime::CoreLease* lease) {
   const int me = world.rank(), peer = me ^ distance;
   comm::Communicator pair = world.subgroup({std::min(me, peer), std::max(me, peer)});
   // Whether rank 0's pair shares a host: the higher rank of each pair sends the lower its name.
@@ -55,30 +64,36 @@ void measure_pairs(const comm::Communicator& world, int distance) {
   pair.broadcast(peer_name.data(), peer_name.size(), 1);
   const bool same_host = peer_name == name;
   if (me == 0) {
-    std::printf("pairs (r, r xor %d), %s; medians of 50\n", distance,
-                same_host ? "inside one host" : "across hosts");
+    std::printf("pairs (r, r xor %d), %s%s; medians of 50\n", distance,
+                same_host ? "inside one host" : "across hosts",
+                lease ? ", turns (ranks of a core take turns, as the runtime runs them)" : "");
   }
   std::vector<double> sizes, one_ways;
   for (size_t floats : {size_t(256), size_t(1) << 16, size_t(1) << 20}) {
     std::vector<float> data(floats, 1.0f);
-    for (int i = 0; i < 5; ++i) pair.all_reduce_sum(data.data(), data.size());
+    // The rank holds its turn on the core between exchanges (as between two collectives of a
+    // computing rank); the runtime's waits give it back while the exchange is under way.
+    auto all_reduce_once = [&] {
+      runtime::CoreLease::Hold turn(lease);
+      runtime::all_reduce_sum(pair, data.data(), data.size(), lease);
+    };
+    auto transfer = [&](bool send, int tag) {
+      comm::Request request = send ? world.isend(data.data(), floats * sizeof(float), peer, tag)
+                                   : world.irecv(data.data(), floats * sizeof(float), peer, tag);
+      runtime::wait(request, lease);
+    };
+    for (int i = 0; i < 5; ++i) all_reduce_once();
     world.barrier();
-    const double all_reduce =
-        median_seconds(50, [&] { pair.all_reduce_sum(data.data(), data.size()); });
+    const double all_reduce = median_seconds(50, all_reduce_once);
     world.barrier();
     // One-way time: half a round trip of the same message.
-    const double one_way =
-        median_seconds(50,
-                       [&] {
-                         if (me < peer) {
-                           world.isend(data.data(), floats * sizeof(float), peer, 0).wait();
-                           world.irecv(data.data(), floats * sizeof(float), peer, 1).wait();
-                         } else {
-                           world.irecv(data.data(), floats * sizeof(float), peer, 0).wait();
-                           world.isend(data.data(), floats * sizeof(float), peer, 1).wait();
-                         }
-                       }) /
-        2;
+    const double one_way = median_seconds(50,
+                                          [&] {
+                                            runtime::CoreLease::Hold turn(lease);
+                                            transfer(me < peer, 0);
+                                            transfer(me > peer, 1);
+                                          }) /
+                           2;
     sizes.push_back(static_cast<double>(floats * sizeof(float)));
     one_ways.push_back(one_way);
     if (me == 0) {
@@ -102,9 +117,14 @@ int main(int argc, char** argv) {
     if (world.rank() == 0) std::fprintf(stderr, "run with an even number of ranks\n");
     return 1;
   }
-  measure_pairs(world, 1);
-  if (world.size() >= 4 && (world.size() & (world.size() - 1)) == 0) {
-    measure_pairs(world, world.size() / 2);
+  const bool across = world.size() >= 4 && (world.size() & (world.size() - 1)) == 0;
+  measure_pairs(world, 1, nullptr);
+  if (across) measure_pairs(world, world.size() / 2, nullptr);
+  const runtime::CoreSharing sharing = runtime::CoreSharing::detect(world, 1);
+  if (sharing.lease) {
+    if (world.rank() == 0) std::printf("cores: %s\n", sharing.summary.c_str());
+    measure_pairs(world, 1, sharing.lease.get());
+    if (across) measure_pairs(world, world.size() / 2, sharing.lease.get());
   }
   return 0;
 }
