@@ -15,7 +15,8 @@
 // core back and polls gently. Every exchange then also waits for the partner's turn. The same
 // pairs are measured a second time that way (each rank holds its lease between exchanges, as it
 // does while computing between two collectives): the figures a cluster file of such a machine
-// needs (`turns` in the output).
+// needs (`turns` in the output; scripts/bench_bed.sh fits configs/clusters/cpu-bed-2x2-turns.json's
+// links to its pair all-reduces).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

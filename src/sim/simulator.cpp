@@ -151,6 +151,12 @@ SimResult simulate(const plan::CostModel& cost, const plan::Plan& plan, const pl
       }
     }
   }
+  if (cost.cluster().cores_shared()) {
+    // Not simulated yet: ranks taking turns on shared cores (ClusterSpec::cores_per_node). The
+    // schedule above lets them compute at once; the cost model's closed form knows they do not
+    // (merged stages, the busiest core's compute), so its time bounds the pipelines from below.
+    out.pipeline_time = std::max(out.pipeline_time, pred.pipeline_time);
+  }
   out.iteration_time = out.pipeline_time + out.grad_sync_time + out.optimizer_time;
   for (auto& dev : out.devices) {
     if (!dev.used) continue;

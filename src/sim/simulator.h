@@ -4,6 +4,8 @@
 // runs its operations in 1F1B order), then gradients are synced across pipelines and the
 // optimizer steps. Operation durations come from the cost model, so the simulator and the
 // closed form differ only where 1F1B's schedule does (uneven stages, transfer latencies).
+// Ranks that take turns on shared cores (ClusterSpec::cores_per_node) are not scheduled as such
+// yet: there the closed form's pipeline time, which knows the turns, bounds the result.
 #pragma once
 
 #include <vector>
