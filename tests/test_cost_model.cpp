@@ -511,3 +511,28 @@ TEST(CostModel, RanksTakingTurnsOnACoreShareItsCompute) {
   EXPECT_DOUBLE_EQ(predict(CostModel(demo, plain, batch), 1, 1, 4).iteration_time,
                    predict(own, 1, 1, 4).iteration_time);
 }
+
+// The vocabulary-parallel loss costs the last stage of a TP group two more all-reduces in the
+// forward (each token's logit maximum, then its sum of exponentials and target logit), small and
+// latency-bound: on the test bed's links (in turns, ~0.3 ms latency) 8 of them a step for tp2 with
+// 4 micro-batches add about 5 ms, which a prediction counting only the activations' all-reduces
+// missed (docs/performance.md, "The multi-host test bed").
+TEST(CostModel, TheVocabularyParallelLossAddsTwoSmallAllReducesToTheLastStage) {
+  const CostModel cost(model::load_model_config("demo"), plan::load_cluster("cpu-bed-2x2"),
+                       plan::BatchConfig{16, 2, 128});
+  const plan::Stage tp2 = group(cost, {0, 1});
+  const auto g = cost.group_cost(tp2, plan::Rates(4, 1.0));
+  const double tokens = 2.0 * 128 * cost.cluster().activation_bytes;
+  const double loss =
+      cost.allreduce_time(tp2.ranks, tokens) + cost.allreduce_time(tp2.ranks, 2 * tokens);
+  EXPECT_DOUBLE_EQ(g.loss_comm, loss);
+  EXPECT_GT(loss, 4 * cost.cluster().intra_node_latency);  // two collectives of two latencies
+  const auto middle = cost.stage_cost(g, 2, false, false, 1);
+  const auto last = cost.stage_cost(g, 2, false, true, 1);
+  EXPECT_NEAR(last.forward - middle.forward, g.head_forward + loss, 1e-12);
+  EXPECT_NEAR(last.comm - middle.comm, g.layer_comm + loss, 1e-12);  // + the head's backward
+  // One rank: no all-reduce at all.
+  const auto alone = cost.group_cost(group(cost, {0}), plan::Rates(4, 1.0));
+  EXPECT_EQ(alone.loss_comm, 0);
+  EXPECT_EQ(cost.stage_cost(alone, 4, true, true, 1).comm, 0);
+}

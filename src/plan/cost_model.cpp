@@ -460,6 +460,9 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
   }
   g.layer_comm = allreduce_time(stage.ranks, activation_message_bytes());
   g.layer_comm_half = allreduce_time(stage.ranks, activation_message_bytes() / 2);
+  const double token_values = double(b) * s * cluster_.activation_bytes;
+  g.loss_comm =
+      allreduce_time(stage.ranks, token_values) + allreduce_time(stage.ranks, 2 * token_values);
   if (g.gone) {
     g.layer_forward = g.layer_backward = g.head_forward = g.head_backward = kInf;
     g.attention_core_forward = kInf;
@@ -551,12 +554,13 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   const double forward_comm = exposed_layer_comm(g, false);
   const double backward_comm = exposed_layer_comm(g, true);
   c.forward = l * (g.layer_forward + forward_comm) + (first ? g.layer_comm : 0) +
-              (last ? g.head_forward : 0);
+              (last ? g.head_forward + g.loss_comm : 0);
   c.backward = l * (g.layer_backward + backward_comm) +
                (last ? g.head_backward + g.layer_comm : 0) + extra_time(chosen);
   const int recomputed_comm = chosen.mode == RecomputeMode::kFull ? chosen.layers : 0;
   c.comm = l * (forward_comm + backward_comm) +
-           ((first ? 1 : 0) + (last ? 1 : 0) + recomputed_comm) * g.layer_comm;
+           ((first ? 1 : 0) + (last ? 1 : 0) + recomputed_comm) * g.layer_comm +
+           (last ? g.loss_comm : 0);
   return c;
 }
 

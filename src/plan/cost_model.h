@@ -180,6 +180,10 @@ struct GroupCost {
   double layer_forward = 0, layer_backward = 0;
   double layer_comm = 0;       // one all-reduce of b·s·h activations
   double layer_comm_half = 0;  // one of half of them (sub-pipelined TP)
+  // The vocabulary-parallel loss's two small all-reduces on the last stage (each token's logit
+  // maximum, then its sum of exponentials with its target's logit: b·s and 2·b·s values):
+  // latency-bound, so on slow links they are not negligible next to the layers' large ones.
+  double loss_comm = 0;
   // Shares of a layer's compute (slowest member) in its attention (q/k/v/o projections and the
   // core), its o projection and its q/k/v projections: what overlaps sub-pipelined reductions.
   double attention_share = 0, o_proj_share = 0, qkv_share = 0;
