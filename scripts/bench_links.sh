@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Slow links benchmark on the multi-host test bed (scripts/hosts.sh): 2 emulated hosts × 2 ranks,
-# the demo model (seq 128, micro-batch 1, global batch 16) from the uniform plan dp4, host 1's
-# link throttled to a tenth of the bed's 0.335 GB/s (268mbit) once step SHAPE_AT is logged, to the
-# end of the run. Three ways of running, interleaved, RUNS runs each:
+# Slow links benchmark on the multi-host test bed (scripts/hosts.sh): HOSTS emulated hosts × RANKS
+# ranks (default 2 × 2), the demo model (seq 128, micro-batch 1, global batch 16; 12 with 3 ranks)
+# from the uniform plan dp(HOSTS·RANKS), host 1's link throttled to a tenth of the bed's
+# 0.335 GB/s (268mbit) once step SHAPE_AT is logged, to the end of the run. Three ways of running,
+# interleaved, RUNS runs each:
 #   uniform       --no-replan: the uniform plan kept
 #   compute-only  --no-replan-links: re-planning on compute rates only (links measured, ignored)
 #   link-aware    the default: re-planning on compute and link rates
 # Throughput after the throttle = tokens of steps SHAPE_AT+1..STEPS / their wall time (detection,
-# planning and migration included). Ideal = the healthy throughput of dp4 (steps 3..SHAPE_AT of
-# every run, median) × the cost model's healthy dp4 step time / its best step time for the
-# slowed cluster (`malleus plan` with --link-rates '{"1": 10}' on cpu-bed-2x2): what the healthy
-# run would do if it lost only what the best plan for the slow link must lose.
+# planning and migration included). Ideal = the healthy throughput of the uniform plan (steps
+# 3..SHAPE_AT of every run, median) × the cost model's healthy step time for it / its best step
+# time for the slowed cluster (`malleus plan` with --link-rates '{"1": 10}' on the bed's cluster
+# file, configs/clusters/cpu-bed-HOSTSxRANKS.json): what the healthy run would do if it lost only
+# what the best plan for the slow link must lose.
 #   scripts/bench_links.sh [runs] [steps] [shape-at]   (default 3 30 8; about 15 min on 2 cores)
-# MALLEUS_BINARY: the malleus to run (default build/malleus, built first).
+# Environment: BENCH_HOSTS, BENCH_RANKS (hosts and ranks per host: 2 and 2, or 3 and 1 with the
+# cpu-bed-3x1 cluster), BENCH_GLOBAL_BATCH (default 16, 12 with 3 ranks: whole micro-batches for
+# every rank), MALLEUS_BINARY (the malleus to run; default build/malleus, built first).
 # Needs root (network namespaces); exits 77 where they cannot be made. On a shared machine, run it
 # when no other benchmark runs (its timings are the figures).
 set -euo pipefail
@@ -21,7 +25,13 @@ cd "$(dirname "$0")/.."
 source scripts/bench_common.sh
 runs=${1:-3} steps=${2:-30} shape_at=${3:-8}
 rate=268mbit slowdown=10
-cluster=configs/clusters/cpu-bed-2x2.json
+host_count=${BENCH_HOSTS:-2} ranks=${BENCH_RANKS:-2}
+np=$((host_count * ranks))
+global_batch=${BENCH_GLOBAL_BATCH:-$((np == 3 ? 12 : 16))}
+((global_batch % np == 0)) || { echo "bench_links: global batch $global_batch is not a multiple of $np ranks" >&2; exit 2; }
+cluster=configs/clusters/cpu-bed-${host_count}x${ranks}.json
+[[ -f $cluster ]] || { echo "bench_links: no cluster file $cluster for $host_count hosts x $ranks ranks" >&2; exit 2; }
+export MALLEUS_HOSTS_SLOTS=$ranks
 malleus=${MALLEUS_BINARY:-build/malleus}
 [[ -n ${MALLEUS_BINARY:-} ]] || bench_build_targets build malleus
 bench_allow_mpirun
@@ -36,19 +46,20 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
-echo "# bench_links: 2 hosts x 2 ranks, host 1's link to $rate after step $shape_at of $steps;" \
-  "$runs runs each; load average $(bench_load_average)"
+echo "# bench_links: $host_count hosts x $ranks ranks (dp$np, global batch $global_batch)," \
+  "host 1's link to $rate after step $shape_at of $steps; $runs runs each;" \
+  "load average $(bench_load_average)"
 timeout 300 "$malleus" prepare-data --output "$scratch/data" > /dev/null
 
 one_run() { # name flags...
   local name=$1
   shift
   local out="$scratch/$name"
-  scripts/hosts.sh up 2 > /dev/null
-  timeout -k 10 600 scripts/hosts.sh mpirun -np 4 "$malleus" train --model demo --seq-len 128 \
-    --micro-batch 1 --global-batch 16 --threads 1 --steps "$steps" --warmup-steps 2 --lr 1e-3 \
+  scripts/hosts.sh up "$host_count" > /dev/null
+  timeout -k 10 600 scripts/hosts.sh mpirun -np "$np" "$malleus" train --model demo --seq-len 128 \
+    --micro-batch 1 --global-batch "$global_batch" --threads 1 --steps "$steps" --warmup-steps 2 --lr 1e-3 \
     --eval-every 0 --checkpoint-every 0 --val-data '' --train-data "$scratch/data/train_*.bin" \
-    --dp 4 --cluster "$cluster" --out "$out" "$@" > "$scratch/$name.log" 2>&1 &
+    --dp "$np" --cluster "$cluster" --out "$out" "$@" > "$scratch/$name.log" 2>&1 &
   job=$!
   local deadline=$((SECONDS + 500))
   until grep -q "\"step\":$shape_at," "$out/metrics.jsonl" 2> /dev/null; do
@@ -72,24 +83,25 @@ for ((i = 1; i <= runs; ++i)); do
   echo "round $i done (load average $(bench_load_average))"
 done
 
-# The cost model's healthy dp4 and best slowed step times.
-"$malleus" plan --strategy uniform --base dp4,tp1,pp1 --cluster "$cluster" --model demo \
-  --global-batch 16 --micro-batch 1 --seq-len 128 --out "$scratch/dp4.json" > /dev/null
-healthy_dp4=$("$malleus" simulate --plan "$scratch/dp4.json" --cluster "$cluster" \
-  --model demo --global-batch 16 --micro-batch 1 --seq-len 128 --json |
+# The cost model's healthy uniform and best slowed step times.
+"$malleus" plan --strategy uniform --base "dp$np,tp1,pp1" --cluster "$cluster" --model demo \
+  --global-batch "$global_batch" --micro-batch 1 --seq-len 128 --out "$scratch/uniform.json" \
+  > /dev/null
+healthy_uniform=$("$malleus" simulate --plan "$scratch/uniform.json" --cluster "$cluster" \
+  --model demo --global-batch "$global_batch" --micro-batch 1 --seq-len 128 --json |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["predicted_iteration_s"])')
 "$malleus" plan --strategy malleus --cluster "$cluster" --link-rates "{\"1\": $slowdown}" \
-  --model demo --global-batch 16 --micro-batch 1 --seq-len 128 --out "$scratch/best.json" \
-  > /dev/null
+  --model demo --global-batch "$global_batch" --micro-batch 1 --seq-len 128 \
+  --out "$scratch/best.json" > /dev/null
 best_slowed=$("$malleus" simulate --plan "$scratch/best.json" --cluster "$cluster" \
-  --link-rates "{\"1\": $slowdown}" --model demo --global-batch 16 --micro-batch 1 \
+  --link-rates "{\"1\": $slowdown}" --model demo --global-batch "$global_batch" --micro-batch 1 \
   --seq-len 128 --json |
   python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["predicted_iteration_s"])')
 
-python3 - "$scratch" "$runs" "$shape_at" "$healthy_dp4" "$best_slowed" << 'EOF'
+python3 - "$scratch" "$runs" "$shape_at" "$healthy_uniform" "$best_slowed" "$np" << 'EOF'
 import json, statistics, sys
 scratch, runs, shape_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-healthy_dp4, best_slowed = float(sys.argv[4]), float(sys.argv[5])
+healthy_uniform, best_slowed, np = float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 def read(name):
     steps, decisions = {}, []
     for line in open(f"{scratch}/{name}/metrics.jsonl"):
@@ -115,10 +127,10 @@ for arm in arms:
         links = steps[last].get("link_rates", [])
         notes[arm].append(f"links at the end {[round(x, 1) for x in links]}; " + (
             "; ".join(f"step {d['step']}: {d['new_plan']}" for d in switched) or "no switch"))
-ideal = statistics.median(healthy) * healthy_dp4 / best_slowed
-print(f"healthy dp4 (steps 3-{shape_at}, median of {len(healthy)} runs): "
+ideal = statistics.median(healthy) * healthy_uniform / best_slowed
+print(f"healthy dp{np} (steps 3-{shape_at}, median of {len(healthy)} runs): "
       f"{statistics.median(healthy):.0f} tokens/s")
-print(f"cost model: healthy dp4 {healthy_dp4:.3f} s/step, best plan with host 1's link 10x "
+print(f"cost model: healthy dp{np} {healthy_uniform:.3f} s/step, best plan with host 1's link 10x "
       f"slower {best_slowed:.3f} s/step -> ideal {ideal:.0f} tokens/s")
 print()
 print("| running | tokens/s after the throttle (median of %d) | runs | fraction of ideal |" % runs)
