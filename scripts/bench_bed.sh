@@ -11,7 +11,7 @@
 #      its prediction with the compute rates the runtime measured for the plan's ranks (what the
 #      straggler monitor hands the planner), so the rest of the error is communication and
 #      schedule (bubbles, turns), not the speed of the machine's cores.
-#   scripts/bench_bed.sh [rounds] [steps-per-round]   (default 5 × 4; about 5 minutes on 2 cores)
+#   scripts/bench_bed.sh [rounds] [steps-per-round]   (default 5 × 4; about 1.5 minutes on the quiet 2-core machine, 5 on a loaded one)
 # Prints the cluster file; CALIBRATED_CLUSTER=path also keeps it. Needs root (network
 # namespaces); exits 77 where they cannot be made.
 set -euo pipefail
@@ -27,7 +27,7 @@ scratch=$(mktemp -d /tmp/bench_bed.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 
 echo "## Links (bench_comm, 2 hosts x 2 ranks)"
-echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average: $(bench_load_average)"
 scripts/hosts.sh run 2 300 -np 4 build/bench/bench_comm | grep -v '^hosts.sh' | tee "$scratch/comm.txt"
 echo
 echo "## Step times (bench_plans: demo model, seq 128, 16 sequences in micro-batches of 2)"
