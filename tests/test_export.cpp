@@ -14,6 +14,7 @@
 #include "train/import.h"
 #include "train/safetensors.h"
 #include "train/trainer.h"
+#include "train_config_samples.h"
 
 using namespace malleus;
 using malleus::testing::ScratchDir;
@@ -23,16 +24,11 @@ namespace {
 // A few training steps so the weights are no longer at their initial values.
 train::Checkpoint trained_tiny_checkpoint(const ScratchDir& dir, const std::string& model) {
   malleus::testing::write_synthetic_corpus(dir / "data");
-  train::TrainConfig c;
-  c.model = model;
-  c.train_data = (dir / "data" / "train_*.bin").string();
-  c.val_data = "";
+  train::TrainConfig c = malleus::testing::synthetic_corpus_config(dir.path(), model);
   c.seq_len = 16;
   c.micro_batch_size = 2;
   c.global_batch_size = 2;
   c.steps = 3;
-  c.threads = 1;
-  c.out_dir = (dir / "run").string();
   train::Trainer trainer(c, model::load_model_config(model), comm::Communicator::world());
   for (int s = 0; s < 3; ++s) trainer.train_step();
   return trainer.snapshot();
@@ -105,14 +101,11 @@ TEST(Import, ReproducesTheExportedModelsEvalLossExactly) {
   const train::ImportResult imported = train::import_hf(dir / "hf");
   EXPECT_EQ(imported.checkpoint.params, checkpoint.params);
 
-  train::TrainConfig c;
-  c.model = "tiny";
-  c.train_data = (dir / "data" / "train_*.bin").string();
+  // evaluate() is given the validation data: the config's (none) is never read here.
+  train::TrainConfig c = malleus::testing::synthetic_corpus_config(dir.path(), "tiny", "eval");
   c.seq_len = 16;
   c.micro_batch_size = 2;
   c.global_batch_size = 2;
-  c.threads = 1;
-  c.out_dir = (dir / "eval").string();
   const std::string val = (dir / "data" / "val_*.bin").string();
   train::Trainer original(c, checkpoint.model, comm::Communicator::world());
   original.restore(checkpoint);

@@ -183,38 +183,42 @@ struct AttentionShape {
   size_t probs_size() const { return static_cast<size_t>(batch) * q_heads * seq * seq; }
 };
 
+// Attention's forward on the device, its inputs and probabilities kept there for the backward.
+template <typename T>
+struct AttentionForward {
+  AttentionForward(Device<T>& d, const Vector& q_host, const Vector& k_host, const Vector& v_host,
+                   const AttentionShape& s)
+      : q(d.put(q_host)),
+        k(d.put(k_host)),
+        v(d.put(v_host)),
+        out(d.zeros(s.q_size())),
+        probs(d.zeros(s.probs_size())) {
+    d.backend->attention_forward(out.data(), probs.data(), q.data(), k.data(), v.data(), s.batch,
+                                 s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
+  }
+  Buffer<T> q, k, v, out, probs;
+};
+
 // Returns the output and fills `probs` when given.
 template <typename T>
 Vector attention(Device<T>& d, const Vector& q, const Vector& k, const Vector& v,
                  const AttentionShape& s, Vector* probs = nullptr) {
-  auto qb = d.put(q);
-  auto kb = d.put(k);
-  auto vb = d.put(v);
-  auto out = d.zeros(s.q_size());
-  auto p = d.zeros(s.probs_size());
-  d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
-                               s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
-  if (probs != nullptr) *probs = d.get_double(p);
-  return d.get_double(out);
+  const AttentionForward<T> forward(d, q, k, v, s);
+  if (probs != nullptr) *probs = d.get_double(forward.probs);
+  return d.get_double(forward.out);
 }
 
 template <typename T>
 Tensors attention_grad(Device<T>& d, const Vector& q, const Vector& k, const Vector& v,
                        const Vector& dout, const AttentionShape& s) {
-  auto qb = d.put(q);
-  auto kb = d.put(k);
-  auto vb = d.put(v);
-  auto out = d.zeros(s.q_size());
-  auto p = d.zeros(s.probs_size());
-  d.backend->attention_forward(out.data(), p.data(), qb.data(), kb.data(), vb.data(), s.batch,
-                               s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
+  const AttentionForward<T> forward(d, q, k, v, s);
   auto dob = d.put(dout);
   auto dq = d.zeros(s.q_size());
   auto dk = d.zeros(s.kv_size());
   auto dv = d.zeros(s.kv_size());
-  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dob.data(), p.data(), qb.data(),
-                                kb.data(), vb.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
-                                s.head_dim);
+  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dob.data(), forward.probs.data(),
+                                forward.q.data(), forward.k.data(), forward.v.data(), s.batch,
+                                s.seq, s.q_heads, s.kv_heads, s.head_dim);
   return {d.get_double(dq), d.get_double(dk), d.get_double(dv)};
 }
 

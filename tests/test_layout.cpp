@@ -35,6 +35,22 @@ plan::Plan parse(const std::string& text) {
   return plan::Plan::from_json(Json::parse(text), small_model(), "test");
 }
 
+// The local layout of a rank holding FFN columns 2-4 of 6 in every layer: column-sharded tensors
+// (down_proj [8, 3] of [8, 6]) next to row-sharded and replicated ones.
+model::ParameterLayout ffn_columns_2_to_4() {
+  model::ShardSpec shard = model::ShardSpec::full(small_model());
+  shard.ffn_begin = 2;
+  shard.ffn = 3;
+  return model::ParameterLayout(small_model(), shard);
+}
+
+// A parameter buffer for `local` whose element i holds i, so a copied element tells where from.
+std::vector<float> numbered_buffer(const model::ParameterLayout& local) {
+  std::vector<float> buffer(static_cast<size_t>(local.total_size()));
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = float(i);
+  return buffer;
+}
+
 // 4 ranks: pipeline 0 = [layers 0-1 on tp2 {0,1} (heads 2/2, ffn 4/2, vocab 5/6)], [layer 2 on
 // {2}]; pipeline 1 = everything on rank 3.
 const char* kPlanA = R"({"world_size": 4, "pipelines": [
@@ -238,14 +254,9 @@ TEST(Layout, CheckpointLayoutGathersAndScattersEverything) {
 }
 
 TEST(Layout, PackAndUnpackColumnSlices) {
-  const auto model = small_model();
-  model::ShardSpec shard = model::ShardSpec::full(model);
-  shard.ffn_begin = 2;
-  shard.ffn = 3;
-  const model::ParameterLayout local(model, shard);
+  const model::ParameterLayout local = ffn_columns_2_to_4();
   const auto& down = local.find("model.layers.0.mlp.down_proj.weight");  // [8, 3] of [8, 6]
-  std::vector<float> buffer(static_cast<size_t>(local.total_size()));
-  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = float(i);
+  const std::vector<float> buffer = numbered_buffer(local);
   const layout::Piece piece{0, 3, 5};  // columns 3-4 of the full tensor: local columns 1-2
   std::vector<float> packed(16);
   layout::pack_piece(buffer.data(), down, piece, packed.data());
@@ -264,12 +275,8 @@ TEST(Layout, PackAndUnpackColumnSlices) {
 // part.
 TEST(Layout, ContiguousOffsetIsWherePackPieceCopiesFromInOneRun) {
   const auto model = small_model();
-  model::ShardSpec shard = model::ShardSpec::full(model);
-  shard.ffn_begin = 2;
-  shard.ffn = 3;
-  const model::ParameterLayout local(model, shard);
-  std::vector<float> buffer(static_cast<size_t>(local.total_size()));
-  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = float(i);
+  const model::ParameterLayout local = ffn_columns_2_to_4();
+  const std::vector<float> buffer = numbered_buffer(local);
   const model::ParameterLayout full(model);
   int runs = 0;
   for (const auto& t : local.tensors()) {

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "common/files.h"
 #include "common/json.h"
@@ -93,14 +94,35 @@ void expect_same_losses(const std::map<int64_t, double>& run,
   }
 }
 
+// Every test: a scratch directory holding the synthetic corpus, and the tiny run in dir/run
+// started under `malleus launch` in the background (launch()), its output in dir/job.out.
+class RecoverySlow : public ::testing::Test {
+ protected:
+  static constexpr int kSteps = 40;
+
+  RecoverySlow() { malleus::testing::write_synthetic_corpus(dir / "data"); }
+
+  // The job: `malleus launch` on `ranks` ranks with `launch_flags` (launch_command), training the
+  // tiny run for `steps` steps with `extra_train_flags`.
+  BackgroundCommand& launch(int ranks, const std::string& launch_flags, int steps = kSteps,
+                            const std::string& extra_train_flags = "") {
+    job_.emplace(
+        launch_command(ranks, launch_flags, tiny_flags(dir, "run", steps) + extra_train_flags),
+        dir / "job.out");
+    return *job_;
+  }
+
+  ScratchDir dir;
+  const fs::path run = dir / "run";
+
+ private:
+  std::optional<BackgroundCommand> job_;  // stopped before the scratch directory goes
+};
+
 }  // namespace
 
-TEST(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
-  ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  constexpr int kSteps = 40;
-  const fs::path run = dir / "run";
-  BackgroundCommand job(launch_command(4, "", tiny_flags(dir, "run", kSteps)), dir / "job.out");
+TEST_F(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
+  BackgroundCommand& job = launch(4, "");
   ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
   const pid_t victim = rank_pid(run, 3);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
@@ -123,16 +145,10 @@ TEST(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
   expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
 }
 
-TEST(RecoverySlow, HostfileSlotsAreLeftOutAndComeBackWhenListedAgain) {
-  ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  constexpr int kSteps = 40;
-  const fs::path run = dir / "run";
+TEST_F(RecoverySlow, HostfileSlotsAreLeftOutAndComeBackWhenListedAgain) {
   const fs::path hosts = dir / "hosts";
   write_file_atomic(hosts, "localhost slots=4\n");
-  BackgroundCommand job(
-      launch_command(0, "--hostfile " + hosts.string(), tiny_flags(dir, "run", kSteps)),
-      dir / "job.out");
+  BackgroundCommand& job = launch(0, "--hostfile " + hosts.string());
   ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
   ASSERT_EQ(::kill(rank_pid(run, 3), SIGKILL), 0);
   // The job restarted on the 3 slots left; then the operator lists the host's 4 slots again.
@@ -159,14 +175,8 @@ TEST(RecoverySlow, HostfileSlotsAreLeftOutAndComeBackWhenListedAgain) {
   expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
 }
 
-TEST(RecoverySlow, StoppedRankIsNamedByTheWatchdogAndLeftOut) {
-  ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  constexpr int kSteps = 40;
-  const fs::path run = dir / "run";
-  BackgroundCommand job(
-      launch_command(4, "", tiny_flags(dir, "run", kSteps) + " --watchdog-floor 5"),
-      dir / "job.out");
+TEST_F(RecoverySlow, StoppedRankIsNamedByTheWatchdogAndLeftOut) {
+  BackgroundCommand& job = launch(4, "", kSteps, " --watchdog-floor 5");
   ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
   const pid_t victim = rank_pid(run, 2);
   ASSERT_EQ(::kill(victim, SIGSTOP), 0);
@@ -191,12 +201,8 @@ TEST(RecoverySlow, StoppedRankIsNamedByTheWatchdogAndLeftOut) {
   expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
 }
 
-TEST(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
-  ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  const fs::path run = dir / "run";
-  BackgroundCommand job(launch_command(2, "--min-ranks 2", tiny_flags(dir, "run", 100000)),
-                        dir / "job.out");
+TEST_F(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
+  BackgroundCommand& job = launch(2, "--min-ranks 2", 100000);
   ASSERT_TRUE(wait_for_step(job, 3)) << job.output();
   ASSERT_EQ(::kill(rank_pid(run, 1), SIGKILL), 0);
   const int status = job.wait(kTimeoutS);

@@ -26,6 +26,7 @@
 #include "runtime/core_lease.h"
 #include "test_util.h"
 #include "train/trainer.h"
+#include "train_config_samples.h"
 
 using namespace malleus;
 using comm::Communicator;
@@ -49,18 +50,13 @@ fs::path shared_dir(Communicator& world) {
 }
 
 train::TrainConfig base_config(const fs::path& dir) {
-  train::TrainConfig c;
-  c.model = "parallel-test";
-  c.train_data = (dir / "data" / "train_*.bin").string();
-  c.val_data = "";
+  train::TrainConfig c = malleus::testing::synthetic_corpus_config(dir, "parallel-test");
   c.seq_len = 16;
   c.micro_batch_size = 1;
   c.global_batch_size = 8;
   c.steps = 10;
   c.lr = 3e-3f;
   c.warmup_steps = 2;
-  c.threads = 1;
-  c.out_dir = (dir / "run").string();
   return c;
 }
 
@@ -164,10 +160,29 @@ void expect_matches(const TrainingRun& run, const TrainingRun& reference, const 
               what.c_str(), worst_loss, worst);
 }
 
-std::string write_plan(const fs::path& dir, const std::string& name, const std::string& text) {
+// The plan file dir/name.json holding `text`, for every rank: rank 0 writes it, and no rank goes
+// on (to read it) before it exists. Returns its path.
+std::string share_plan(Communicator& world, const fs::path& dir, const std::string& name,
+                       const std::string& text) {
   const auto path = dir / (name + ".json");
-  std::ofstream(path) << text;
+  if (world.rank() == 0) std::ofstream(path) << text;
+  world.barrier();
   return path.string();
+}
+
+// A plan of one pipeline over `world_size` ranks: `stages` is its list of stages in the plan
+// format's JSON, without the brackets.
+std::string one_pipeline_plan(int world_size, int micro_batch_size, int micro_batches,
+                              const std::string& stages) {
+  return R"({"world_size": )" + std::to_string(world_size) + R"(, "micro_batch_size": )" +
+         std::to_string(micro_batch_size) + R"(, "pipelines": [{"micro_batches": )" +
+         std::to_string(micro_batches) + R"(, "stages": [)" + stages + "]}]}";
+}
+
+// The end of a test using shared_dir(): every rank done with it, rank 0 removes it.
+void remove_shared_dir(Communicator& world, const fs::path& dir) {
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
 }
 
 // Plans exercising each kind of unevenness, for the number of ranks running.
@@ -221,15 +236,12 @@ TEST(Runtime, AnyPlanTrainsLikeOneRank) {
   if (world.rank() == 0) reference = single_rank_reference(base, 10);
   for (const auto& [name, text] : plans) {
     train::TrainConfig config = base;
-    config.plan =
-        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
-    world.barrier();  // the plan file exists before anyone reads it
+    config.plan = share_plan(world, dir, name, text);
     train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     const TrainingRun run = train_steps(trainer, 10);
     if (world.rank() == 0) expect_matches(run, reference, name);
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // Saved with the distributed optimizer on and resumed with it off, and the other way round.
@@ -277,8 +289,7 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
       expect_matches(resumed, straight,
                      saved_split ? "resumed, split moments to whole" : "resumed, whole to split");
     }
-    world.barrier();
-    if (world.rank() == 0) fs::remove_all(dir);
+    remove_shared_dir(world, dir);
     world.barrier();
   }
 }
@@ -332,8 +343,7 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
   EXPECT_GE(plans.size(), 2u);
   std::printf("  re-plans: %d, plans used: %zu\n", replans, plans.size());
   if (world.rank() == 0) expect_matches(run, reference, "with re-plans");
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 TEST(Runtime, MigrationKeepsTheStateAndMovesOnlyWhatIsMissing) {
@@ -540,9 +550,7 @@ TEST(Runtime, DistributedOptimizerTrainsLikeWholeMomentsInAFractionOfTheMemory) 
     for (int on = 0; on < 2; ++on) {
       train::TrainConfig config = base;
       config.distributed_optimizer = on == 1;
-      config.plan =
-          world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
-      world.barrier();
+      config.plan = share_plan(world, dir, name, text);
       train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
       EXPECT_EQ(trainer.engine().distributed_optimizer(), on == 1) << name;
       for (int s = 0; s < 8; ++s) {
@@ -562,8 +570,7 @@ TEST(Runtime, DistributedOptimizerTrainsLikeWholeMomentsInAFractionOfTheMemory) 
       EXPECT_NEAR(split, whole / pipelines, 0.01 * whole / pipelines + 64) << name << " rank " << r;
     }
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // Migration with the distributed optimizer: between plans of several pipelines (moments split)
@@ -643,12 +650,7 @@ TEST(Runtime, RecomputationTrainsLikeKeepingActivations) {
   }
   auto run = [&](const std::string& name, const std::string& stage_list) {
     train::TrainConfig config = base;
-    const std::string text = R"({"world_size": )" + std::to_string(world.size()) +
-                             R"(, "pipelines": [{"micro_batches": 8, "stages": [)" + stage_list +
-                             "]}]}";
-    config.plan =
-        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
-    world.barrier();
+    config.plan = share_plan(world, dir, name, one_pipeline_plan(world.size(), 1, 8, stage_list));
     train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     return train_steps(trainer, 6);
   };
@@ -662,8 +664,7 @@ TEST(Runtime, RecomputationTrainsLikeKeepingActivations) {
     // Model.RecomputationGivesBitIdenticalLossesAndGradients.
     if (world.rank() == 0) expect_matches(recomputed, plain, stages[i].second);
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // The shifted critical path (Merak): stages before the last recompute a micro-batch's forward
@@ -704,12 +705,7 @@ TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
   auto run = [&](const std::string& name, const std::string& stage_list, bool shifted) {
     train::TrainConfig config = base;
     config.shifted_recompute = shifted;
-    const std::string text = R"({"world_size": )" + std::to_string(world.size()) +
-                             R"(, "pipelines": [{"micro_batches": 8, "stages": [)" + stage_list +
-                             "]}]}";
-    config.plan =
-        world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
-    world.barrier();
+    config.plan = share_plan(world, dir, name, one_pipeline_plan(world.size(), 1, 8, stage_list));
     train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     Run result;
     result.ahead_s.assign(size_t(world.size()), 0.0);
@@ -741,8 +737,7 @@ TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
       }
     }
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // Sub-pipelined tensor parallelism (each micro-batch as two parts inside a TP block, one part's
@@ -779,13 +774,9 @@ TEST(Runtime, SubpipelinedTensorParallelismTrainsLikeWholeMicroBatches) {
       config.micro_batch_size = cases[i].micro_batch;
       config.tp_subpipeline = subpipelined;
       const std::string name = "subpipeline" + std::to_string(i) + (subpipelined ? "on" : "off");
-      const std::string text =
-          R"({"world_size": )" + std::to_string(world.size()) + R"(, "micro_batch_size": )" +
-          std::to_string(cases[i].micro_batch) + R"(, "pipelines": [{"micro_batches": )" +
-          std::to_string(8 / cases[i].micro_batch) + R"(, "stages": [)" + cases[i].stages + "]}]}";
-      config.plan =
-          world.rank() == 0 ? write_plan(dir, name, text) : (dir / (name + ".json")).string();
-      world.barrier();
+      const std::string text = one_pipeline_plan(world.size(), cases[i].micro_batch,
+                                                 8 / cases[i].micro_batch, cases[i].stages);
+      config.plan = share_plan(world, dir, name, text);
       train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
       TrainingRun result = train_steps(trainer, 5);
       // The split path ran (nonblocking sums) exactly when asked for.
@@ -812,8 +803,7 @@ TEST(Runtime, SubpipelinedTensorParallelismTrainsLikeWholeMicroBatches) {
                                                 : "differs in the low bits");
     }
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // Memory truth: the cost model's per-rank prediction (one formula, parameterised by the plan's
@@ -872,9 +862,7 @@ TEST(Runtime, PredictedMemoryMatchesWhatEachRankAllocates) {
     config.shifted_recompute = i >= plain_plans;
     cost.set_shifted_recompute(config.shifted_recompute);
     const std::string name = "memory" + std::to_string(i);
-    config.plan =
-        world.rank() == 0 ? write_plan(dir, name, plans[i]) : (dir / (name + ".json")).string();
-    world.barrier();
+    config.plan = share_plan(world, dir, name, plans[i]);
     train::Trainer trainer(config, model, world);
     trainer.train_step();
     const train::StepStats step = trainer.train_step();
@@ -898,8 +886,7 @@ TEST(Runtime, PredictedMemoryMatchesWhatEachRankAllocates) {
       }
     }
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 // Stage-aware recomputation (Merak): on a cluster whose memory the plain pp2 plan exceeds on its
@@ -962,9 +949,7 @@ TEST(Runtime, StageAwareRecomputationMakesAnInfeasiblePlanFitAndRun) {
 
   auto run = [&](const std::string& name, const plan::Plan& p, double* peak) {
     train::TrainConfig config = base;
-    config.plan = (dir / (name + ".json")).string();
-    if (world.rank() == 0) std::ofstream(config.plan) << p.to_json().dump();
-    world.barrier();
+    config.plan = share_plan(world, dir, name, p.to_json().dump());
     train::Trainer trainer(config, model, world);
     TrainingRun result;
     for (int s = 0; s < 3; ++s) {
@@ -983,20 +968,15 @@ TEST(Runtime, StageAwareRecomputationMakesAnInfeasiblePlanFitAndRun) {
     EXPECT_LE(planned_peak, cluster.memory_bytes);
     std::printf("  measured peak: plain %.0f, stage-aware %.0f bytes\n", plain_peak, planned_peak);
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
   Communicator world = Communicator::world();
   const fs::path dir = shared_dir(world);
   train::TrainConfig config = base_config(dir);
-  config.plan = (dir / "bad.json").string();
-  if (world.rank() == 0) {
-    write_plan(dir, "bad", R"({"world_size": 1000, "pipelines": [
+  config.plan = share_plan(world, dir, "bad", R"({"world_size": 1000, "pipelines": [
       {"micro_batches": 8, "stages": [{"layers": [0, 4], "ranks": [0]}]}]})");
-  }
-  world.barrier();
   try {
     train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     ADD_FAILURE() << "a plan for 1000 ranks was accepted";
@@ -1004,8 +984,7 @@ TEST(Runtime, BadPlanIsRefusedOnEveryRankBeforeWork) {
     EXPECT_NE(std::string(e.what()).find("the plan is for 1000 ranks"), std::string::npos)
         << e.what();
   }
-  world.barrier();
-  if (world.rank() == 0) fs::remove_all(dir);
+  remove_shared_dir(world, dir);
 }
 
 TEST(Runtime, RanksThatOutnumberTheirCoresAreBoundAndTakeTurns) {

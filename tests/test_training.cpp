@@ -13,6 +13,7 @@
 #include "train/checkpoint_writer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "train_config_samples.h"
 
 using namespace malleus;
 using malleus::testing::ScratchDir;
@@ -22,9 +23,7 @@ namespace {
 
 train::TrainConfig tiny_run(const ScratchDir& dir) {
   malleus::testing::write_synthetic_corpus(dir / "data");
-  train::TrainConfig c;
-  c.model = "tiny";
-  c.train_data = (dir / "data" / "train_*.bin").string();
+  train::TrainConfig c = malleus::testing::synthetic_corpus_config(dir.path(), "tiny");
   c.val_data = (dir / "data" / "val_*.bin").string();
   c.seq_len = 32;
   c.micro_batch_size = 4;
@@ -35,7 +34,6 @@ train::TrainConfig tiny_run(const ScratchDir& dir) {
   c.eval_every = 0;
   c.eval_samples = 16;
   c.checkpoint_every = 0;
-  c.out_dir = (dir / "run").string();
   c.threads = 2;
   return c;
 }

@@ -1,13 +1,29 @@
-// A training config in which every field differs from its default, for the tests that must cover
-// every field of the table (round trips through JSON and the command line, the resume sweep).
+// Training configs for the tests: one training on the synthetic corpus, and one in which every
+// field differs from its default, for the tests that must cover every field of the table (round
+// trips through JSON and the command line, the resume sweep).
 #pragma once
 
+#include <filesystem>
 #include <string>
 
 #include "common/json.h"
 #include "train/config.h"
 
 namespace malleus::testing {
+
+// Trains `model` on the corpus write_synthetic_corpus(dir / "data") writes, on one thread, into
+// dir / run, without validation data; each test sets its batch, steps and rates.
+inline train::TrainConfig synthetic_corpus_config(const std::filesystem::path& dir,
+                                                  const std::string& model,
+                                                  const std::string& run = "run") {
+  train::TrainConfig c;
+  c.model = model;
+  c.train_data = (dir / "data" / "train_*.bin").string();
+  c.val_data = "";
+  c.threads = 1;
+  c.out_dir = (dir / run).string();
+  return c;
+}
 
 // By JSON key. Valid (TrainConfig::validate passes) but never run: the files it names need not
 // exist. The model differs from the tests' checkpoints' ("tiny") as well as from the default.
