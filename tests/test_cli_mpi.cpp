@@ -34,9 +34,7 @@ constexpr int kTimeoutS = 60;
 // `environment`: more VAR=value settings for the ranks.
 CommandResult run_mpi(int ranks, const std::string& arguments,
                       const std::string& environment = "") {
-  std::string command =
-      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + environment;
-  command += " OMPI_MCA_mpi_yield_when_idle=1 timeout ";
+  std::string command = malleus::testing::kMpiEnvironment + environment + " timeout ";
   command += std::to_string(kTimeoutS);
   command += " ";
   command += MALLEUS_MPIRUN;
@@ -237,8 +235,7 @@ std::string checkpoint_name(int step) {
 
 // `mpirun -np <ranks> malleus <arguments>` in the background, as run_mpi runs it.
 std::string mpi_command(int ranks, const std::string& arguments, const std::string& mpirun_flags) {
-  return std::string("env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
-         "OMPI_MCA_mpi_yield_when_idle=1 " + MALLEUS_MPIRUN + " " + mpirun_flags +
+  return malleus::testing::kMpiEnvironment + MALLEUS_MPIRUN + " " + mpirun_flags +
          " --oversubscribe -np " + std::to_string(ranks) + " " + MALLEUS_BINARY + " " + arguments;
 }
 

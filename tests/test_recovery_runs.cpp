@@ -16,15 +16,13 @@
 
 using namespace malleus;
 using malleus::testing::BackgroundCommand;
+using malleus::testing::kMpiEnvironment;
 using malleus::testing::run_command;
 using malleus::testing::ScratchDir;
 
 namespace {
 
 constexpr int kTimeoutS = 240;
-
-const std::string kMpiEnvironment =
-    "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 ";
 
 // The tiny model on the synthetic corpus, a checkpoint every 2 steps and a constant learning
 // rate. --no-replan: the plan must be the one the job starts with, whatever the timings. Rank 0

@@ -117,9 +117,8 @@ std::string train_flags(const ScratchDir& dir, const std::string& run, int steps
 }
 
 std::string mpirun(int ranks, const std::string& placement) {
-  return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-         "OMPI_MCA_mpi_yield_when_idle=1 timeout 300 " MALLEUS_MPIRUN " " +
-         placement + " -np " + std::to_string(ranks) + " " MALLEUS_BINARY " ";
+  return malleus::testing::kMpiEnvironment + "timeout 300 " MALLEUS_MPIRUN " " + placement +
+         " -np " + std::to_string(ranks) + " " MALLEUS_BINARY " ";
 }
 
 // Runs a bash script in a session of its own. Linux's autogroup scheduler shares the CPU
@@ -203,8 +202,8 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   // re-planned for it: below the controller's straggler threshold (1.2), or where the machine's
   // other work had rank 1 above it before the slowdown, back within 15 % of that level.
   const double healthy_rate = std::max(1.2, 1.15 * median_rate(run, 1, 3, kFrom - 1));
-  const int healed = first_step(run, kTo + 1, kSteps,
-                                [&](const Step& s) { return s.rates[1] <= healthy_rate; });
+  const int healed =
+      first_step(run, kTo + 1, kSteps, [&](const Step& s) { return s.rates[1] <= healthy_rate; });
   EXPECT_GE(healed, kTo + 1) << table;
   EXPECT_LE(healed, kTo + 3) << table;
   EXPECT_TRUE(std::any_of(run.replans.begin(), run.replans.end(), [&](int s) { return s > kTo; }))

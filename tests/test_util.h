@@ -58,6 +58,12 @@ class ScratchDir {
   fs::path path_;
 };
 
+// The start of a command line running mpirun: OpenMPI as root (containers) needs explicit
+// consent, and with more ranks than cores, ranks waiting in MPI must yield the CPU to the ones
+// computing instead of busy-polling. Ends in a space.
+inline const std::string kMpiEnvironment =
+    "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 ";
+
 // The message of the malleus::Error that `f` throws, or "" if it throws none.
 inline std::string error_of(const std::function<void()>& f) {
   try {
