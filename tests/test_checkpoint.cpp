@@ -695,10 +695,15 @@ TEST(ShardedCheckpoint, MomentsAreWrittenFromOptimizerShardsEachElementOnce) {
   const model::ParameterLayout full(c.model);
   const layout::Layout l = three_rank_layout(c.model);
   save_sharded_split(tmp / "ckpt", c, l);
-  // Every element of the parameters and of both moments stored exactly once over the files.
+  // Every element of the parameters and of both moments stored exactly once over the files, each
+  // rank writing the parameters and moments of the rows of its optimizer shard: rank 0 (the whole
+  // model) half of each piece, ranks 1 and 2 (tensor-parallel halves) the other half.
   int64_t bytes = 0;
+  const layout::GradSyncPlan sync = layout::plan_grad_sync(c.model, l);
   for (int r = 0; r < 3; ++r) {
-    bytes += static_cast<int64_t>(fs::file_size(tmp / "ckpt" / shard_file_name(r)));
+    const auto file = static_cast<int64_t>(fs::file_size(tmp / "ckpt" / shard_file_name(r)));
+    EXPECT_EQ(file, 12 * layout::optimizer_shard(sync, r, kSmallChunk).elements) << "rank " << r;
+    bytes += file;
   }
   EXPECT_EQ(bytes, 12 * full.num_parameters());
   const Json manifest = read_json_file((tmp / "ckpt" / "manifest.json").string());

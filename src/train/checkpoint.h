@@ -88,13 +88,16 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // Adam moments there too or, with the distributed optimizer, in its optimizer shard
 // (layout/optimizer_shard.h).
 //
-// - Parameters: the pieces of the common refinement of the run's layout
+// - Adam moments kept whole: the pieces of the common refinement of the run's layout
 //   (layout::common_refinement), each given to one of its holders (layout::balanced_owners), so
-//   that every element is written exactly once and replicated state is spread over its holders.
-// - Adam moments, kept whole: the same pieces, by the same owners. Split among holders (ZeRO-1):
-//   every block of a rank's optimizer shard, written by that rank, since the shard already gives
-//   each element one owner; nothing is gathered. A moment piece of a column-sharded tensor may then
-//   hold only some rows of its columns ("rows" in the manifest).
+//   that every element is written exactly once and replicated state is spread over its holders;
+//   the parameters the same pieces by the same owners.
+// - Adam moments split among holders (ZeRO-1): every block of a rank's optimizer shard, written
+//   by that rank, since the shard already gives each element one owner, in near-equal slices of
+//   whole rows; nothing is gathered. The parameters the same rows by the same rank, so that a
+//   large piece (the embedding) is written by all its holders and every rank writes about the
+//   same bytes. A piece of a column-sharded tensor may then hold only some rows of its columns
+//   ("rows" in the manifest).
 //
 // One file per rank rather than per piece: a rank writes one sequential stream (what a disk is
 // fastest at) and the checkpoint has as many files as ranks, not thousands (a 70B model has ~10^4
@@ -133,10 +136,10 @@ struct SavedKind {
   std::vector<OwnedPart> parts;
 };
 
-// What `rank` writes of its state: the parameters' pieces it owns (owned_pieces of `refinement`,
-// the common refinement of the run's layout) in `local`; and when `moment_blocks` is given, its
-// Adam moments `adam_m`, `adam_v` kept there: the same pieces when `moments_split` is false (the
-// blocks are then those of `local`), else every block (its optimizer shard's).
+// What `rank` writes of its state, its parameters laid out by `local`, and when `moment_blocks`
+// is given its Adam moments `adam_m`, `adam_v` kept there: the pieces it owns (owned_pieces of
+// `refinement`, the common refinement of the run's layout) of both when `moments_split` is false
+// (the blocks are then those of `local`); else every block of its optimizer shard, of both.
 std::vector<SavedKind> saved_state(const model::ModelConfig& model,
                                    const std::vector<layout::RefinedPiece>& refinement, int rank,
                                    const model::ParameterLayout& local, const float* params,

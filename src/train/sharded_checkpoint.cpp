@@ -106,6 +106,20 @@ std::vector<SavedKind> saved_state(const model::ModelConfig& model,
   const layout::Blocks blocks = layout::local_blocks(full, local);
   std::vector<SavedKind> state(moment_blocks != nullptr ? 2 : 1);
   state[0] = {StateKind::kParams, {params}, {}};
+  if (moment_blocks != nullptr && moments_split) {
+    // The optimizer shard gives every element one owner already, in near-equal slices cut at
+    // rows: the moments all of it, as it lies, and the parameters the same rows (a large piece,
+    // such as the embedding, is then written by all its holders, not by one).
+    std::unordered_map<int, size_t> local_block;  // by full-model tensor
+    for (size_t i = 0; i < blocks.size(); ++i) local_block[blocks[i].tensor] = i;
+    state[1] = {StateKind::kMoments, {adam_m, adam_v}, {}};
+    for (const layout::Block& block : *moment_blocks) {
+      const layout::BlockPart part = layout::whole(block);
+      state[0].parts.push_back({blocks[local_block.at(block.tensor)], part});
+      state[1].parts.push_back({block, part});
+    }
+    return state;
+  }
   const std::vector<OwnedPiece> owned = owned_pieces(refinement, rank);
   for (const OwnedPiece& p : owned) {
     state[0].parts.push_back(
@@ -113,12 +127,7 @@ std::vector<SavedKind> saved_state(const model::ModelConfig& model,
   }
   if (moment_blocks == nullptr) return state;
   state[1] = {StateKind::kMoments, {adam_m, adam_v}, {}};
-  if (moments_split) {
-    // The optimizer shard gives every element one owner already: all of it, as it lies.
-    for (const layout::Block& block : *moment_blocks) {
-      state[1].parts.push_back({block, layout::whole(block)});
-    }
-  } else {
+  {
     check(moment_blocks->size() == blocks.size(),
           "saved_state: whole moments must be laid out like the parameters");
     for (const OwnedPiece& p : owned) {
