@@ -248,3 +248,28 @@ TEST(Simulator, SharedCoresTakeTheClosedFormsPipelineTime) {
     }
   }
 }
+
+// "distributed_optimizer" (default true) reaches the cost model the strategies plan with: with
+// whole moments on every holder the healthy uniform plan (dp4) keeps 4× the optimizer state, and
+// on devices this tight it predicts a slower iteration.
+TEST(Scenario, DistributedOptimizerKeyAndCapacity) {
+  Json j = small_scenario();
+  EXPECT_TRUE(sim::Scenario::from_json(j, "s.json").distributed_optimizer);
+  j["distributed_optimizer"] = "yes";
+  EXPECT_NE(error_of(j).find("distributed_optimizer"), std::string::npos);
+  j["distributed_optimizer"] = false;
+  auto whole = sim::Scenario::from_json(j, "s.json");
+  EXPECT_FALSE(whole.distributed_optimizer);
+  auto zero = sim::Scenario::from_json(small_scenario(), "s.json");
+  for (auto* sc : {&whole, &zero}) {
+    sc->strategies = {"uniform"};
+    sc->cluster.memory_bytes = 24e9;  // tight enough that the optimizer state matters
+  }
+  const auto with_whole = sim::run_scenario(whole), with_zero = sim::run_scenario(zero);
+  EXPECT_GT(with_whole.healthy_iteration_s, with_zero.healthy_iteration_s);
+  EXPECT_TRUE(std::isfinite(with_zero.healthy_iteration_s));
+
+  plan::Rates rates(4, 1.0);
+  rates[1] = 2, rates[2] = std::numeric_limits<double>::infinity();
+  EXPECT_DOUBLE_EQ(sim::capacity(rates), 2.5);
+}

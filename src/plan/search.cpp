@@ -252,16 +252,17 @@ class MalleusSearch {
   }
 
  private:
-  // The fewest stages of t-rank groups for which a healthy pipeline fits in memory; 0 if none.
-  int fewest_stages(int t, int groups) const {
-    for (int S = 1; S <= std::min(groups, cost_.model().num_layers); ++S) {
+  // The fewest stages of t-rank groups for which a healthy pipeline fits in memory under `cost`;
+  // 0 if none.
+  int fewest_stages(const CostModel& cost, int t, int groups) const {
+    for (int S = 1; S <= std::min(groups, cost.model().num_layers); ++S) {
       std::vector<Stage> stages;
       for (int g = 0; g < S; ++g) {
         std::vector<int> ranks;
         for (int r = g * t; r < (g + 1) * t; ++r) ranks.push_back(r);
-        stages.push_back(make_group(cost_, ranks, false, healthy_));
+        stages.push_back(make_group(cost, ranks, false, healthy_));
       }
-      if (evaluate_pipeline(cost_, stages, healthy_, std::max(1, groups / S)).feasible) return S;
+      if (evaluate_pipeline(cost, stages, healthy_, std::max(1, groups / S)).feasible) return S;
     }
     return 0;
   }
@@ -276,13 +277,24 @@ class MalleusSearch {
     std::vector<Base> bases;
     for (int t : tp_degrees(cost_)) {
       const int G = c.nodes * (c.devices_per_node / t);
-      const int s_min = fewest_stages(t, G);
+      const int s_min = fewest_stages(cost_, t, G);
       if (s_min == 0) continue;
+      // Recomputation lets fewer stages fit, but the deeper pipelines that fit without it
+      // recompute nothing and are often faster: the counts start from both fewest.
+      std::vector<int> fewest{s_min};
+      if (cost_.recompute_allowed()) {
+        CostModel plain = cost_;
+        plain.allow_recompute(false);
+        const int s_plain = fewest_stages(plain, t, G);
+        if (s_plain > s_min) fewest.push_back(s_plain);
+      }
       std::vector<int> counts;
-      for (int S = s_min; S <= std::min({G, L, 2 * s_min + 2}); ++S) {
-        const bool tiles =
-            G % S == 0 || (S * t) % c.devices_per_node == 0 || c.devices_per_node % (S * t) == 0;
-        if (S <= s_min + 2 || tiles) counts.push_back(S);
+      for (int low : fewest) {
+        for (int S = low; S <= std::min({G, L, 2 * low + 2}); ++S) {
+          const bool tiles =
+              G % S == 0 || (S * t) % c.devices_per_node == 0 || c.devices_per_node % (S * t) == 0;
+          if (S <= low + 2 || tiles) counts.push_back(S);
+        }
       }
       const Shape& base = request_.base;
       if (base.tp == t && base.pp <= std::min(G, L) && base.pp >= 1) counts.push_back(base.pp);

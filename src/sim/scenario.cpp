@@ -21,13 +21,13 @@ std::string fixed(double value, int digits) {
   return buf;
 }
 
+}  // namespace
+
 double capacity(const plan::Rates& rates) {
   double sum = 0;
   for (double r : rates) sum += plan::is_gone(r) ? 0.0 : 1.0 / r;
   return sum;
 }
-
-}  // namespace
 
 Scenario Scenario::from_json(const Json& json, const std::string& source) {
   JsonReader r(json, source);
@@ -58,6 +58,7 @@ Scenario Scenario::from_json(const Json& json, const std::string& source) {
   s.decision_horizon_s = r.optional<double>("decision_horizon_s", s.decision_horizon_s);
   const std::string profile = r.optional<std::string>("profile", "");
   if (!profile.empty()) s.profile = plan::Profile::from_json(read_json_file(profile), profile);
+  s.distributed_optimizer = r.optional<bool>("distributed_optimizer", s.distributed_optimizer);
   const Json events = r.required<Json>("events");
   r.finish();
   check(events.is_array() && !events.empty(), source + ": \"events\" must be a non-empty list");
@@ -93,7 +94,8 @@ plan::Evaluator simulator_evaluator(const plan::CostModel& cost) {
 ScenarioResult run_scenario(const Scenario& sc) {
   ScenarioResult out;
   out.scenario = sc;
-  const plan::CostModel cost(sc.model, sc.cluster, sc.batch, sc.profile);
+  plan::CostModel cost(sc.model, sc.cluster, sc.batch, sc.profile);
+  cost.use_distributed_optimizer(sc.distributed_optimizer);
   const int N = sc.cluster.num_devices();
   const double GB = sc.batch.global_batch;
   const plan::Rates healthy(static_cast<size_t>(N), 1.0);

@@ -12,7 +12,8 @@
 //    "events": [{"at_s": 0, "rates": {"3": 5}}, {"at_s": 1800, "rates": {}}]}
 // Optional: "strategies" (default all), "replan_s" (default: measured planning time),
 // "detect_iterations" (1), "rebuild_s" (5), "failure_timeout_s" (60), "decision_horizon_s"
-// (600), "profile" (a profile file). An event's rates replace all earlier ones.
+// (600), "profile" (a profile file), "distributed_optimizer" (true: the runtime's default; false:
+// whole optimizer state on every holder). An event's rates replace all earlier ones.
 //
 // Ours switches only when replan::weigh_switch (the controller's rule) says so, asked with the
 // simulated step times, the migration estimate plus planning and rebuild time as the switch cost,
@@ -51,6 +52,7 @@ struct Scenario {
   double failure_timeout_s = 60;    // noticing a device that is gone
   double decision_horizon_s = 600;  // a live re-plan must repay its cost within this
   std::optional<plan::Profile> profile;
+  bool distributed_optimizer = true;  // plan::CostModel::use_distributed_optimizer
 
   static Scenario from_json(const Json& json, const std::string& source);
 };
@@ -93,6 +95,10 @@ struct ScenarioResult {
 };
 
 ScenarioResult run_scenario(const Scenario& scenario);
+
+// What the devices left can do, in healthy devices: Σ 1/r over the devices not gone. The ideal
+// throughput under `rates` is the healthy one × capacity / devices.
+double capacity(const plan::Rates& rates);
 
 // Plain-text table: per strategy, end-to-end and per-event steady-state throughput, the ratio to
 // ideal and the speedup over "uniform".
