@@ -6,6 +6,9 @@ round of runs, the shifted run's median step time over mode X's of the same roun
 and on each rank the recomputation done ahead of the gradient and its part done while the
 gradient was still on its way (medians per step).
 
+A third table ranks the modes side by side: per round, each mode's median step time over the
+first mode's (none) of the same round, with the median of those ratios.
+
 Usage: recompute_summary.py OUT MODE...   (OUT/MODE/run*/metrics.jsonl, OUT/MODE.predicted)
 """
 import glob
@@ -84,3 +87,27 @@ for mode in shifted_modes:
         o = f"{statistics.median(overlapped[rank]):.2f} s" if rank in overlapped else "-"
         print(f"| {mode if i == 0 else ''} | {per_round if i == 0 else ''} | "
               f"{median if i == 0 else ''} | {rank} | {a} | {o} |")
+
+
+def round_medians(mode):
+    """{run number: median step time} of a mode."""
+    out = {}
+    for run, steps in runs_of(mode).items():
+        times = [r["step_time_s"] for r in timed(steps)]
+        if times:
+            out[run] = statistics.median(times)
+    return out
+
+
+if len(modes) > 1:
+    reference = round_medians(modes[0])
+    print()
+    print(f"| mode | step time over {modes[0]}'s, per round | median | min-max |")
+    print("|---|---|---|---|")
+    for mode in modes[1:]:
+        this = round_medians(mode)
+        ratios = [this[run] / reference[run] for run in sorted(set(this) & set(reference))]
+        if not ratios:
+            continue
+        print(f"| {mode} | {', '.join(f'{x:.3f}' for x in ratios)} | "
+              f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
