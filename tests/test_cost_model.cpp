@@ -245,6 +245,47 @@ TEST(CostModel, ShiftedRecomputationHidesInTheWaitForTheFirstGradient) {
                    after_memory[size_t(first_rank)].total());
 }
 
+// The planner's per-plan choice of the shifted schedule: a recomputing stage before the last gets
+// recompute_ahead where its ranks fit a scratch per recomputing layer, and the plan is then
+// predicted as the global option predicts it (faster, more memory on that stage); where the
+// scratch does not fit, the stage keeps recomputing inside its backward.
+TEST(CostModel, RecomputeAheadWhereTheMemoryFits) {
+  const CostModel cost = a800_70b();
+  const plan::Rates rates(64, 1.0);
+  plan::Plan plan = plan::uniform_plan(cost.model(), 1, 8, 4, 64, 1, 64);
+  for (auto& s : plan.pipelines[0].stages) s.recompute = {model::RecomputeMode::kSelective, 10};
+  const auto before = cost.predict(plan, rates, false);
+  ASSERT_TRUE(before.fits) << before.problem;
+  plan::Plan chosen = plan;
+  EXPECT_TRUE(cost.choose_recompute_ahead(chosen));
+  const auto& stages = chosen.pipelines[0].stages;
+  for (size_t j = 0; j < stages.size(); ++j) EXPECT_EQ(stages[j].recompute_ahead, j < 3) << j;
+  const auto after = cost.predict(chosen, rates, false);
+  EXPECT_TRUE(after.fits);
+  EXPECT_LT(after.iteration_time, before.iteration_time);
+  CostModel shifted = cost;
+  shifted.set_shifted_recompute(true);
+  const auto everywhere = shifted.predict(plan, rates, false);
+  EXPECT_DOUBLE_EQ(after.iteration_time, everywhere.iteration_time);
+  const int first = stages[0].ranks[0];
+  EXPECT_DOUBLE_EQ(after.memory_bytes[size_t(first)], everywhere.memory_bytes[size_t(first)]);
+  EXPECT_GT(after.memory_bytes[size_t(first)], before.memory_bytes[size_t(first)]);
+  EXPECT_DOUBLE_EQ(cost.memory_by_kind(chosen)[size_t(first)].total(),
+                   after.memory_bytes[size_t(first)]);
+
+  // Devices with room for the first stage recomputing in its backward, not for the scratch.
+  auto cluster = cost.cluster();
+  cluster.memory_bytes =
+      (before.memory_bytes[size_t(first)] +
+       0.5 * (after.memory_bytes[size_t(first)] - before.memory_bytes[size_t(first)])) /
+      cluster.usable_memory_fraction;
+  const CostModel tight(cost.model(), cluster, cost.batch());
+  plan::Plan kept = plan;
+  tight.choose_recompute_ahead(kept);
+  EXPECT_FALSE(kept.pipelines[0].stages[0].recompute_ahead);
+  EXPECT_TRUE(tight.predict(kept, rates, false).fits);
+}
+
 TEST(CostModel, PredictUniformPlanAndStragglers) {
   const CostModel cost = a800_70b();
   const auto plan = plan::uniform_plan(cost.model(), 2, 8, 4, 64, 1, 64);

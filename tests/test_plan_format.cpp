@@ -133,6 +133,28 @@ TEST(PlanFormat, RecomputationIsPerStageAndChecked) {
 
   EXPECT_EQ(plan.summary(), "2 pipelines: [pp2 tp2,1 m3 rc f1,-] [pp1 tp1 m1] idle 4");
 
+  // Recomputing ahead of the gradient (the shifted schedule): kept through JSON, shown as ">",
+  // only on a recomputing stage before the last.
+  first["recompute_ahead"] = true;
+  plan = plan::Plan::from_json(json, model, "p.json");
+  EXPECT_TRUE(
+      plan::Plan::from_json(plan.to_json(), model, "again").pipelines[0].stages[0].recompute_ahead);
+  EXPECT_FALSE(plan.pipelines[0].stages[1].recompute_ahead);
+  EXPECT_EQ(plan.summary(), "2 pipelines: [pp2 tp2,1 m3 rc f1>,-] [pp1 tp1 m1] idle 4");
+  auto& second = json["pipelines"][0]["stages"][1];
+  second["recompute"] = "full";
+  second["recompute_ahead"] = true;
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 1: \"recompute_ahead\" is true on the last stage, which has "
+            "no gradient to wait for");
+  second.erase("recompute_ahead");
+  first["recompute_layers"] = 0;
+  EXPECT_EQ(error_of(json),
+            "p.json: pipeline 0 stage 0: \"recompute_ahead\" is true but the stage recomputes no "
+            "layer");
+  first.erase("recompute_ahead");
+  first["recompute_layers"] = 1;
+
   first["recompute_layers"] = 4;
   EXPECT_EQ(error_of(json),
             "p.json: pipeline 0 stage 0: \"recompute_layers\" is 4, the stage has 3 layers");

@@ -474,6 +474,14 @@ TEST(Planner, StageAwareRecomputationMakesA110bPlanFitOn40GiBDevices) {
     }
   }
   EXPECT_GT(recomputing, 0) << r.plan.summary();
+  // Recomputation ahead of the gradient only where a stage recomputes, never on the last.
+  for (const auto& pipe : r.plan.pipelines) {
+    for (size_t j = 0; j < pipe.stages.size(); ++j) {
+      if (!pipe.stages[j].recompute_ahead) continue;
+      EXPECT_GT(pipe.stages[j].recompute.layers, 0) << r.plan.summary();
+      EXPECT_LT(j + 1, pipe.stages.size()) << r.plan.summary();
+    }
+  }
   EXPECT_LT(recomputing, stages) << r.plan.summary();
   for (double bytes : r.prediction.memory_bytes) EXPECT_LE(bytes, cluster.usable_memory());
   const plan::Prediction as_written = cost.predict(r.plan, rates, /*choose_recompute=*/false);

@@ -671,7 +671,8 @@ TEST(Runtime, RecomputationTrainsLikeKeepingActivations) {
 // while its gradient is on its way instead of inside the backward. The same operations on the
 // same inputs in another order, so bit-identical losses and parameters, on pp2 and pp4, with
 // selective and full recomputation (no gradient clipping: the global norm is summed over ranks
-// in an order MPI chooses, the one part of a step whose bits may vary from run to run).
+// in an order MPI chooses, the one part of a step whose bits may vary from run to run). The same
+// with the option off and the plan marking those stages (recompute_ahead, as the planner does).
 TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
   Communicator world = Communicator::world();
   if (world.size() != 2 && world.size() != 4) GTEST_SKIP() << "pp2 and pp4 plans";
@@ -702,10 +703,21 @@ TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
     TrainingRun training;
     std::vector<double> ahead_s;  // per rank, summed over the steps
   };
-  auto run = [&](const std::string& name, const std::string& stage_list, bool shifted) {
+  auto run = [&](const std::string& name, const std::string& stage_list, bool shifted,
+                 bool marked = false) {
     train::TrainConfig config = base;
     config.shifted_recompute = shifted;
-    config.plan = share_plan(world, dir, name, one_pipeline_plan(world.size(), 1, 8, stage_list));
+    std::string text = one_pipeline_plan(world.size(), 1, 8, stage_list);
+    if (marked) {
+      plan::Plan p =
+          plan::Plan::from_json(Json::parse(text), malleus::testing::parallel_test_model(), "plan");
+      auto& stages = p.pipelines[0].stages;
+      for (size_t j = 0; j + 1 < stages.size(); ++j) {
+        stages[j].recompute_ahead = stages[j].recompute.layers > 0;
+      }
+      text = p.to_json().dump();
+    }
+    config.plan = share_plan(world, dir, name, text);
     train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
     Run result;
     result.ahead_s.assign(size_t(world.size()), 0.0);
@@ -721,9 +733,12 @@ TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
   for (size_t i = 0; i < stage_lists.size(); ++i) {
     const Run in_backward = run("backward" + std::to_string(i), stage_lists[i], false);
     const Run shifted = run("shifted" + std::to_string(i), stage_lists[i], true);
+    const Run marked = run("marked" + std::to_string(i), stage_lists[i], false, true);
     if (world.rank() != 0) continue;
     EXPECT_EQ(shifted.training.losses, in_backward.training.losses) << stage_lists[i];
     EXPECT_EQ(shifted.training.params, in_backward.training.params) << stage_lists[i];
+    EXPECT_EQ(marked.training.losses, in_backward.training.losses) << stage_lists[i];
+    EXPECT_EQ(marked.training.params, in_backward.training.params) << stage_lists[i];
     // Only stages before the last that recompute do it ahead; nothing without the option.
     const plan::Plan plan =
         plan::Plan::from_json(read_json_file(dir / ("shifted" + std::to_string(i) + ".json")),
@@ -733,6 +748,7 @@ TEST(Runtime, ShiftedRecomputationTrainsBitIdenticallyToRecomputingInBackward) {
       for (int r : stages[j].ranks) {
         const bool ahead = j + 1 < stages.size() && stages[j].recompute.layers > 0;
         EXPECT_EQ(shifted.ahead_s[size_t(r)] > 0, ahead) << stage_lists[i] << " rank " << r;
+        EXPECT_EQ(marked.ahead_s[size_t(r)] > 0, ahead) << stage_lists[i] << " rank " << r;
         EXPECT_EQ(in_backward.ahead_s[size_t(r)], 0.0) << stage_lists[i] << " rank " << r;
       }
     }

@@ -508,15 +508,16 @@ double CostModel::exposed_layer_comm(const GroupCost& g, bool backward) const {
 
 StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
                                 int in_flight, const model::Recompute& planned,
-                                bool choose_recompute, int pipelines) const {
+                                bool choose_recompute, int pipelines, bool ahead) const {
   using model::RecomputeMode;
   StageCost c;
   const double l = layers;
   const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
+  const bool shifted = (shifted_recompute_ || ahead) && !last;
   auto memory = [&](const model::Recompute& r) {
     return memory_use(g.memory, layers, first, last, n, r, pipelines, distributed_optimizer_,
-                      shifted_recompute_ && !last, cluster_.nodes > 1)
+                      shifted, cluster_.nodes > 1)
         .total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),
@@ -548,7 +549,7 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   if (chosen.mode == RecomputeMode::kNone) chosen.layers = 0;
   c.recompute = chosen;
   c.recompute_time = extra_time(chosen);
-  c.recompute_ahead = shifted_recompute_ && !last && chosen.layers > 0;
+  c.recompute_ahead = shifted && chosen.layers > 0;
   c.memory_bytes = memory(chosen);
   c.fits = c.memory_bytes <= cap;
   const double forward_comm = exposed_layer_comm(g, false);
@@ -640,8 +641,8 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       }
       StagePrediction sp;
       const int in_flight = std::min(S - j, p.micro_batches);
-      sp.cost =
-          stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute, P);
+      sp.cost = stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute,
+                           P, s.recompute_ahead);
       if (!sp.cost.fits && out.fits) {
         out.fits = false;
         if (out.problem.empty()) {
@@ -660,7 +661,8 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         if (r < 0 || r >= plan.world_size) continue;
         out.memory_bytes[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P, distributed_optimizer_, shifted_recompute_ && !last, probes_links(r))
+                       P, distributed_optimizer_,
+                       (shifted_recompute_ || s.recompute_ahead) && !last, probes_links(r))
                 .total();
       }
     }
@@ -729,8 +731,36 @@ void CostModel::write_recompute(Plan& plan, const Prediction& prediction) {
     auto& stages = plan.pipelines[p].stages;
     for (size_t j = 0; j < stages.size() && j < prediction.pipelines[p].stages.size(); ++j) {
       stages[j].recompute = prediction.pipelines[p].stages[j].cost.recompute;
+      // Ahead of the gradient only what is recomputed.
+      if (stages[j].recompute.layers == 0) stages[j].recompute_ahead = false;
     }
   }
+}
+
+bool CostModel::choose_recompute_ahead(Plan& plan) const {
+  const double cap = cluster_.usable_memory();
+  const int P = static_cast<int>(plan.pipelines.size());
+  bool any = false;
+  for (auto& p : plan.pipelines) {
+    const int S = static_cast<int>(p.stages.size());
+    for (int j = 0; j + 1 < S; ++j) {
+      Stage& s = p.stages[static_cast<size_t>(j)];
+      if (s.recompute_ahead || s.recompute.mode == model::RecomputeMode::kNone ||
+          s.recompute.layers == 0) {
+        continue;
+      }
+      const int in_flight = std::min(S - j, p.micro_batches);
+      bool fits = true;
+      for (size_t i = 0; i < s.ranks.size() && fits; ++i) {
+        fits = memory_use(footprint(s, i), s.num_layers(), j == 0, false, in_flight, s.recompute, P,
+                          distributed_optimizer_, true, probes_links(s.ranks[i]))
+                   .total() <= cap;
+      }
+      s.recompute_ahead = fits;
+      any = any || fits;
+    }
+  }
+  return any;
 }
 
 std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
@@ -746,7 +776,8 @@ std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
         if (r < 0 || r >= plan.world_size) continue;
         out[static_cast<size_t>(r)] =
             memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
-                       P, distributed_optimizer_, shifted_recompute_ && j < S - 1, probes_links(r));
+                       P, distributed_optimizer_,
+                       (shifted_recompute_ || s.recompute_ahead) && j < S - 1, probes_links(r));
       }
     }
   }

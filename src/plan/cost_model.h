@@ -280,10 +280,12 @@ class CostModel {
   std::vector<double> member_load(const Stage& stage, const Rates& rates) const;
   // `in_flight`: micro-batches whose activations the stage holds at once. `planned`: the stage's
   // recomputation; when none and `choose_recompute`, the cheapest one that makes it fit.
-  // `pipelines`: of the plan (memory_use).
+  // `pipelines`: of the plan (memory_use). `ahead`: the plan has the stage recompute ahead of its
+  // gradient (Stage::recompute_ahead); it does on a stage before the last with it or under the
+  // shifted schedule.
   StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last, int in_flight,
                        const model::Recompute& planned = {}, bool choose_recompute = true,
-                       int pipelines = 1) const;
+                       int pipelines = 1, bool ahead = false) const;
 
   // 1F1B closed form from per-stage F, B and P2P times (see the header comment).
   static PipelinePrediction pipeline_time(std::vector<StagePrediction> stages, int micro_batches);
@@ -294,6 +296,12 @@ class CostModel {
   Prediction predict(const Plan& plan, const Rates& rates, bool choose_recompute = true) const;
   // The recomputation `prediction` (of `plan`) chose for each stage, written into the plan.
   static void write_recompute(Plan& plan, const Prediction& prediction);
+  // Merak's shifted critical path where it pays: every recomputing stage before the last whose
+  // ranks all fit with a scratch per recomputing layer gets Stage::recompute_ahead. By the 1F1B
+  // closed form recomputing ahead never lengthens an iteration (it leaves the round trips and
+  // hides in the wait for the first gradient), and measured on CPU it was faster
+  // (docs/performance.md), so memory is the only condition. Returns whether any stage got it.
+  bool choose_recompute_ahead(Plan& plan) const;
   // Per device, bytes by kind (zero for idle devices), for the plan's recomputation.
   std::vector<MemoryUse> memory_by_kind(const Plan& plan) const;
 

@@ -79,7 +79,8 @@ std::string Plan::summary() const {
     }
     text += " m";
     text += std::to_string(p.micro_batches);
-    // Recomputation, when any stage has some: per stage "-", "s<layers>" or "f<layers>".
+    // Recomputation, when any stage has some: per stage "-", "s<layers>" or "f<layers>", with
+    // ">" when the stage recomputes ahead of its gradient.
     bool recomputes = false;
     for (const auto& s : p.stages) recomputes = recomputes || s.recompute.layers > 0;
     if (recomputes) {
@@ -92,6 +93,7 @@ std::string Plan::summary() const {
         } else {
           text += r.mode == model::RecomputeMode::kFull ? "f" : "s";
           text += std::to_string(r.layers);
+          if (p.stages[s].recompute_ahead) text += ">";
         }
       }
     }
@@ -122,6 +124,7 @@ Json Plan::to_json() const {
         stage["recompute"] = model::recompute_mode_name(s.recompute.mode);
         stage["recompute_layers"] = s.recompute.layers;
       }
+      if (s.recompute_ahead) stage["recompute_ahead"] = true;
       stages.push_back(std::move(stage));
     }
     pipes.push_back({{"micro_batches", p.micro_batches}, {"stages", stages}});
@@ -165,6 +168,7 @@ Plan Plan::from_json(const Json& json, const model::ModelConfig& model, const st
       s.recompute.mode = *parsed;
       s.recompute.layers = sr.optional<int>(
           "recompute_layers", s.recompute.mode == model::RecomputeMode::kNone ? 0 : s.num_layers());
+      s.recompute_ahead = sr.optional<bool>("recompute_ahead", false);
       sr.finish();
       p.stages.push_back(std::move(s));
     }
@@ -212,6 +216,13 @@ void validate(const Plan& plan, const model::ModelConfig& model, const std::stri
         check(s.recompute.layers >= 0 && s.recompute.layers <= s.num_layers(),
               at + ": \"recompute_layers\" is " + std::to_string(s.recompute.layers) +
                   ", the stage has " + std::to_string(s.num_layers()) + " layers");
+      }
+      if (s.recompute_ahead) {
+        check(s.recompute.mode != model::RecomputeMode::kNone && s.recompute.layers > 0,
+              at + ": \"recompute_ahead\" is true but the stage recomputes no layer");
+        check(j + 1 < p.stages.size(),
+              at + ": \"recompute_ahead\" is true on the last stage, which has no gradient to "
+                   "wait for");
       }
       check_shares(s.heads, s.ranks.size(), model.num_heads, group, "heads", at);
       check_shares(s.ffn, s.ranks.size(), model.ffn_hidden_size, 1, "ffn", at);

@@ -14,7 +14,9 @@
 //      {"micro_batches": 2, "stages": [{"layers": [0, 4], "ranks": [3]}]}]}
 // "layers" is a half-open range [begin, end). Omitted shares are split as evenly as the units
 // allow (heads in whole KV groups). A stage may add "recompute": "none" | "selective" | "full"
-// and "recompute_layers": k (its first k layers recompute; default all of them).
+// and "recompute_layers": k (its first k layers recompute; default all of them), and
+// "recompute_ahead": true (a stage before the last recomputes ahead of its gradient, Merak's
+// shifted critical path).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,11 @@ struct Stage {
   // Activation recomputation of every rank of the stage: its first `recompute.layers` layers
   // (model/recompute.h). Chosen by the planner where memory requires it, or written by hand.
   model::Recompute recompute;
+  // The stage recomputes a micro-batch before its output gradient arrives instead of inside its
+  // backward (Merak's shifted critical path; runtime::EngineOptions::shifted_recompute), at the
+  // price of a scratch per recomputing layer. Only on a recomputing stage before the last. The
+  // planner sets it where that memory fits (CostModel::choose_recompute_ahead).
+  bool recompute_ahead = false;
 
   int tp() const { return static_cast<int>(ranks.size()); }
   int num_layers() const { return layer_end - layer_begin; }

@@ -78,6 +78,9 @@ PlanResult finish(std::string name, const CostModel& cost, Plan plan, const Rate
   // The recomputation each stage needs to fit, chosen by the cost model, travels with the plan
   // to the runtime.
   CostModel::write_recompute(plan, r.prediction);
+  // And, where the memory allows, recomputation ahead of the gradient (the shifted schedule),
+  // which the prediction then includes.
+  if (cost.choose_recompute_ahead(plan)) r.prediction = cost.predict(plan, rates, false);
   r.plan = std::move(plan);
   r.planning_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!r.prediction.fits) r.note = r.prediction.problem;

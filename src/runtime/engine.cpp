@@ -76,7 +76,7 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   model_ = std::make_unique<model::Transformer<float>>(
       model, *state_->shard(), *backend_, plan.micro_batch_size, options.seq_len, slots,
       state_->tensor_parallel(), state_->stage().recompute,
-      options.shifted_recompute && !state_->last_stage());
+      (options.shifted_recompute || state_->stage().recompute_ahead) && !state_->last_stage());
   model_->set_tp_subpipeline(options.tp_subpipeline);
   if (distributed_optimizer_) {
     shard_ =

@@ -41,6 +41,8 @@ struct EngineOptions {
   // forward, then waits, so the recomputation overlaps the wait instead of following it. Costs a
   // scratch per recomputing layer instead of one per stage (plan::memory_use). The last stage
   // recomputes in its backward as before: its gradient comes from its own loss, with no wait.
+  // On every recomputing stage before the last; off, on those the plan marks
+  // (plan::Stage::recompute_ahead).
   bool shifted_recompute = false;
   // A live migration's extra memory, over max(the memory before it, the memory after it), stays
   // under this many bytes per rank (layout/staged_redistribution.h).

@@ -175,8 +175,9 @@ std::vector<ConfigField> make_fields() {
             "Compute threads per rank (0: the node's cores shared among its ranks)",
             not_negative<int>()),
       field(&C::shifted_recompute, "shifted_recompute", "--shifted-recompute", P::kHonoured,
-            "Recompute a micro-batch's activations while its gradient is on its way (stages "
-            "before the last; --no-shifted-recompute: in its backward)"),
+            "Recompute a micro-batch's activations while its gradient is on its way on every "
+            "recomputing stage before the last (--no-shifted-recompute: only where the plan "
+            "says recompute_ahead, in the backward elsewhere)"),
       field(&C::plan, "plan", "--plan", P::kResharded,
             "Parallel plan file (docs/plan-format.md); \"auto\": the planner's plan for the "
             "job's ranks; \"\": the uniform plan of --dp/--tp/--pp"),

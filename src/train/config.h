@@ -92,8 +92,10 @@ struct TrainConfig {
   bool distributed_optimizer = true;
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
-  // Stages that recompute activations, other than the last, recompute a micro-batch's forward
-  // while its gradient is on its way (runtime::EngineOptions::shifted_recompute).
+  // Every stage that recomputes activations, other than the last, recomputes a micro-batch's
+  // forward while its gradient is on its way (runtime::EngineOptions::shifted_recompute); off,
+  // only the stages the plan marks (plan::Stage::recompute_ahead, where the planner found the
+  // memory for it).
   bool shifted_recompute = false;
 
   // The parallel plan: a plan file (docs/plan-format.md), "auto" for the planner's plan on the
