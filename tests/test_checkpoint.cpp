@@ -528,28 +528,6 @@ std::vector<float> slice(const model::ParameterLayout& full, const std::vector<f
   return out;
 }
 
-// Writes `c` as a sharded checkpoint of `l` from one process, doing each rank's part in turn
-// (what train/checkpoint_writer.cpp does across ranks).
-void save_sharded(const fs::path& dir, const Checkpoint& c, const layout::Layout& l) {
-  const model::ParameterLayout full(c.model);
-  const auto refinement = layout::common_refinement(c.model, {&l});
-  const fs::path tmp = temporary_dir(dir, 1);
-  fs::create_directories(tmp);
-  std::vector<Json> shards;
-  const auto locals = layout::local_layouts(c.model, l);
-  for (int r = 0; r < l.world_size(); ++r) {
-    const auto& local = *locals[static_cast<size_t>(r)];
-    const auto p = slice(full, c.params, local), m = slice(full, c.adam_m, local),
-               v = slice(full, c.adam_v, local);
-    const layout::Blocks blocks = layout::local_blocks(full, local);
-    const ShardSnapshot snap =
-        snapshot_shard(r, saved_state(c.model, refinement, r, local, p.data(), &blocks, m.data(),
-                                      v.data(), /*moments_split=*/false));
-    shards.push_back(write_shard(tmp, snap));
-  }
-  commit_sharded_checkpoint(tmp, dir, c, shards, /*with_moments=*/true);
-}
-
 // `blocks`' part of a full-model buffer, laid out as the blocks say (`elements` in all).
 std::vector<float> gather_blocks(const model::ParameterLayout& full,
                                  const std::vector<float>& buffer, const layout::Blocks& blocks,
@@ -570,9 +548,11 @@ std::vector<float> gather_blocks(const model::ParameterLayout& full,
 // pieces between rows (what a large model's chunks do to its large pieces).
 constexpr double kSmallChunk = 1500;
 
-// Writes `c` as a sharded checkpoint of `l` with the distributed optimizer: each rank's moments in
-// its optimizer shard, written as they lie there.
-void save_sharded_split(const fs::path& dir, const Checkpoint& c, const layout::Layout& l) {
+// Writes `c` as a sharded checkpoint of `l` from one process, doing each rank's part in turn
+// (what train/checkpoint_writer.cpp does across ranks): with `moments_split` (the distributed
+// optimizer) each rank's moments lie in its optimizer shard and are written as they lie there.
+void save_sharded(const fs::path& dir, const Checkpoint& c, const layout::Layout& l,
+                  bool moments_split = false) {
   const model::ParameterLayout full(c.model);
   const auto refinement = layout::common_refinement(c.model, {&l});
   const layout::GradSyncPlan sync = layout::plan_grad_sync(c.model, l);
@@ -583,13 +563,21 @@ void save_sharded_split(const fs::path& dir, const Checkpoint& c, const layout::
   for (int r = 0; r < l.world_size(); ++r) {
     const auto& local = *locals[static_cast<size_t>(r)];
     const auto p = slice(full, c.params, local);
-    const layout::OptimizerShard shard = layout::optimizer_shard(sync, r, kSmallChunk);
-    const layout::Blocks blocks = layout::shard_blocks(full, sync, shard);
-    const auto m = gather_blocks(full, c.adam_m, blocks, shard.elements);
-    const auto v = gather_blocks(full, c.adam_v, blocks, shard.elements);
-    const ShardSnapshot snap = snapshot_shard(
-        r, saved_state(c.model, refinement, r, local, p.data(), &blocks, m.data(), v.data(),
-                       /*moments_split=*/true));
+    std::vector<float> m, v;
+    layout::Blocks blocks;
+    if (moments_split) {
+      const layout::OptimizerShard shard = layout::optimizer_shard(sync, r, kSmallChunk);
+      blocks = layout::shard_blocks(full, sync, shard);
+      m = gather_blocks(full, c.adam_m, blocks, shard.elements);
+      v = gather_blocks(full, c.adam_v, blocks, shard.elements);
+    } else {
+      blocks = layout::local_blocks(full, local);
+      m = slice(full, c.adam_m, local);
+      v = slice(full, c.adam_v, local);
+    }
+    const ShardSnapshot snap =
+        snapshot_shard(r, saved_state(c.model, refinement, r, local, p.data(), &blocks, m.data(),
+                                      v.data(), moments_split));
     shards.push_back(write_shard(tmp, snap));
   }
   commit_sharded_checkpoint(tmp, dir, c, shards, /*with_moments=*/true);
@@ -694,7 +682,7 @@ TEST(ShardedCheckpoint, MomentsAreWrittenFromOptimizerShardsEachElementOnce) {
   const Checkpoint c = make_checkpoint(11);
   const model::ParameterLayout full(c.model);
   const layout::Layout l = three_rank_layout(c.model);
-  save_sharded_split(tmp / "ckpt", c, l);
+  save_sharded(tmp / "ckpt", c, l, /*moments_split=*/true);
   // Every element of the parameters and of both moments stored exactly once over the files, each
   // rank writing the parameters and moments of the rows of its optimizer shard: rank 0 (the whole
   // model) half of each piece, ranks 1 and 2 (tensor-parallel halves) the other half.
@@ -760,7 +748,7 @@ TEST(ShardedCheckpoint, DamagedOrOverlappingMomentPiecesAreRefused) {
   TempDir tmp;
   const Checkpoint c = make_checkpoint(12);
   const fs::path dir = tmp / "ckpt";
-  save_sharded_split(dir, c, three_rank_layout(c.model));
+  save_sharded(dir, c, three_rank_layout(c.model), /*moments_split=*/true);
   const Json manifest = read_json_file((dir / "manifest.json").string());
   // The last moment piece of rank 1's file: its second moment, the file's last bytes.
   const Json& pieces = manifest["files"][shard_file_name(1)]["pieces"];
