@@ -767,10 +767,11 @@ TEST(ShardedCheckpoint, DamagedOrOverlappingMomentPiecesAreRefused) {
   // A moment piece moved one row down, into its neighbour's (resealed, as a forger would).
   Json json = manifest;
   bool edited = false;
+  const model::ParameterLayout full(c.model);
   for (auto& [name, entry] : json["files"].items()) {
     for (Json& piece : entry["pieces"]) {
       if (edited || piece["state"] != "moments" || !piece.contains("rows")) continue;
-      const auto& spec = model::ParameterLayout(c.model).find(piece["tensor"].get<std::string>());
+      const auto& spec = full.find(piece["tensor"].get<std::string>());
       if (piece["rows"][1] == spec.full_shape[0]) continue;
       piece["rows"][0] = piece["rows"][0].get<int64_t>() + 1;
       piece["rows"][1] = piece["rows"][1].get<int64_t>() + 1;
