@@ -361,6 +361,72 @@ TEST(CostModel, TheLinkProbeIsOneMessageBetweenNodeLeaders) {
   EXPECT_EQ(bed.with_link_rates({1.0, 10.0}).link_probe_seconds_per_byte(), expected);
 }
 
+// The probe's buffer is communication memory on node leaders only, and the planner's stage memory
+// (stage_cost, of a group's fullest member) counts it by the same predicate as the per-device
+// memory (memory_by_kind): on the 2 x 2 bed a pp4 plan's stages on ranks 1 and 3 hold no probe.
+// The demo model's largest tensor (256 x 768 elements) is smaller than the probe's two halves, so
+// the probe sets a leader's packing buffer. On devices whose usable memory is exactly what rank 1
+// needs, rank 1's stage fits without recomputation (charged the probe, it would have to recompute).
+TEST(CostModel, TheLinkProbesBufferCountsOnNodeLeadersOnlyInStagesAsPerDevice) {
+  const auto model = model::load_model_config("demo");
+  auto cluster = plan::load_cluster("cpu-bed-2x2");
+  const plan::BatchConfig batch{16, 1, 128};
+  const CostModel bed(model, cluster, batch);
+  const plan::Plan plan = plan::uniform_plan(model, 1, 1, 4, 16, 1);
+  const plan::Rates rates(4, 1.0);
+  const auto by_kind = bed.memory_by_kind(plan);
+  ASSERT_EQ(by_kind.size(), 4u);
+  const double probe_bytes = 2 * plan::kLinkProbeElements * sizeof(float);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(bed.probes_links(r), r % 2 == 0) << r;
+    if (r % 2 == 0) {
+      EXPECT_DOUBLE_EQ(by_kind[size_t(r)].communication, probe_bytes) << r;
+    } else {
+      EXPECT_LT(by_kind[size_t(r)].communication, probe_bytes) << r;
+    }
+  }
+  // Every stage's memory is its (only) rank's, leader or not.
+  const auto predicted = bed.predict(plan, rates, false);
+  ASSERT_TRUE(predicted.fits) << predicted.problem;
+  const auto& stages = plan.pipelines[0].stages;
+  for (size_t j = 0; j < stages.size(); ++j) {
+    const int rank = stages[j].ranks[0];
+    EXPECT_EQ(bed.group_cost(stages[j], rates).probes_links, rank % 2 == 0) << rank;
+    EXPECT_DOUBLE_EQ(predicted.pipelines[0].stages[j].cost.memory_bytes,
+                     by_kind[size_t(rank)].total())
+        << rank;
+    EXPECT_DOUBLE_EQ(predicted.memory_bytes[size_t(rank)], by_kind[size_t(rank)].total()) << rank;
+  }
+  // A TP group holding a leader is charged the probe, as its leader is.
+  plan::Stage pair = group(bed, {2, 3});
+  pair.layer_begin = 0, pair.layer_end = 4;
+  EXPECT_TRUE(bed.group_cost(pair, rates).probes_links);
+  // On one node nobody probes.
+  auto one_node = cluster;
+  one_node.nodes = 1, one_node.devices_per_node = 4;
+  EXPECT_FALSE(CostModel(model, one_node, batch).group_cost(stages[0], rates).probes_links);
+
+  // Usable memory exactly rank 1's need (stage 1 of 4: 3 micro-batches in flight).
+  cluster.memory_bytes = by_kind[1].total();
+  cluster.usable_memory_fraction = 1;
+  const CostModel tight(model, cluster, batch);
+  const plan::GroupCost g = tight.group_cost(stages[1], rates);
+  const plan::StageCost fitted =
+      tight.stage_cost(g, stages[1].num_layers(), false, false, 3, {}, true, 1);
+  EXPECT_TRUE(fitted.fits);
+  EXPECT_EQ(fitted.recompute, model::Recompute{});
+  EXPECT_DOUBLE_EQ(fitted.memory_bytes, by_kind[1].total());
+  // Charged the probe (as every stage on several nodes was before), the same stage would not fit
+  // without recomputation: the probe's buffer is more than what rank 1 packs.
+  plan::GroupCost as_leader = g;
+  as_leader.probes_links = true;
+  const plan::StageCost charged =
+      tight.stage_cost(as_leader, stages[1].num_layers(), false, false, 3, {}, false, 1);
+  EXPECT_FALSE(charged.fits);
+  EXPECT_DOUBLE_EQ(charged.memory_bytes - fitted.memory_bytes,
+                   probe_bytes - by_kind[1].communication);
+}
+
 // The probe's schedule: every pair of nodes meets exactly once, no node twice in a round, an odd
 // count gives each node one bye.
 TEST(CostModel, TheLinkProbeScheduleMeetsEveryPairOnce) {

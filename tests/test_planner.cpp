@@ -510,3 +510,54 @@ TEST(Planner, AllowingRecomputationNeverGivesASlowerPlan) {
   EXPECT_LE(with.prediction.iteration_time, without.prediction.iteration_time * (1 + 1e-9))
       << "with: " << with.plan.summary() << "\nwithout: " << without.plan.summary();
 }
+
+// On several nodes only each node's leader holds the link probe's buffer (CostModel::probes_links),
+// and the planner's fit test agrees: on the 2 x 2 bed, with the tiny model (every tensor far
+// smaller than the probe, so the probe sets a leader's packing buffer) and devices with room for a
+// non-leader's shard but not a leader's, ranks 1 and 3 train without recomputation (charged the
+// probe, they would have to recompute) and the leaders recompute. Every stage's predicted memory is
+// its ranks' per-device figure, and that is what the cost model says each device holds.
+TEST(Planner, OnlyNodeLeadersAreChargedTheLinkProbeWhenStagesAreFitted) {
+  const auto model = model::load_model_config("tiny");
+  auto cluster = plan::load_cluster("cpu-bed-2x2");
+  const plan::BatchConfig batch{16, 1, 128};
+  const auto strategy = plan::make_strategy("malleus");
+  plan::PlanRequest request;
+  request.rates = plan::Rates(4, 1.0);
+  // Each device's need in the plan chosen with room to spare: data parallelism, one rank a
+  // pipeline.
+  const auto roomy = strategy->plan(CostModel(model, cluster, batch), request);
+  ASSERT_EQ(roomy.plan.pipelines.size(), 4u) << roomy.plan.summary();
+  const auto& need = roomy.prediction.memory_bytes;
+  ASSERT_LT(need[1], need[0]);
+  cluster.memory_bytes = (need[0] + need[1]) / 2;
+  cluster.usable_memory_fraction = 1;
+  const CostModel tight(model, cluster, batch);
+  const auto result = strategy->plan(tight, request);
+  ASSERT_TRUE(result.prediction.fits) << result.prediction.problem;
+  const auto by_kind = tight.memory_by_kind(result.plan);
+  int without_leader = 0;
+  for (size_t p = 0; p < result.plan.pipelines.size(); ++p) {
+    const auto& stages = result.plan.pipelines[p].stages;
+    for (size_t j = 0; j < stages.size(); ++j) {
+      double fullest = 0, fullest_by_kind = 0;
+      bool leader = false;
+      for (int r : stages[j].ranks) {
+        fullest = std::max(fullest, result.prediction.memory_bytes[size_t(r)]);
+        fullest_by_kind = std::max(fullest_by_kind, by_kind[size_t(r)].total());
+        leader = leader || tight.probes_links(r);
+      }
+      const auto& cost = result.prediction.pipelines[p].stages[j].cost;
+      EXPECT_DOUBLE_EQ(cost.memory_bytes, fullest) << result.plan.summary();
+      EXPECT_DOUBLE_EQ(cost.memory_bytes, fullest_by_kind) << result.plan.summary();
+      EXPECT_LE(cost.memory_bytes, cluster.memory_bytes);
+      if (leader) {
+        EXPECT_NE(cost.recompute.mode, model::RecomputeMode::kNone) << result.plan.summary();
+      } else {
+        ++without_leader;
+        EXPECT_EQ(cost.recompute, model::Recompute{}) << result.plan.summary();
+      }
+    }
+  }
+  EXPECT_GT(without_leader, 0) << result.plan.summary();
+}

@@ -450,6 +450,7 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
     const double attention_core = double(b) * s * 2.0 * model_.hidden_size * s * shares.heads;
     t.attention_core_forward += attention_core / layer_flops_per_s_fwd_ * rate;
     g.memory.include(footprint(stage, i));
+    g.probes_links = g.probes_links || probes_links(stage.ranks[i]);
   }
   for (const auto& [core, t] : cores) {
     g.layer_forward = std::max(g.layer_forward, t.layer_forward);
@@ -517,7 +518,7 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
   const bool shifted = (shifted_recompute_ || ahead) && !last;
   auto memory = [&](const model::Recompute& r) {
     return memory_use(g.memory, layers, first, last, n, r, pipelines, distributed_optimizer_,
-                      shifted, cluster_.nodes > 1)
+                      shifted, g.probes_links)
         .total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),

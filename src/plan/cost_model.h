@@ -143,8 +143,8 @@ struct MemoryUse {
 // (a shard of its own next to the full gradients). `recompute_ahead`: the stage recomputes ahead
 // of its backward (the shifted schedule), with a scratch per recomputing layer. `probed`: the rank
 // is its node's leader in a job of several nodes (CostModel::probes_links), so its packing buffer
-// also holds the link probe (2 × kLinkProbeElements: what it sends and receives). Where the rank is
-// not known (a stage's fullest member), callers pass whether the job spans several nodes.
+// also holds the link probe (2 × kLinkProbeElements: what it sends and receives). For a stage's
+// fullest member (GroupCost::memory), whether any member probes (GroupCost::probes_links).
 MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
                      int in_flight, const model::Recompute& recompute, int pipelines,
                      bool distributed_optimizer, bool recompute_ahead = false, bool probed = false);
@@ -190,7 +190,12 @@ struct GroupCost {
   double attention_core_forward = 0;           // scores and weighted values: selective recompute
   double head_forward = 0, head_backward = 0;  // last stage
   MemoryFootprint memory;                      // of the fullest member
-  bool gone = false;                           // a member has rate ∞
+  // A member times the link probe (CostModel::probes_links), so stage_cost counts the probe in
+  // the fullest member's packing buffer: by the predicate the per-device memory (predict,
+  // memory_by_kind) uses, so a stage without a node leader is not charged the probe. (With
+  // uneven shares `memory` bounds the members from above, and so does this.)
+  bool probes_links = false;
+  bool gone = false;  // a member has rate ∞
 };
 
 struct StageCost {
