@@ -15,29 +15,59 @@ re-planning; its fraction of the ideal (healthy throughput x sum(1/r) / N: the s
 the work split in proportion to their speed); the detection delay (steps from FIRST until every
 slowed rank's rate is within 25 % of its true rate) and the re-plan delay (steps from FIRST to the
 first re-plan, which takes effect on the next step); the cost of each switch in iterations; and
-each plan's measured step time against the cost model's prediction."""
+each plan's measured step time against the cost model's prediction.
+
+Healthy figures come from steps 3 to FIRST - 1 (past 2 warm-up steps, which run slower). In a
+short run, where the slowdown starts at step 3 or earlier, there are none: a line says so and the
+figures that need them (healthy throughput, ideal, fractions of it, a measured rate, detection
+against it) print "-"."""
 import json
 import statistics
 import sys
 
+WARMUP_STEPS = 2
+
 
 def load(path):
     steps, replans = {}, []
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("event") == "replan":
-                replans.append(record)
-            elif "tokens_per_s" in record:
-                steps[record["step"]] = record
+    try:
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("event") == "replan":
+                    replans.append(record)
+                elif "tokens_per_s" in record:
+                    steps[record["step"]] = record
+    except (OSError, ValueError) as e:
+        sys.exit(f"straggler_summary: cannot read {path}: {e}")
+    if not steps:
+        sys.exit(f"straggler_summary: no training steps in {path}")
     return steps, replans
 
 
 def throughput(steps, first, last):
-    """Tokens per second over steps [first, last]: total tokens over total time."""
+    """Tokens per second over steps [first, last]: total tokens over total time; None when the
+    window holds no step."""
     window = [steps[s] for s in range(first, last + 1) if s in steps]
+    if not window:
+        return None
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in window)
     return tokens / sum(r["step_time_s"] for r in window)
+
+
+def healthy_window(first):
+    """The steps before the slowdown at FIRST to take healthy figures from, past the warm-up
+    steps: empty when the slowdown starts at step WARMUP_STEPS + 1 or earlier."""
+    return WARMUP_STEPS + 1, first - 1
+
+
+def median_step_time(steps, first, last):
+    times = [steps[s]["step_time_s"] for s in range(first, last + 1) if s in steps]
+    return statistics.median(times) if times else None
+
+
+def ratio(numerator, denominator):
+    return None if numerator is None or not denominator else numerator / denominator
 
 
 def parse_slowed(text):
@@ -52,30 +82,38 @@ def summarise(run_dir, first, last, world, slowed):
     ours, replans = load(f"{run_dir}/replan/metrics.jsonl")
     base, _ = load(f"{run_dir}/uniform/metrics.jsonl")
     end = max(ours)
-    healthy = throughput(base, 3, first - 1)  # same plan in both runs before the slowdown
+    healthy_from, healthy_to = healthy_window(first)
+    healthy = throughput(base, healthy_from, healthy_to)  # same plan in both runs before it
     rates = dict(slowed)
     for rank, rate in slowed.items():
-        if rate is None:  # measured: the uniform run's slowdown, past the first 2 slowed steps
-            slow_time = statistics.median(base[s]["step_time_s"] for s in range(first + 2, last + 1))
-            healthy_time = statistics.median(base[s]["step_time_s"] for s in range(3, first))
-            rates[rank] = slow_time / healthy_time
-    ideal_factor = sum(1 / rates.get(r, 1.0) for r in range(world)) / world
-    ideal = healthy * ideal_factor
+        # Measured: the uniform run's slowdown, past the first 2 slowed steps where it lasts longer.
+        if rate is None:
+            slow_time = (median_step_time(base, first + 2, last) or
+                         median_step_time(base, first, last))
+            rates[rank] = ratio(slow_time, median_step_time(base, healthy_from, healthy_to))
+    known = all(rate is not None for rate in rates.values())
+    ideal_factor = (sum(1 / rates.get(r, 1.0) for r in range(world)) / world) if known else None
+    ideal = healthy * ideal_factor if healthy is not None and known else None
     ours_during, base_during = throughput(ours, first, last), throughput(base, first, last)
 
     def detected(step):
         return all(abs(ours[step]["rates"][r] - rate) <= 0.25 * rate for r, rate in rates.items())
 
-    detection = next((s - first for s in range(first, last + 1) if s in ours and detected(s)), None)
+    detection = None
+    if known:
+        detection = next((s - first for s in range(first, last + 1) if s in ours and detected(s)),
+                         None)
     first_replan = next((r["step"] - first for r in replans if r["step"] >= first), None)
     switches = []
     for r in replans:
-        step_time = statistics.median(
-            ours[s]["step_time_s"] for s in range(max(1, r["step"] - 5), r["step"]) if s in ours)
+        # The step time before the switch: the 5 steps before it, or the switch's own step when
+        # it comes first.
+        step_time = (median_step_time(ours, max(1, r["step"] - 5), r["step"] - 1) or
+                     median_step_time(ours, r["step"], r["step"]))
         switches.append({"step": r["step"], "old": r["old_plan"], "new": r["new_plan"],
                          "planning_s": r["planning_s"], "migration_s": r["migration_s"],
                          "bytes": r["bytes_moved"],
-                         "iterations": (r["migration_s"] + r["planning_s"]) / step_time})
+                         "iterations": ratio(r["migration_s"] + r["planning_s"], step_time)})
     predictions = []
     boundaries = [r["step"] for r in replans] + [end]
     for r, stop in zip(replans, boundaries[1:]):
@@ -86,11 +124,12 @@ def summarise(run_dir, first, last, world, slowed):
                                 "predicted_s": r["predicted_new_s"],
                                 "error": r["predicted_new_s"] / measured - 1})
     return {"end": end, "rates": rates, "healthy": healthy,
-            "ours_before": throughput(ours, 3, first - 1), "ours_during": ours_during,
+            "healthy_steps": (healthy_from, healthy_to),
+            "ours_before": throughput(ours, healthy_from, healthy_to), "ours_during": ours_during,
             "base_during": base_during, "ours_after": throughput(ours, last + 1, end),
             "base_after": throughput(base, last + 1, end), "ideal": ideal,
-            "ideal_factor": ideal_factor, "fraction": ours_during / ideal,
-            "base_fraction": base_during / ideal, "speedup": ours_during / base_during,
+            "ideal_factor": ideal_factor, "fraction": ratio(ours_during, ideal),
+            "base_fraction": ratio(base_during, ideal), "speedup": ratio(ours_during, base_during),
             "detection": detection, "first_replan": first_replan, "switches": switches,
             "predictions": predictions}
 
@@ -102,35 +141,51 @@ def fmt(value, spec):
 def main():
     if len(sys.argv) < 6:
         sys.exit(__doc__)
-    first, last, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    slowed = parse_slowed(sys.argv[4])
+    try:
+        first, last, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+        slowed = parse_slowed(sys.argv[4])
+    except ValueError as e:
+        sys.exit(f"straggler_summary: {e}\n{__doc__}")
+    if not 1 <= first <= last or world < 1:
+        sys.exit(f"straggler_summary: the slowdown's steps {first}-{last} must satisfy "
+                 f"1 <= FIRST <= LAST, and WORLD ({world}) be positive")
     runs = [summarise(d, first, last, world, slowed) for d in sys.argv[5:]]
-    rates = ", ".join(f"rank {r} at {rate:.2f}x" for r, rate in runs[0]["rates"].items())
+    rates = ", ".join(f"rank {r} at " + ("an unmeasured rate" if rate is None else f"{rate:.2f}x")
+                      for r, rate in runs[0]["rates"].items())
     print(f"{world} ranks, slowed during steps {first}-{last} of {runs[0]['end']}: {rates}"
-          + (" (measured, run 1)" if None in slowed.values() else ""))
+          + (" (measured, run 1)" if None in slowed.values()
+             and None not in runs[0]["rates"].values() else ""))
+    healthy_from, healthy_to = runs[0]["healthy_steps"]
+    if healthy_to < healthy_from:
+        print(f"no healthy step between the {WARMUP_STEPS} warm-up steps and the slowdown at step "
+              f"{first}: no healthy throughput, ideal, fraction of it or measured rate (the "
+              f"slowdown has to start at step {WARMUP_STEPS + 2} or later for them)")
     print("| run | tok/s healthy | tok/s slowed: re-planning / uniform | fraction of ideal "
           "(uniform) | speedup | detection, steps | re-plan, steps | switch cost, iterations |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for i, r in enumerate(runs, 1):
-        costs = " / ".join(f"{s['iterations']:.2f}" for s in r["switches"]) or "-"
-        print(f"| {i} | {r['healthy']:.0f} | {r['ours_during']:.0f} / {r['base_during']:.0f} | "
-              f"{r['fraction']:.2f} ({r['base_fraction']:.2f}) | {r['speedup']:.2f}x | "
+        costs = " / ".join(fmt(s["iterations"], ".2f") for s in r["switches"]) or "-"
+        print(f"| {i} | {fmt(r['healthy'], '.0f')} | {fmt(r['ours_during'], '.0f')} / "
+              f"{fmt(r['base_during'], '.0f')} | {fmt(r['fraction'], '.2f')} "
+              f"({fmt(r['base_fraction'], '.2f')}) | {fmt(r['speedup'], '.2f')}x | "
               f"{fmt(r['detection'], 'd')} | {fmt(r['first_replan'], 'd')} | {costs} |")
     if len(runs) > 1:
         def med(key):
             values = [r[key] for r in runs if r[key] is not None]
             return statistics.median(values) if values else None
-        costs = [s["iterations"] for r in runs for s in r["switches"]]
-        print(f"| median | {med('healthy'):.0f} | {med('ours_during'):.0f} / "
-              f"{med('base_during'):.0f} | {med('fraction'):.2f} ({med('base_fraction'):.2f}) | "
-              f"{med('speedup'):.2f}x | {fmt(med('detection'), 'g')} | "
-              f"{fmt(med('first_replan'), 'g')} | {statistics.median(costs) if costs else 0:.2f} "
+        costs = [s["iterations"] for r in runs for s in r["switches"]
+                 if s["iterations"] is not None]
+        print(f"| median | {fmt(med('healthy'), '.0f')} | {fmt(med('ours_during'), '.0f')} / "
+              f"{fmt(med('base_during'), '.0f')} | {fmt(med('fraction'), '.2f')} "
+              f"({fmt(med('base_fraction'), '.2f')}) | {fmt(med('speedup'), '.2f')}x | "
+              f"{fmt(med('detection'), 'g')} | {fmt(med('first_replan'), 'g')} | "
+              f"{statistics.median(costs) if costs else 0:.2f} "
               f"(max {max(costs) if costs else 0:.2f}) |")
     for i, r in enumerate(runs, 1):
         for s in r["switches"]:
             print(f"run {i}: re-plan at step {s['step']}: {s['old']} -> {s['new']}; planning "
                   f"{s['planning_s'] * 1e3:.1f} ms, migration {s['migration_s'] * 1e3:.0f} ms "
-                  f"({s['bytes'] / 1e6:.1f} MB) = {s['iterations']:.2f} iterations")
+                  f"({s['bytes'] / 1e6:.1f} MB) = {fmt(s['iterations'], '.2f')} iterations")
         for p in r["predictions"]:
             print(f"run {i}: plan {p['plan']}: measured {p['measured_s']:.3f} s/step, predicted "
                   f"{p['predicted_s']:.3f} s, error {100 * p['error']:+.0f}%")

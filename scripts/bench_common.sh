@@ -59,6 +59,16 @@ bench_write_model() {
 JSON
 }
 
+# bench_require_count NAME VALUE [LEAST]: exits (status 2) with a message naming the script's
+# argument NAME unless VALUE is a whole number of at least LEAST (1).
+bench_require_count() {
+  local name=$1 value=$2 least=${3:-1}
+  if [[ ! $value =~ ^[0-9]+$ ]] || ((10#$value < least)); then
+    echo "$(basename "$0"): $name must be a whole number of at least $least, not \"$value\"" >&2
+    exit 2
+  fi
+}
+
 # bench_load_average: the machine's load averages over 1, 5 and 15 minutes, to quote next to the
 # figures (timings on a loaded machine are not the machine's).
 bench_load_average() {

@@ -15,6 +15,9 @@
 #
 # Usage: scripts/bench_straggler.sh [scenarios, comma-separated (injected,external,two,two-shared)]
 #                                   [runs (3)] [steps (100)]
+# At least 5 steps (the slowdown starts at step steps / 5, and steps count from 1); the healthy
+# throughput, the ideal and its fractions need 20 or more (the summary takes healthy figures past
+# 2 warm-up steps, before the slowdown) and print "-" below that.
 # Results go to runs/bench-straggler/<scenario>/run<i>/{replan,uniform} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +26,8 @@ source scripts/bench_common.sh
 scenarios=${1:-injected,external,two,two-shared}
 runs=${2:-3}
 steps=${3:-100}
+bench_require_count runs "$runs"
+bench_require_count steps "$steps" 5
 from=$((steps / 5)) to=$((steps * 4 / 5))
 bench_ready_to_train
 out=$(bench_output_dir runs/bench-straggler)

@@ -8,6 +8,7 @@
 # same plan (`malleus simulate --plan [--tp-subpipeline]` on the cpu-core cluster).
 #
 # Usage: scripts/bench_tp.sh [runs (5)] [steps (4)] [seq_len (512)]
+# (With 1 step the summary counts that step, warm-up included, and says so.)
 # Run it when no other benchmark runs (its timings are the figures). Results go to
 # runs/bench-tp (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
@@ -17,6 +18,9 @@ source scripts/bench_common.sh
 runs=${1:-5}
 steps=${2:-4}
 seq=${3:-512}
+bench_require_count runs "$runs"
+bench_require_count steps "$steps"
+bench_require_count seq_len "$seq"
 bench_ready_to_train
 out=$(bench_output_dir runs/bench-tp fresh)
 bench_write_model "$out/model.json" bench-6x512 512 6 8 1376 "$seq"
