@@ -27,6 +27,13 @@ endif()
 add_library(malleus_xxhash INTERFACE)
 target_link_libraries(malleus_xxhash INTERFACE ${XXHASH_LIB})
 target_include_directories(malleus_xxhash SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR})
+# Debian's shared libxxhash on x86-64 chooses the widest vector unit (AVX2, AVX-512) at run time
+# only in its *_dispatch entry points; common/checksum.cpp uses them where the library has them.
+include(CheckLibraryExists)
+check_library_exists(${XXHASH_LIB} XXH3_64bits_update_dispatch "" MALLEUS_HAVE_XXH3_DISPATCH)
+if(MALLEUS_HAVE_XXH3_DISPATCH)
+  target_compile_definitions(malleus_xxhash INTERFACE MALLEUS_XXH3_DISPATCH=1)
+endif()
 
 if(MALLEUS_BUILD_TESTS)
   find_package(GTest REQUIRED)

@@ -5,6 +5,7 @@
 
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 #include "test_util.h"
 
 #include <algorithm>
@@ -118,6 +119,30 @@ void flip_byte(const fs::path& path, uintmax_t position) {
   ASSERT_LT(position, bytes.size());
   bytes[position] = static_cast<char>(bytes[position] ^ 0x40);
   write_file_atomic(path, bytes);
+}
+
+// Checkpoints name their checksum XXH3-64 (manifest key "xxh3"): whichever of the library's entry
+// points computes it (common/checksum.cpp may use the run-time dispatched ones), the value is the
+// library's plain XXH3_64bits, at every length its code paths split on and fed in any pieces.
+TEST(Checksum, IsXxh3OfTheBytesHoweverTheyAreFed) {
+  std::vector<unsigned char> bytes(size_t{3} << 20);
+  std::mt19937 random(7);
+  for (unsigned char& b : bytes) b = static_cast<unsigned char>(random());
+  EXPECT_EQ(checksum_hex(bytes.data(), 0), "2d06800538d394c2");  // XXH3-64 of no bytes
+  for (const size_t length : {size_t{1}, size_t{16}, size_t{128}, size_t{240}, size_t{241},
+                              size_t{1024}, size_t{65537}, bytes.size()}) {
+    char expected[17];
+    std::snprintf(expected, sizeof expected, "%016llx",
+                  static_cast<unsigned long long>(XXH3_64bits(bytes.data(), length)));
+    EXPECT_EQ(checksum_hex(bytes.data(), length), expected) << length << " bytes";
+    Checksum pieces;
+    for (size_t at = 0; at < length;) {
+      const size_t piece = std::min(length - at, size_t{1} + at % 70001);
+      pieces.update(bytes.data() + at, piece);
+      at += piece;
+    }
+    EXPECT_EQ(pieces.hex(), expected) << length << " bytes in pieces";
+  }
 }
 
 TEST(Checkpoint, RoundTripIsBitIdentical) {
