@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -15,6 +17,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/vector_math.h"
+#include "common/host_pages.h"
 
 namespace malleus::backend {
 namespace {
@@ -1074,6 +1077,59 @@ TEST(MemoryLedger, BuffersBookTheirBytesByKindAndThePeakRemembersTheHighest) {
   EXPECT_EQ(ledger.peak()[MemoryKind::kCommunication] - before[MemoryKind::kCommunication], 500);
   ledger.reset_peak();
   EXPECT_EQ(ledger.peak_total(), before.total());
+}
+
+// Whether the kernel gives transparent huge pages to mappings that ask (THP "always" or
+// "madvise"); false where it has none.
+bool huge_pages_offered() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string setting;
+  std::getline(in, setting);
+  return setting.find("[always]") != std::string::npos ||
+         setting.find("[madvise]") != std::string::npos;
+}
+
+// The AnonHugePages line of /proc/self/smaps for the mapping that holds `address`, in bytes.
+int64_t huge_bytes_at(const void* address) {
+  std::ifstream in("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2) {
+      inside = begin <= at && at < end;
+    } else if (long kib = 0;
+               inside && std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kib) == 1) {
+      return int64_t{kib} * 1024;
+    }
+  }
+  return 0;
+}
+
+// Large buffers (the engine's state, a checkpoint's copy) come from map_pages: zero, writable,
+// and backed by huge pages where the kernel offers them (the kernel's copies into 4 KiB pages
+// made checkpoint loads slow: common/host_pages.h).
+TEST(HostPages, LargeBuffersAreZeroMappingsBackedByHugePagesWhereOffered) {
+  auto backend = make_cpu_backend<float>(1);
+  const size_t count = size_t{16} << 20;  // 64 MiB: several aligned 2 MiB runs
+  Buffer<float> state(*backend, count, MemoryKind::kParameters);
+  for (size_t i = 0; i < count; i += 1024) EXPECT_EQ(state.data()[i], 0.0f);
+  std::fill(state.data(), state.data() + count, 1.0f);
+  if (huge_pages_offered()) {
+    EXPECT_GT(huge_bytes_at(state.data() + count / 2), 0) << "no huge pages behind the buffer";
+  }
+
+  PageBuffer<float> copy(count);
+  copy[count - 1] = 2.0f;
+  PageBuffer<float> moved = std::move(copy);
+  EXPECT_EQ(copy.data(), nullptr);
+  EXPECT_EQ(copy.size(), 0u);
+  EXPECT_EQ(moved.size(), count);
+  EXPECT_EQ(moved[count - 1], 2.0f);
+  EXPECT_EQ(moved[0], 0.0f);
+  moved = PageBuffer<float>();
+  EXPECT_EQ(moved.data(), nullptr);
+  EXPECT_EQ(PageBuffer<float>(0).data(), nullptr);
 }
 
 }  // namespace

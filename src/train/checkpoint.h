@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/host_pages.h"
 #include "common/json.h"
 #include "layout/layout.h"
 #include "model/config.h"
@@ -155,10 +156,10 @@ struct ShardSnapshot {
   };
   int rank = 0;
   std::vector<Piece> pieces;
-  // Per piece in order: each buffer of its kind in turn. Not a std::vector: zero-filling
-  // gigabytes only to overwrite them would lengthen the step's stall.
-  std::unique_ptr<float[]> data;
-  size_t capacity = 0;  // floats allocated at `data`
+  // Per piece in order: each buffer of its kind in turn; may be larger than they need (reused).
+  // Not a std::vector: zero-filling gigabytes only to overwrite them would lengthen the step's
+  // stall; and huge pages make its first touch and the write() out of it cheaper.
+  PageBuffer<float> data;
 };
 
 // `reuse`: an earlier snapshot whose memory is taken over when large enough (a save after the

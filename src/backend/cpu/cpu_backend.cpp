@@ -26,6 +26,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/vector_math.h"
 #include "common/error.h"
+#include "common/host_pages.h"
 
 namespace malleus::backend {
 namespace {
@@ -57,9 +58,10 @@ void gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, double al
   cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-// Allocations from this size on are mappings of their own: zero pages the system provides when
-// first touched (nothing is written up front, so an engine built for a migration takes memory
-// only as its state arrives), and whose pages can be handed back one range at a time.
+// Allocations from this size on are mappings of their own (common/host_pages.h): zero pages the
+// system provides when first touched (nothing is written up front, so an engine built for a
+// migration takes memory only as its state arrives), huge where the kernel has them, and whose
+// pages can be handed back one range at a time.
 constexpr size_t kMappedFrom = size_t{1} << 20;
 
 void* aligned_zeroed(size_t bytes) {
@@ -127,7 +129,7 @@ class CpuBackend final : public Backend<T> {
       std::lock_guard lock(mapped_mutex_);
       const auto it = mapped_.find(pointer);
       if (it != mapped_.end()) {
-        ::munmap(pointer, it->second);
+        unmap_pages(pointer, it->second);
         mapped_.erase(it);
         return;
       }
@@ -666,9 +668,7 @@ class CpuBackend final : public Backend<T> {
   // Large allocations are mappings of their own (kMappedFrom); small ones come from the heap.
   void* zeroed(size_t bytes) {
     if (bytes < kMappedFrom) return aligned_zeroed(bytes);
-    void* pointer =
-        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (pointer == MAP_FAILED) throw std::bad_alloc();
+    void* pointer = map_pages(bytes);
     std::lock_guard lock(mapped_mutex_);
     mapped_[pointer] = bytes;
     return pointer;
