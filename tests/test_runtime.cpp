@@ -573,6 +573,68 @@ TEST(Runtime, DistributedOptimizerTrainsLikeWholeMomentsInAFractionOfTheMemory) 
   remove_shared_dir(world, dir);
 }
 
+// The trainer's memory check counts what the runtime holds (train::model_state_bytes): each
+// rank's memory ledger rises by exactly its parameters, gradients (and gradient shard) and Adam
+// moments when the trainer is built, and its file of a checkpoint is exactly the host copy
+// counted, with the distributed optimizer on (moments split on plans of several pipelines) and off.
+TEST(Runtime, MemoryCheckCountsWhatTheRuntimeHolds) {
+  Communicator world = Communicator::world();
+  std::vector<std::pair<std::string, std::string>> plans;
+  if (world.size() == 2) {
+    plans.push_back({"dp2", R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 5, "stages": [{"layers": [0, 4], "ranks": [0]}]},
+      {"micro_batches": 3, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"});
+    for (const auto& plan : plans_for(2)) {
+      if (plan.first == "one-idle" || plan.first == "tp2-uneven-shares") plans.push_back(plan);
+    }
+  }
+  if (world.size() == 4) {
+    for (const auto& plan : plans_for(4)) {
+      if (plan.first == "unlike-pipelines") plans.push_back(plan);
+    }
+  }
+  if (plans.empty()) GTEST_SKIP() << "no plans for " << world.size() << " ranks";
+  const fs::path dir = shared_dir(world);
+  const auto model = malleus::testing::parallel_test_model();
+  using backend::MemoryKind;
+  auto state_bytes = [] {
+    const backend::MemoryFigures now = backend::memory_ledger().current();
+    return now[MemoryKind::kParameters] + now[MemoryKind::kGradients] + now[MemoryKind::kOptimizer];
+  };
+  for (const auto& [name, text] : plans) {
+    for (const bool distributed : {true, false}) {
+      const std::string what = name + (distributed ? " split" : " whole");
+      train::TrainConfig config = base_config(dir);
+      config.distributed_optimizer = distributed;
+      config.plan = share_plan(world, dir, name, text);
+      config.replan = false;
+      config.steps = 1;
+      config.eval_every = 0;
+      config.checkpoint_every = 0;  // one at the end
+      config.out_dir = (dir / ("run-" + name + (distributed ? "-split" : "-whole"))).string();
+      const plan::Plan plan = train::resolve_plan(config, model, world.size());
+      const train::ModelStateBytes counted =
+          train::model_state_bytes(model, plan, world.rank(), distributed);
+      const int64_t before = state_bytes();
+      {
+        train::Trainer trainer(config, model, world);
+        EXPECT_EQ(trainer.engine().distributed_optimizer(), counted.moments_split) << what;
+        EXPECT_EQ(state_bytes() - before, counted.engine_state())
+            << what << " rank " << world.rank();
+        ASSERT_EQ(trainer.run(), 0) << what;
+      }
+      const fs::path file = fs::path(config.out_dir) / "checkpoints" / "step_00000001" /
+                            train::shard_file_name(world.rank());
+      const int64_t written = fs::exists(file) ? int64_t(fs::file_size(file)) : 0;
+      EXPECT_EQ(written, counted.checkpoint_copy) << what << " rank " << world.rank();
+      std::printf("  %s rank %d: engine %lld bytes, checkpoint copy %lld\n", what.c_str(),
+                  world.rank(), static_cast<long long>(counted.engine_state()),
+                  static_cast<long long>(counted.checkpoint_copy));
+    }
+  }
+  remove_shared_dir(world, dir);
+}
+
 // Migration with the distributed optimizer: between plans of several pipelines (moments split)
 // and of one (moments whole), both ways. The state gathered before and after each migration is
 // bit for bit the same (parameters and both moments), and training on goes as without it.

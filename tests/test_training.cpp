@@ -234,3 +234,76 @@ TEST(LrSchedule, WarmupThenCosineToTheFloor) {
   EXPECT_DOUBLE_EQ(s.at(109), 0.1);
   for (int64_t i = 11; i < 110; ++i) EXPECT_LE(s.at(i), s.at(i - 1));
 }
+
+// The memory check counts what the runtime will hold: with the distributed optimizer a rank of a
+// dp2 plan keeps half the Adam moments (and a gradient shard of half the gradients) and its
+// checkpoint copy is its optimizer shard's rows, so a plan the whole-moment count (16 bytes per
+// element held, 12 per element of the refinement's pieces it owns) refuses may fit; with the
+// distributed optimizer off the same plan is refused. (That the counts equal what the engine
+// books and a checkpoint writes: Runtime.MemoryCheckCountsWhatTheRuntimeHolds.)
+TEST(MemoryCheck, DistributedOptimizerFitsWhatWholeMomentsDoNot) {
+  const model::ModelConfig model = malleus::testing::parallel_test_model();
+  const plan::Plan plan = plan::Plan::from_json(Json::parse(R"({"world_size": 2, "pipelines": [
+      {"micro_batches": 5, "stages": [{"layers": [0, 4], "ranks": [0]}]},
+      {"micro_batches": 3, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"),
+                                                model, "dp2");
+  const auto whole_model = static_cast<int64_t>(model.num_parameters());
+  for (int rank = 0; rank < 2; ++rank) {
+    const train::ModelStateBytes split = train::model_state_bytes(model, plan, rank, true);
+    const train::ModelStateBytes whole = train::model_state_bytes(model, plan, rank, false);
+    EXPECT_TRUE(split.moments_split);
+    EXPECT_FALSE(whole.moments_split);
+    EXPECT_EQ(split.held_elements, whole_model);
+    EXPECT_EQ(whole.held_elements, whole_model);
+    // The two ranks' optimizer shards cover the model once, about half each (cut at rows).
+    EXPECT_NEAR(double(split.moment_elements), double(whole_model) / 2, 0.05 * double(whole_model));
+    EXPECT_EQ(whole.moment_elements, whole_model);
+    EXPECT_EQ(split.optimizer, 8 * split.moment_elements);
+    EXPECT_EQ(split.gradient_shard, 4 * split.moment_elements);
+    EXPECT_EQ(split.checkpoint_copy, 12 * split.moment_elements);
+    EXPECT_EQ(whole.gradient_shard, 0);
+    // The count before the distributed optimizer was counted: every held element's moments, and
+    // the pieces of the common refinement this rank owns in a checkpoint.
+    const layout::Layout layout = layout::plan_layout(plan, model);
+    const model::ParameterLayout full(model);
+    int64_t owned = 0;
+    for (const auto& p : train::owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
+      owned += layout::piece_elements(full, p.piece);
+    }
+    const int64_t old_count = 16 * whole.held_elements + 12 * owned;
+    EXPECT_EQ(whole.total(), old_count);  // whole moments: what was counted before
+    EXPECT_LT(split.total(), old_count);
+    // Memory between the two: the plan fits with the distributed optimizer only.
+    const int64_t available = (split.total() + old_count) / 2;
+    EXPECT_NO_THROW(train::check_model_state_fits(model, plan, rank, true, available, 1));
+    try {
+      train::check_model_state_fits(model, plan, rank, false, available, 1);
+      ADD_FAILURE() << "whole moments fit in " << available << " bytes";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("does not fit"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank " + std::to_string(rank)), std::string::npos) << message;
+      EXPECT_NE(message.find("parameters, gradients and Adam moments take"), std::string::npos)
+          << message;
+    }
+    // Too little even for the shards: the message names the optimizer shard.
+    try {
+      train::check_model_state_fits(model, plan, rank, true, split.total() - 1, 1);
+      ADD_FAILURE() << "the shards fit in less than they need";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("of its optimizer shard"), std::string::npos) << message;
+      EXPECT_NE(message.find("distributed optimizer"), std::string::npos) << message;
+    }
+    // The share is per rank on the node.
+    EXPECT_THROW(train::check_model_state_fits(model, plan, rank, true, split.total(), 2), Error);
+    EXPECT_NO_THROW(train::check_model_state_fits(model, plan, rank, true, 2 * split.total(), 2));
+  }
+  // One pipeline: nothing to split, whether asked or not.
+  const plan::Plan single = plan::uniform_plan(model, 1, 1, 1, 8, 1, 1);
+  const train::ModelStateBytes one = train::model_state_bytes(model, single, 0, true);
+  EXPECT_FALSE(one.moments_split);
+  EXPECT_EQ(one.optimizer, 8 * whole_model);
+  EXPECT_EQ(one.checkpoint_copy, 12 * whole_model);
+  EXPECT_EQ(one.total(), 28 * whole_model);
+}

@@ -162,6 +162,10 @@ struct ShardSnapshot {
   PageBuffer<float> data;
 };
 
+// The floats a snapshot of `state` copies (each part once per buffer of its kind): what a save
+// keeps in host memory (the trainer's memory check counts it before anything is allocated).
+int64_t snapshot_elements(const std::vector<SavedKind>& state);
+
 // `reuse`: an earlier snapshot whose memory is taken over when large enough (a save after the
 // first then faults in no fresh pages while the step waits).
 ShardSnapshot snapshot_shard(int rank, const std::vector<SavedKind>& state,

@@ -138,20 +138,25 @@ std::vector<SavedKind> saved_state(const model::ModelConfig& model,
   return state;
 }
 
+int64_t snapshot_elements(const std::vector<SavedKind>& state) {
+  int64_t elements = 0;
+  for (const SavedKind& kind : state) {
+    for (const OwnedPart& p : kind.parts) elements += p.part.elements * kind_buffers(kind.kind);
+  }
+  return elements;
+}
+
 ShardSnapshot snapshot_shard(int rank, const std::vector<SavedKind>& state, ShardSnapshot reuse) {
   ShardSnapshot snapshot;
   snapshot.rank = rank;
-  size_t needed = 0;
   for (const SavedKind& kind : state) {
     check(kind.buffers.size() == static_cast<size_t>(kind_buffers(kind.kind)),
           "snapshot_shard: " + std::string(kKindNames[static_cast<int>(kind.kind)]) + " take " +
               std::to_string(kind_buffers(kind.kind)) + " buffers, not " +
               std::to_string(kind.buffers.size()));
-    for (const OwnedPart& p : kind.parts) {
-      snapshot.pieces.push_back({kind.kind, p.part});
-      needed += static_cast<size_t>(p.part.elements) * kind.buffers.size();
-    }
+    for (const OwnedPart& p : kind.parts) snapshot.pieces.push_back({kind.kind, p.part});
   }
+  const auto needed = static_cast<size_t>(snapshot_elements(state));
   snapshot.data = reuse.data.size() >= needed ? std::move(reuse.data) : PageBuffer<float>(needed);
   float* cursor = snapshot.data.data();
   for (const SavedKind& kind : state) {

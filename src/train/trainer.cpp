@@ -11,7 +11,9 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/system.h"
+#include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
+#include "layout/optimizer_shard.h"
 #include "plan/planner.h"
 #include "train/metrics.h"
 #include "train/stop_signal.h"
@@ -74,44 +76,6 @@ std::string gib(double bytes) {
   return text;
 }
 
-// Refuses, before anything is allocated, a plan whose model state cannot fit this rank's share
-// of the machine's memory: parameters, gradients and both Adam moments of the shard it holds
-// (fp32, 16 bytes per element), and the host copy of the pieces it owns in a checkpoint (12 bytes
-// per element: parameters and moments, train/checkpoint_writer.h). Activations come on top, so
-// passing is necessary, not sufficient.
-void check_memory(const model::ModelConfig& model, const plan::Plan& plan, int rank,
-                  int ranks_here) {
-  const int64_t available = available_memory_bytes();
-  if (available <= 0) return;  // unknown: nothing to check against
-  const layout::Layout layout = layout::plan_layout(plan, model);
-  const auto local = layout::local_layouts(model, layout);
-  const auto& mine = local[static_cast<size_t>(rank)];
-  const double held = mine ? static_cast<double>(mine->total_size()) : 0.0;
-  double owned = 0;
-  if (mine) {
-    const model::ParameterLayout full(model);
-    for (const OwnedPiece& p : owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
-      owned += static_cast<double>(layout::piece_elements(full, p.piece));
-    }
-  }
-  const double need = 16.0 * held + 12.0 * owned;
-  const double share = static_cast<double>(available) / std::max(1, ranks_here);
-  check(need <= share,
-        "model \"" + model.name + "\" (" +
-            format_count(static_cast<double>(model.num_parameters())) +
-            " parameters) does not fit: under this plan rank " + std::to_string(rank) + " holds " +
-            format_count(held) +
-            " parameter elements, whose parameters, gradients "
-            "and Adam moments take " +
-            gib(16.0 * held) + " (plus " + gib(12.0 * owned) +
-            " for its part of a checkpoint), but this machine has " +
-            gib(static_cast<double>(available)) + " available" +
-            (ranks_here > 1
-                 ? ", " + gib(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
-                 : "") +
-            ": use more ranks, a plan that shards the model further, or a smaller model");
-}
-
 // The metrics record of a controller decision (its numbers are rank 0's).
 ReplanRecord replan_record(const elastic::Decision& d) {
   ReplanRecord r;
@@ -134,6 +98,72 @@ ReplanRecord replan_record(const elastic::Decision& d) {
 }
 
 }  // namespace
+
+ModelStateBytes model_state_bytes(const model::ModelConfig& model, const plan::Plan& plan, int rank,
+                                  bool distributed_optimizer) {
+  const layout::Layout layout = layout::plan_layout(plan, model);
+  const auto local = layout::local_layouts(model, layout);
+  const auto& mine = local.at(static_cast<size_t>(rank));
+  ModelStateBytes bytes;
+  if (!mine) return bytes;  // idle: no model state
+  constexpr int64_t kFloat = sizeof(float);
+  const layout::GradSyncPlan sync = layout::plan_grad_sync(model, layout);
+  const model::ParameterLayout full(model);
+  bytes.held_elements = mine->total_size();
+  bytes.moments_split = layout::splits_moments(plan, distributed_optimizer);
+  // Where the engine keeps the moments (Engine's constructor and held_state).
+  layout::Blocks moment_blocks;
+  if (bytes.moments_split) {
+    const layout::OptimizerShard shard =
+        layout::optimizer_shard(sync, rank, plan::kGradSyncChunkElements);
+    moment_blocks = layout::shard_blocks(full, sync, shard);
+    bytes.moment_elements = shard.elements;
+    bytes.gradient_shard = kFloat * shard.elements;
+  } else {
+    moment_blocks = layout::local_blocks(full, *mine);
+    bytes.moment_elements = bytes.held_elements;
+  }
+  bytes.parameters = kFloat * bytes.held_elements;
+  bytes.gradients = kFloat * bytes.held_elements;
+  bytes.optimizer = 2 * kFloat * bytes.moment_elements;
+  // What Trainer::save hands the checkpoint writer; only the parts' sizes are read.
+  const std::vector<SavedKind> saved =
+      saved_state(model, sync.pieces, rank, *mine, nullptr, &moment_blocks, nullptr, nullptr,
+                  bytes.moments_split);
+  bytes.checkpoint_copy = kFloat * snapshot_elements(saved);
+  return bytes;
+}
+
+void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& plan, int rank,
+                            bool distributed_optimizer, int64_t available_bytes, int ranks_here) {
+  const ModelStateBytes need = model_state_bytes(model, plan, rank, distributed_optimizer);
+  const double share = static_cast<double>(available_bytes) / std::max(1, ranks_here);
+  if (static_cast<double>(need.total()) <= share) return;
+  const auto held = static_cast<double>(need.held_elements);
+  std::string parts;
+  if (need.moments_split) {
+    parts = "whose parameters and gradients take " +
+            gib(static_cast<double>(need.parameters + need.gradients)) +
+            ", and the Adam moments and summed gradients of its optimizer shard (" +
+            format_count(static_cast<double>(need.moment_elements)) +
+            " elements: the distributed optimizer splits them among the holders) " +
+            gib(static_cast<double>(need.optimizer + need.gradient_shard));
+  } else {
+    parts = "whose parameters, gradients and Adam moments take " +
+            gib(static_cast<double>(need.parameters + need.gradients + need.optimizer));
+  }
+  throw Error("model \"" + model.name + "\" (" +
+              format_count(static_cast<double>(model.num_parameters())) +
+              " parameters) does not fit: under this plan rank " + std::to_string(rank) +
+              " holds " + format_count(held) + " parameter elements, " + parts + " (plus " +
+              gib(static_cast<double>(need.checkpoint_copy)) +
+              " for its part of a checkpoint), but this machine has " +
+              gib(static_cast<double>(available_bytes)) + " available" +
+              (ranks_here > 1
+                   ? ", " + gib(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
+                   : "") +
+              ": use more ranks, a plan that shards the model further, or a smaller model");
+}
 
 int resolve_threads(int configured, int ranks) {
   const int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -232,7 +262,11 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // The plan and the limits are checked completely before any rank allocates or communicates.
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
   engine_options_ = engine_options(config_, world_.size());
-  check_memory(model_config, plan, world_.rank(), ranks_on_this_node(world_.size()));
+  // Before anything is allocated: the model state must fit this rank's share of the machine.
+  if (const int64_t available = available_memory_bytes(); available > 0) {
+    check_model_state_fits(model_config, plan, world_.rank(), config_.distributed_optimizer,
+                           available, ranks_on_this_node(world_.size()));
+  }
   // One rank has no other plan to switch to: the monitor still reports its rate, but nobody is
   // asked to re-plan (the step lines would otherwise say "declined" whenever the rate moved).
   if (config_.replan && world_.size() > 1) {

@@ -119,6 +119,34 @@ class Trainer {
 Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
                                    bool with_optimizer = true);
 
+// The model state rank `rank` holds under `plan`, in bytes, as the engine and the checkpoint
+// writer allocate it (fp32), from the same functions they use: parameters and gradients of its
+// local layout, plus the gradient shard the distributed optimizer reduces into; both Adam moments
+// of its optimizer shard when the moments are split (layout::splits_moments), else of its whole
+// local layout; and the host copy of what it writes in a checkpoint (saved_state, kept allocated
+// between saves). All zero on a rank the plan leaves idle.
+struct ModelStateBytes {
+  int64_t held_elements = 0;    // parameter elements of its local layout
+  int64_t moment_elements = 0;  // elements whose Adam moments it keeps
+  bool moments_split = false;   // the distributed optimizer splits the moments under this plan
+  int64_t parameters = 0, gradients = 0;  // of the local layout
+  int64_t gradient_shard = 0;             // the summed gradients of its optimizer shard, if split
+  int64_t optimizer = 0;                  // both Adam moments
+  int64_t checkpoint_copy = 0;
+  // What the backend ledger books as parameters, gradients and optimizer after construction.
+  int64_t engine_state() const { return parameters + gradients + gradient_shard + optimizer; }
+  int64_t total() const { return engine_state() + checkpoint_copy; }
+};
+ModelStateBytes model_state_bytes(const model::ModelConfig& model, const plan::Plan& plan, int rank,
+                                  bool distributed_optimizer);
+
+// Throws Error, naming the parts and their sizes, if rank `rank`'s model state under `plan`
+// (model_state_bytes) exceeds its share of `available_bytes` among `ranks_here` ranks. The trainer
+// calls it before anything is allocated, with the machine's available memory. Activations come on
+// top, so passing is necessary, not sufficient.
+void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& plan, int rank,
+                            bool distributed_optimizer, int64_t available_bytes, int ranks_here);
+
 // Threads per rank for a configured value (0: the machine's cores shared among the ranks on it).
 // Throws Error if more threads are asked for than the CPUs this process may run on.
 int resolve_threads(int configured, int ranks);
