@@ -427,6 +427,41 @@ TEST(CostModel, TheLinkProbesBufferCountsOnNodeLeadersOnlyInStagesAsPerDevice) {
                    probe_bytes - by_kind[1].communication);
 }
 
+// A device the plan leaves idle still holds the compute probe's three matrices and, when it is
+// its node's leader, the link probe it exchanges every step (runtime::Engine): the per-device
+// memory (memory_by_kind, predict) counts them there, not 0.
+TEST(CostModel, IdleDevicesHoldTheirProbes) {
+  const auto model = model::load_model_config("demo");
+  const auto cluster = plan::load_cluster("cpu-bed-2x2");
+  const plan::BatchConfig batch{16, 1, 128};
+  const CostModel bed(model, cluster, batch);
+  // pp2 on the nodes' second devices: both leaders (0 and 2) idle.
+  plan::Plan plan = plan::uniform_plan(model, 1, 1, 2, 16, 1, 4);
+  plan.pipelines[0].stages[0].ranks = {1};
+  plan.pipelines[0].stages[1].ranks = {3};
+  plan::validate(plan, model, 4, 16, "pp2 on 1 and 3");
+  const double compute_probe = 3.0 * plan::kComputeProbeSize * plan::kComputeProbeSize * 4;
+  const double link_probe = 2 * plan::kLinkProbeElements * 4;
+  const auto by_kind = bed.memory_by_kind(plan);
+  const auto predicted = bed.predict(plan, plan::Rates(4, 1.0), false);
+  for (int r : {0, 2}) {
+    const plan::MemoryUse& idle = by_kind[size_t(r)];
+    EXPECT_DOUBLE_EQ(idle.workspace, compute_probe) << r;
+    EXPECT_DOUBLE_EQ(idle.communication, link_probe) << r;
+    EXPECT_DOUBLE_EQ(idle.parameters + idle.gradients + idle.optimizer + idle.activations, 0) << r;
+    EXPECT_DOUBLE_EQ(predicted.memory_bytes[size_t(r)], compute_probe + link_probe) << r;
+  }
+  for (int r : {1, 3}) {
+    EXPECT_GT(by_kind[size_t(r)].parameters, 0) << r;
+    EXPECT_DOUBLE_EQ(predicted.memory_bytes[size_t(r)], by_kind[size_t(r)].total()) << r;
+  }
+  // An idle device that leads no node (one node: nobody probes links) holds the compute probe.
+  auto one_node = cluster;
+  one_node.nodes = 1, one_node.devices_per_node = 4;
+  const auto alone = CostModel(model, one_node, batch).memory_by_kind(plan);
+  EXPECT_DOUBLE_EQ(alone[0].total(), compute_probe);
+}
+
 // The probe's schedule: every pair of nodes meets exactly once, no node twice in a round, an odd
 // count gives each node one bye.
 TEST(CostModel, TheLinkProbeScheduleMeetsEveryPairOnce) {

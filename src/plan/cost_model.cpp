@@ -365,6 +365,13 @@ bool CostModel::probes_links(int device) const {
   return cluster_.nodes > 1 && device % cluster_.devices_per_node == 0;
 }
 
+MemoryUse CostModel::idle_memory(int device) const {
+  MemoryUse use;
+  use.workspace = 3.0 * kComputeProbeSize * kComputeProbeSize * sizeof(float);
+  use.communication = probes_links(device) ? 2 * kLinkProbeElements * sizeof(float) : 0.0;
+  return use;
+}
+
 std::vector<double> CostModel::link_probe_seconds_per_byte() const {
   std::vector<double> expected(static_cast<size_t>(cluster_.num_devices()), 0.0);
   if (cluster_.nodes < 2) return expected;
@@ -603,7 +610,10 @@ double CostModel::owned_parameters(const Stage& stage, size_t member, bool first
 
 Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_recompute) const {
   Prediction out;
-  out.memory_bytes.assign(static_cast<size_t>(plan.world_size), 0.0);
+  out.memory_bytes.resize(static_cast<size_t>(plan.world_size));
+  for (int r = 0; r < plan.world_size; ++r) {
+    out.memory_bytes[static_cast<size_t>(r)] = idle_memory(r).total();  // until a stage has r
+  }
   const double cap = cluster_.usable_memory();
   const int L = model_.num_layers;
   // Nodes holding each layer, over all pipelines: a layer whose owners span nodes syncs its
@@ -766,6 +776,7 @@ bool CostModel::choose_recompute_ahead(Plan& plan) const {
 
 std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
   std::vector<MemoryUse> out(static_cast<size_t>(plan.world_size));
+  for (int r = 0; r < plan.world_size; ++r) out[static_cast<size_t>(r)] = idle_memory(r);
   const int P = static_cast<int>(plan.pipelines.size());
   for (const auto& p : plan.pipelines) {
     const int S = static_cast<int>(p.stages.size());

@@ -119,6 +119,10 @@ inline constexpr double kGradSyncChunkElements = 16.0 * 1024 * 1024;
 // burst, so that a throttled link shows at its rate, and small against a step (about 2 ms a round
 // on the test bed's healthy links, 20 ms on one throttled to a tenth).
 inline constexpr double kLinkProbeElements = 128.0 * 1024;
+// A rank the plan leaves idle multiplies two kComputeProbeSize² fp32 matrices into a third (its
+// workspace) every step, so that the monitor keeps measuring its device and sees it recover
+// (runtime::Engine::run_probe).
+inline constexpr int kComputeProbeSize = 256;
 // The link probe's fixed schedule among `nodes` nodes (the circle method: every pair of nodes
 // meets once, each node in at most one pair per round): its number of rounds, and node `node`'s
 // partner in round `round`, or -1 for a bye (an odd number of nodes).
@@ -224,7 +228,7 @@ struct Prediction {
   double iteration_time = 0;  // +inf when a used device is gone
   double pipeline_time = 0, grad_sync_time = 0, optimizer_time = 0;
   std::vector<PipelinePrediction> pipelines;
-  std::vector<double> memory_bytes;  // per device; 0 for idle devices
+  std::vector<double> memory_bytes;  // per device; idle devices: idle_memory's probes
   bool fits = true;
   std::string problem;  // why it does not fit / cannot run
 };
@@ -278,6 +282,11 @@ class CostModel {
   // Whether `device` times the link probe (its node's first device, on several nodes), so its
   // packing buffer also holds the probe.
   bool probes_links(int device) const;
+  // What a device the plan leaves idle holds: the compute probe's three matrices (workspace)
+  // and, on a node leader, the link probe in its packing buffer (communication), which an idle
+  // leader still exchanges every step. A few MiB, but counted so that the per-device memory is
+  // what the runtime books on every rank.
+  MemoryUse idle_memory(int device) const;
 
   GroupCost group_cost(const Stage& stage, const Rates& rates) const;
   // Each member's compute time relative to the group's slowest member (1 for the slowest): the
@@ -307,7 +316,7 @@ class CostModel {
   // hides in the wait for the first gradient), and measured on CPU it was faster
   // (docs/performance.md), so memory is the only condition. Returns whether any stage got it.
   bool choose_recompute_ahead(Plan& plan) const;
-  // Per device, bytes by kind (zero for idle devices), for the plan's recomputation.
+  // Per device, bytes by kind (idle devices: idle_memory), for the plan's recomputation.
   std::vector<MemoryUse> memory_by_kind(const Plan& plan) const;
 
   // Shares of heads (whole KV groups), FFN columns and vocabulary rows that minimise the

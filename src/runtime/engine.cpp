@@ -19,8 +19,9 @@ namespace malleus::runtime {
 namespace {
 
 // An idle rank's probe multiplies two 256² matrices 16 times: ~0.5 GFLOP, ~10 ms on one core,
-// long enough against the scheduler's time slices (a few ms) to see a shared core.
-constexpr int kProbeSize = 256;
+// long enough against the scheduler's time slices (a few ms) to see a shared core. Its matrices
+// are counted in the cost model's memory of an idle device (plan::CostModel::idle_memory).
+constexpr int kProbeSize = plan::kComputeProbeSize;
 constexpr int kProbeRepeats = 16;
 
 using Clock = std::chrono::steady_clock;
