@@ -618,6 +618,7 @@ int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* mome
       const ssize_t n = ::preadv(fd, parts.data(), static_cast<int>(parts.size()),
                                  static_cast<off_t>(span.offset + done));
       if (n < 0 && errno == EINTR) continue;
+      check(n >= 0, where + ": cannot read " + name + ": " + std::strerror(errno));
       check(n > 0, where + ": cannot read " + name + " (it shrank while reading)");
       done += n;
       for (int64_t left = n; left > 0;) {
