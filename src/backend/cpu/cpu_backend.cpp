@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -127,12 +128,7 @@ class CpuBackend final : public Backend<T> {
   void release(void* pointer) override {
     {
       std::lock_guard lock(mapped_mutex_);
-      const auto it = mapped_.find(pointer);
-      if (it != mapped_.end()) {
-        unmap_pages(pointer, it->second);
-        mapped_.erase(it);
-        return;
-      }
+      if (mapped_.erase(pointer) > 0) return;  // its PageBuffer unmaps it
     }
     std::free(pointer);
   }
@@ -668,14 +664,15 @@ class CpuBackend final : public Backend<T> {
   // Large allocations are mappings of their own (kMappedFrom); small ones come from the heap.
   void* zeroed(size_t bytes) {
     if (bytes < kMappedFrom) return aligned_zeroed(bytes);
-    void* pointer = map_pages(bytes);
+    PageBuffer<std::byte> mapping(bytes);
+    void* pointer = mapping.data();
     std::lock_guard lock(mapped_mutex_);
-    mapped_[pointer] = bytes;
+    mapped_.emplace(pointer, std::move(mapping));
     return pointer;
   }
 
   std::mutex mapped_mutex_;
-  std::unordered_map<void*, size_t> mapped_;  // mapping sizes, for munmap
+  std::unordered_map<void*, PageBuffer<std::byte>> mapped_;  // by address, for release()
   int threads_ = 1;
   std::vector<T> scratch_;  // attention backward: one seq×seq dS matrix per thread
   std::vector<RopeTable<T>> rope_tables_;
