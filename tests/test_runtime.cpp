@@ -521,9 +521,9 @@ TEST(Runtime, DistributedOptimizerTrainsLikeWholeMomentsInAFractionOfTheMemory) 
   Communicator world = Communicator::world();
   std::vector<std::pair<std::string, std::string>> plans;
   if (world.size() == 2) {
-    plans.push_back({"zero-dp2", R"({"world_size": 2, "pipelines": [
-      {"micro_batches": 5, "stages": [{"layers": [0, 4], "ranks": [0]}]},
-      {"micro_batches": 3, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"});
+    for (const auto& plan : plans_for(2)) {
+      if (plan.first == "dp2-uneven-microbatches") plans.push_back({"zero-dp2", plan.second});
+    }
   }
   if (world.size() == 4) {
     plans.push_back({"zero-dp4", R"({"world_size": 4, "pipelines": [
@@ -581,11 +581,11 @@ TEST(Runtime, MemoryCheckCountsWhatTheRuntimeHolds) {
   Communicator world = Communicator::world();
   std::vector<std::pair<std::string, std::string>> plans;
   if (world.size() == 2) {
-    plans.push_back({"dp2", R"({"world_size": 2, "pipelines": [
-      {"micro_batches": 5, "stages": [{"layers": [0, 4], "ranks": [0]}]},
-      {"micro_batches": 3, "stages": [{"layers": [0, 4], "ranks": [1]}]}]})"});
     for (const auto& plan : plans_for(2)) {
-      if (plan.first == "one-idle" || plan.first == "tp2-uneven-shares") plans.push_back(plan);
+      if (plan.first == "dp2-uneven-microbatches" || plan.first == "one-idle" ||
+          plan.first == "tp2-uneven-shares") {
+        plans.push_back(plan);
+      }
     }
   }
   if (world.size() == 4) {
