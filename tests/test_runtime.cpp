@@ -24,6 +24,7 @@
 #include "plan/planner.h"
 #include "replan/replan.h"
 #include "runtime/core_lease.h"
+#include "runtime/step_exchange.h"
 #include "test_util.h"
 #include "train/trainer.h"
 #include "train_config_samples.h"
@@ -1117,4 +1118,53 @@ TEST(Runtime, RanksThatOutnumberTheirCoresAreBoundAndTakeTurns) {
     runtime::all_reduce_sum(world, &value, 1, &lease);
     EXPECT_EQ(value, world.size());
   }
+}
+
+// The step's one all-reduce: each rank fills only its own figures, and after the sum every rank
+// reads every rank's figures back exactly, with the loss and squared norm summed.
+TEST(Runtime, StepExchangeHandsEveryRankEveryRanksFigures) {
+  Communicator world = Communicator::world();
+  const size_t ranks = static_cast<size_t>(world.size()), me = static_cast<size_t>(world.rank());
+  // Rank r's figure number f: distinct for every rank and field, exact in a double.
+  auto figure = [](size_t r, int f) { return 1000.0 * double(r + 1) + f + 0.25; };
+  runtime::StepExchange exchange(ranks);
+  exchange.loss_sum = double(me + 1);
+  exchange.norm_squares = 0.5 * double(me + 1);
+  runtime::StepExchange::RankFigures& mine = exchange.ranks[me];
+  mine.compute_seconds = figure(me, 0);
+  mine.flops = figure(me, 1);
+  mine.link_seconds = figure(me, 2);
+  mine.link_bytes = figure(me, 3);
+  for (size_t k = 0; k < mine.peak_memory.bytes.size(); ++k) {
+    mine.peak_memory.bytes[k] = (int64_t{1} << 40) + int64_t(1000 * (me + 1) + k);
+  }
+  mine.peak_memory_total = figure(me, 4);
+  mine.recompute_ahead_seconds = figure(me, 5);
+  mine.recompute_overlapped_seconds = figure(me, 6);
+  std::vector<double> packed = exchange.pack();
+  ASSERT_EQ(packed.size(), 2 + ranks * runtime::StepExchange::kRankFields);
+  // The wire order: loss, squared norm, then every rank's compute time and FLOPs.
+  EXPECT_EQ(packed[0], double(me + 1));
+  EXPECT_EQ(packed[2 + 2 * me], figure(me, 0));
+  EXPECT_EQ(packed[3 + 2 * me], figure(me, 1));
+  runtime::all_reduce_sum(world, packed.data(), packed.size(), nullptr);
+  runtime::StepExchange all(ranks);
+  all.unpack(packed);
+  EXPECT_EQ(all.loss_sum, double(ranks * (ranks + 1) / 2));
+  EXPECT_EQ(all.norm_squares, 0.25 * double(ranks * (ranks + 1)));
+  for (size_t r = 0; r < ranks; ++r) {
+    const runtime::StepExchange::RankFigures& theirs = all.ranks[r];
+    EXPECT_EQ(theirs.compute_seconds, figure(r, 0));
+    EXPECT_EQ(theirs.flops, figure(r, 1));
+    EXPECT_EQ(theirs.link_seconds, figure(r, 2));
+    EXPECT_EQ(theirs.link_bytes, figure(r, 3));
+    for (size_t k = 0; k < theirs.peak_memory.bytes.size(); ++k) {
+      EXPECT_EQ(theirs.peak_memory.bytes[k], (int64_t{1} << 40) + int64_t(1000 * (r + 1) + k));
+    }
+    EXPECT_EQ(theirs.peak_memory_total, figure(r, 4));
+    EXPECT_EQ(theirs.recompute_ahead_seconds, figure(r, 5));
+    EXPECT_EQ(theirs.recompute_overlapped_seconds, figure(r, 6));
+  }
+  packed.pop_back();
+  EXPECT_THROW(all.unpack(packed), Error);
 }

@@ -13,6 +13,7 @@
 #include "layout/staged_redistribution.h"
 #include "plan/cost_model.h"
 #include "runtime/schedule.h"
+#include "runtime/step_exchange.h"
 
 namespace malleus::runtime {
 
@@ -145,155 +146,153 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
                         const std::function<void()>& before_update) {
   check(slowdown >= 1, "an injected slowdown must be at least 1");
   StepResult result;
-  ParallelState& st = *state_;
-  const plan::Plan& plan = st.plan();
-  const int64_t global_tokens = int64_t{plan.global_batch()} * options_.seq_len;
-  const float loss_scale = 1.0f / static_cast<float>(global_tokens);
-  double loss_sum = 0;
+  const int64_t global_tokens = int64_t{state_->plan().global_batch()} * options_.seq_len;
   if (!before_update) release_local_state();  // moments lent out since the last step
   backend::memory_ledger().reset_peak();      // this step's peak, measured from here
-
+  double loss_sum = 0;
   if (model_) {
-    zero_grads();
-    const int stage = st.role().stage, stages = st.num_stages();
-    const int micro_batches = st.pipeline().micro_batches, b = plan.micro_batch_size;
-    const int seq = options_.seq_len;
-    const int slots = model_->slots();
-    const bool sender = st.role().tp_rank == 0;  // one rank per stage talks to the neighbours
-    comm::Communicator& world = st.world();
-    // A slot's output may still be on its way to the next stage when the slot is reused; the
-    // input gradient likewise until the next backward overwrites it.
-    std::vector<std::vector<comm::Request>> forward_sends(static_cast<size_t>(slots));
-    std::vector<comm::Request> backward_sends;
-
-    auto fill = [&](int micro_batch) {
-      for (int i = 0; i < b; ++i) {
-        sample(st.first_sample() + micro_batch * b + i, inputs_.data() + size_t(i) * seq,
-               targets_.data() + size_t(i) * seq);
-      }
-    };
-    for (const PipelineOp& op : one_f_one_b(stage, stages, micro_batches)) {
-      const int j = op.micro_batch, slot = j % slots;
-      if (op.kind == PipelineOp::kForward) {
-        wait_all(forward_sends[static_cast<size_t>(slot)], lease());
-        if (st.first_stage() || st.last_stage()) fill(j);
-        receive_input(slot, j);
-        double loss = 0;
-        result.compute_seconds +=
-            timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown);
-        if (st.last_stage() && sender) loss_sum += loss;
-        send_output(slot, j, &forward_sends[static_cast<size_t>(slot)]);
-      } else {
-        wait_all(backward_sends, lease());
-        if (!st.last_stage()) {
-          comm::Request gradient = world.irecv(model_->output_grad(), activation_bytes(),
-                                               st.next_stage_ranks().front(), backward_tag(j));
-          if (model_->recomputes_ahead() && model_->recompute().layers > 0) {
-            // The shifted critical path: recompute while the gradient is on its way. Between
-            // blocks, test the receive: a large message completes only when the receiver enters
-            // MPI (rendezvous), and until then the sender cannot reuse its buffer for its next
-            // backward. The first test that finds the gradient there says how long it was away.
-            const auto start = Clock::now();
-            double arrived_after = -1;
-            const double seconds = timed(
-                [&] {
-                  model_->recompute_ahead(slot, [&] {
-                    if (arrived_after < 0 && gradient.test()) arrived_after = seconds_since(start);
-                  });
-                },
-                slowdown);
-            result.compute_seconds += seconds;
-            result.recompute_ahead_seconds += seconds;
-            result.recompute_overlapped_seconds +=
-                arrived_after < 0 ? seconds : std::min(seconds, arrived_after);
-          }
-          wait(gradient, lease());
-        }
-        result.compute_seconds += timed([&] { model_->backward(slot, loss_scale); }, slowdown);
-        if (!st.first_stage() && sender) {
-          for (int r : st.previous_stage_ranks()) {
-            backward_sends.push_back(
-                world.isend(model_->input_grad(), activation_bytes(), r, backward_tag(j)));
-          }
-        }
-      }
-    }
-    for (auto& sends : forward_sends) wait_all(sends, lease());
-    wait_all(backward_sends, lease());
+    loss_sum = run_pipeline(sample, 1.0f / static_cast<float>(global_tokens), slowdown, &result);
     result.flops = work_flops_;
   } else {
     result.flops = run_probe(slowdown, &result.compute_seconds);
   }
-
-  comm::Communicator& world = st.world();
-  // One all-reduce carries the loss, the squared gradient norm and every rank's measurements
-  // (each rank fills its own slots), so monitoring costs no extra round of communication.
-  const size_t ranks = static_cast<size_t>(world.size());
-  // Per rank: compute time and FLOPs, then link time and bytes, then peak memory by kind and in
-  // total, then recomputation ahead and its part overlapped.
-  constexpr size_t kMemoryFields = backend::kMemoryKinds + 1;
-  const size_t recompute_at = 2 + 4 * ranks + kMemoryFields * ranks;
-  std::vector<double> shared(recompute_at + 2 * ranks, 0.0);
-  shared[0] = loss_sum;
-  {
-    // Packing gradients and summing squares is computing too: on a shared core, in turn.
-    CoreLease::Hold turn(lease());
-    if (model_) sync_gradients();
-    shared[1] = local_norm_squares();
-    if (options_.measure && !options_.hosts.empty()) {
-      std::tie(result.link_seconds, result.link_bytes) = probe_links();
-    }
-  }
-  const size_t me = static_cast<size_t>(world.rank());
-  double* mine = shared.data() + 2 + 2 * me;
-  mine[0] = result.compute_seconds;
-  mine[1] = result.flops;
-  double* my_link = shared.data() + 2 + 2 * ranks + 2 * me;
-  my_link[0] = result.link_seconds;
-  my_link[1] = result.link_bytes;
-  {
-    const backend::MemoryFigures peak = backend::memory_ledger().peak();
-    double* memory = shared.data() + 2 + 4 * ranks + kMemoryFields * me;
-    for (size_t k = 0; k < peak.bytes.size(); ++k) memory[k] = double(peak.bytes[k]);
-    memory[backend::kMemoryKinds] = double(backend::memory_ledger().peak_total());
-  }
-  shared[recompute_at + 2 * me] = result.recompute_ahead_seconds;
-  shared[recompute_at + 2 * me + 1] = result.recompute_overlapped_seconds;
-  all_reduce_sum(world, shared.data(), shared.size(), lease());
-  result.loss = shared[0] / static_cast<double>(global_tokens);
-  result.grad_norm = std::sqrt(shared[1]);
-  const auto links = shared.begin() + 2 + 2 * long(ranks);
-  result.measurements.assign(shared.begin() + 2, links);
-  result.link_measurements.assign(links, links + 2 * long(ranks));
-  for (size_t r = 0; r < ranks; ++r) {
-    const double* memory = shared.data() + 2 + 4 * ranks + kMemoryFields * r;
-    backend::MemoryFigures figures;
-    for (size_t k = 0; k < figures.bytes.size(); ++k) figures.bytes[k] = int64_t(memory[k]);
-    result.peak_memory.push_back(figures);
-    result.peak_memory_total.push_back(memory[backend::kMemoryKinds]);
-  }
-  result.recompute_ahead_measurements.assign(shared.begin() + long(recompute_at), shared.end());
+  exchange_figures(loss_sum, global_tokens, &result);
   const double clip =
       grad_clip > 0 && result.grad_norm > grad_clip ? grad_clip / result.grad_norm : 1.0;
   if (before_update) {
     before_update();
     release_local_state();
   }
-  if (optimizer_) {
-    // Not a section the monitor times (its cost does not scale with the plan's work), but an
-    // emulated slow device is slow here too.
-    CoreLease::Hold turn(lease());
-    const auto start = Clock::now();
-    if (shard_) {
-      distributed_update(lr, static_cast<float>(clip));
-    } else {
-      optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr,
-                       static_cast<float>(clip));
-    }
-    if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
-  }
+  update(lr, static_cast<float>(clip), slowdown);
   ++steps_done_;
   return result;
+}
+
+double Engine::run_pipeline(const SampleFn& sample, float loss_scale, double slowdown,
+                            StepResult* result) {
+  ParallelState& st = *state_;
+  zero_grads();
+  const int micro_batches = st.pipeline().micro_batches, b = st.plan().micro_batch_size;
+  const int seq = options_.seq_len;
+  const int slots = model_->slots();
+  const bool sender = st.role().tp_rank == 0;  // one rank per stage talks to the neighbours
+  // A slot's output may still be on its way to the next stage when the slot is reused; the
+  // input gradient likewise until the next backward overwrites it.
+  std::vector<std::vector<comm::Request>> forward_sends(static_cast<size_t>(slots));
+  std::vector<comm::Request> backward_sends;
+  double loss_sum = 0;
+  auto fill = [&](int micro_batch) {
+    for (int i = 0; i < b; ++i) {
+      sample(st.first_sample() + micro_batch * b + i, inputs_.data() + size_t(i) * seq,
+             targets_.data() + size_t(i) * seq);
+    }
+  };
+  for (const PipelineOp& op : one_f_one_b(st.role().stage, st.num_stages(), micro_batches)) {
+    const int j = op.micro_batch, slot = j % slots;
+    if (op.kind == PipelineOp::kForward) {
+      wait_all(forward_sends[static_cast<size_t>(slot)], lease());
+      if (st.first_stage() || st.last_stage()) fill(j);
+      receive_input(slot, j);
+      double loss = 0;
+      result->compute_seconds +=
+          timed([&] { loss = model_->forward(slot, inputs_.data(), targets_.data()); }, slowdown);
+      if (st.last_stage() && sender) loss_sum += loss;
+      send_output(slot, j, &forward_sends[static_cast<size_t>(slot)]);
+    } else {
+      wait_all(backward_sends, lease());
+      if (!st.last_stage()) receive_output_grad(slot, j, slowdown, result);
+      result->compute_seconds += timed([&] { model_->backward(slot, loss_scale); }, slowdown);
+      if (!st.first_stage() && sender) {
+        for (int r : st.previous_stage_ranks()) {
+          backward_sends.push_back(
+              st.world().isend(model_->input_grad(), activation_bytes(), r, backward_tag(j)));
+        }
+      }
+    }
+  }
+  for (auto& sends : forward_sends) wait_all(sends, lease());
+  wait_all(backward_sends, lease());
+  return loss_sum;
+}
+
+void Engine::receive_output_grad(int slot, int micro_batch, double slowdown, StepResult* result) {
+  ParallelState& st = *state_;
+  comm::Request gradient =
+      st.world().irecv(model_->output_grad(), activation_bytes(), st.next_stage_ranks().front(),
+                       backward_tag(micro_batch));
+  if (model_->recomputes_ahead() && model_->recompute().layers > 0) {
+    // The shifted critical path: recompute while the gradient is on its way. Between blocks,
+    // test the receive: a large message completes only when the receiver enters MPI
+    // (rendezvous), and until then the sender cannot reuse its buffer for its next backward. The
+    // first test that finds the gradient there says how long it was away.
+    const auto start = Clock::now();
+    double arrived_after = -1;
+    const double seconds = timed(
+        [&] {
+          model_->recompute_ahead(slot, [&] {
+            if (arrived_after < 0 && gradient.test()) arrived_after = seconds_since(start);
+          });
+        },
+        slowdown);
+    result->compute_seconds += seconds;
+    result->recompute_ahead_seconds += seconds;
+    result->recompute_overlapped_seconds +=
+        arrived_after < 0 ? seconds : std::min(seconds, arrived_after);
+  }
+  wait(gradient, lease());
+}
+
+void Engine::exchange_figures(double loss_sum, int64_t global_tokens, StepResult* result) {
+  comm::Communicator& world = state_->world();
+  StepExchange figures(static_cast<size_t>(world.size()));
+  figures.loss_sum = loss_sum;
+  {
+    // Packing gradients and summing squares is computing too: on a shared core, in turn.
+    CoreLease::Hold turn(lease());
+    if (model_) sync_gradients();
+    figures.norm_squares = local_norm_squares();
+    if (options_.measure && !options_.hosts.empty()) {
+      std::tie(result->link_seconds, result->link_bytes) = probe_links();
+    }
+  }
+  StepExchange::RankFigures& mine = figures.ranks[static_cast<size_t>(world.rank())];
+  mine.compute_seconds = result->compute_seconds;
+  mine.flops = result->flops;
+  mine.link_seconds = result->link_seconds;
+  mine.link_bytes = result->link_bytes;
+  mine.peak_memory = backend::memory_ledger().peak();
+  mine.peak_memory_total = double(backend::memory_ledger().peak_total());
+  mine.recompute_ahead_seconds = result->recompute_ahead_seconds;
+  mine.recompute_overlapped_seconds = result->recompute_overlapped_seconds;
+  std::vector<double> packed = figures.pack();
+  all_reduce_sum(world, packed.data(), packed.size(), lease());
+  figures.unpack(packed);
+  result->loss = figures.loss_sum / static_cast<double>(global_tokens);
+  result->grad_norm = std::sqrt(figures.norm_squares);
+  for (const StepExchange::RankFigures& rank : figures.ranks) {
+    result->measurements.insert(result->measurements.end(), {rank.compute_seconds, rank.flops});
+    result->link_measurements.insert(result->link_measurements.end(),
+                                     {rank.link_seconds, rank.link_bytes});
+    result->peak_memory.push_back(rank.peak_memory);
+    result->peak_memory_total.push_back(rank.peak_memory_total);
+    result->recompute_ahead_measurements.insert(
+        result->recompute_ahead_measurements.end(),
+        {rank.recompute_ahead_seconds, rank.recompute_overlapped_seconds});
+  }
+}
+
+void Engine::update(float lr, float clip, double slowdown) {
+  if (!optimizer_) return;
+  // Not a section the monitor times (its cost does not scale with the plan's work), but an
+  // emulated slow device is slow here too.
+  CoreLease::Hold turn(lease());
+  const auto start = Clock::now();
+  if (shard_) {
+    distributed_update(lr, clip);
+  } else {
+    optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr, clip);
+  }
+  if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
 }
 
 size_t Engine::activation_bytes() const {

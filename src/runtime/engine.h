@@ -196,6 +196,20 @@ class Engine {
   Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
          const EngineOptions& options, bool deferred);
   void zero_grads();
+  // The 1F1B schedule over this rank's micro-batches (a rank holding a stage): forwards and
+  // backwards, activations and their gradients exchanged with the neighbouring stages. Adds the
+  // compute sections' times to `result`; returns the sum of the token losses (on the last
+  // stage's sending rank; 0 elsewhere).
+  double run_pipeline(const SampleFn& sample, float loss_scale, double slowdown,
+                      StepResult* result);
+  // Receives a micro-batch's output gradient from the next stage, recomputing its forward while
+  // it travels where the stage recomputes ahead (EngineOptions::shifted_recompute).
+  void receive_output_grad(int slot, int micro_batch, double slowdown, StepResult* result);
+  // Syncs gradients, sums their squares and probes the links, then the step's one all-reduce
+  // (StepExchange): sets the loss, the gradient norm and every rank's measurements in `result`.
+  void exchange_figures(double loss_sum, int64_t global_tokens, StepResult* result);
+  // The optimizer's update with the gradients scaled by `clip` (nothing on an idle rank).
+  void update(float lr, float clip, double slowdown);
   // Sums gradients over the refinement groups.
   void sync_gradients();
   // On every host's leader (a no-op elsewhere): times the link probe with the other leaders;
