@@ -31,6 +31,7 @@
 #include "comm/mpi_session.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "common/stats.h"
 #include "data/shard.h"
@@ -238,12 +239,12 @@ void run(comm::Communicator& world, int argc, char** argv) {
         "data %s; per plan %d warm-up steps, then %d rounds × %d timed steps, plans "
         "interleaved\n"
         "load average (1 min) before / after: %s / %s\n\n",
-        model.name.c_str(),
-        train::format_count(static_cast<double>(model.num_parameters())).c_str(), model.num_layers,
-        model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,
-        model.vocab_size, base.seq_len, base.micro_batch_size, base.global_batch_size,
-        static_cast<long long>(base.tokens_per_step()), threads, kWorld, cores, train_data.c_str(),
-        kWarmupSteps, rounds, steps_per_round, load_before.c_str(), load_after.c_str());
+        model.name.c_str(), format_count(static_cast<double>(model.num_parameters())).c_str(),
+        model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
+        model.ffn_hidden_size, model.vocab_size, base.seq_len, base.micro_batch_size,
+        base.global_batch_size, static_cast<long long>(base.tokens_per_step()), threads, kWorld,
+        cores, train_data.c_str(), kWarmupSteps, rounds, steps_per_round, load_before.c_str(),
+        load_after.c_str());
     std::printf(
         "| plan | summary | step time, median [min–max] | tokens/s (median) | tokens/s (best "
         "step) | loss after %lld steps |\n",

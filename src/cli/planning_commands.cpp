@@ -15,6 +15,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "common/stats.h"
 #include "model/config.h"
@@ -91,12 +92,6 @@ struct SetupArgs {
   plan::Shape shape() const { return base.empty() ? plan::Shape{} : plan::Shape::parse(base); }
 };
 
-std::string gib(double bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / kGiB);
-  return buf;
-}
-
 double max_memory(const plan::Prediction& p) {
   double m = 0;
   for (double b : p.memory_bytes) m = std::max(m, b);
@@ -144,7 +139,7 @@ void run_plan(const SetupArgs& args, const std::string& strategy_name, const std
               r.prediction.iteration_time, simulated.iteration_time, gb / simulated.iteration_time);
   std::printf("  pipelines %.4f s, gradient sync %.4f s, optimizer %.4f s; peak memory %s%s\n",
               r.prediction.pipeline_time, r.prediction.grad_sync_time, r.prediction.optimizer_time,
-              gib(max_memory(r.prediction)).c_str(), r.prediction.fits ? "" : " (does NOT fit)");
+              format_bytes(max_memory(r.prediction)).c_str(), r.prediction.fits ? "" : " (does NOT fit)");
   std::printf("  planned in %.3f s%s%s\n", r.planning_seconds, r.note.empty() ? "" : "; ",
               r.note.c_str());
   std::printf("wrote %s\n", out.c_str());
@@ -212,7 +207,7 @@ void run_simulate_plan(const SetupArgs& args, const std::string& plan_file) {
     }
     std::printf("%7zu %5d %6.2f %10.4f %10.4f %6.1f%% %10s\n", d, cost.cluster().node_of(int(d)),
                 rate, dev.busy_s, dev.idle_s, 100 * dev.busy_s / r.iteration_time,
-                gib(dev.memory_bytes).c_str());
+                format_bytes(dev.memory_bytes).c_str());
   }
 }
 
@@ -797,7 +792,7 @@ void add_planning_commands(CLI::App& app) {
     for (const auto& name : plan::cluster_preset_names()) {
       const plan::ClusterSpec c = plan::load_cluster(name);
       std::printf("%-14s %6d %8d %9s %8.1f %11.1f %11.1f\n", name.c_str(), c.nodes,
-                  c.devices_per_node, gib(c.memory_bytes).c_str(), c.flops() / 1e12,
+                  c.devices_per_node, format_bytes(c.memory_bytes).c_str(), c.flops() / 1e12,
                   c.intra_node_bandwidth / 1e9, c.inter_node_bandwidth / 1e9);
     }
   });

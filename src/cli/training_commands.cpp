@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/error.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "data/dataset.h"
 #include "data/prepare.h"
@@ -317,7 +318,7 @@ void add_training_commands(CLI::App& app) {
     for (const auto& name : model::model_preset_names()) {
       const auto c = model::load_model_config(name);
       std::printf("%-12s %10s %7d %7d %6d %5d %7d %7d\n", name.c_str(),
-                  train::format_count(static_cast<double>(c.num_parameters())).c_str(),
+                  format_count(static_cast<double>(c.num_parameters())).c_str(),
                   c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.ffn_hidden_size,
                   c.vocab_size);
     }

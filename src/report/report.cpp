@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "common/stats.h"
 #include "svg/svg.h"
@@ -41,35 +42,6 @@ std::string printf_string(const char* format, double value) {
   char buffer[64];
   std::snprintf(buffer, sizeof buffer, format, value);
   return buffer;
-}
-
-// "12.3k", "1.20M": the summary's and the throughput axis's way of writing rates.
-std::string format_si(double value) {
-  if (!std::isfinite(value)) return "n/a";
-  const double magnitude = std::fabs(value);
-  if (magnitude >= 1e9) return printf_string("%.3gG", value / 1e9);
-  if (magnitude >= 1e6) return printf_string("%.3gM", value / 1e6);
-  if (magnitude >= 1e3) return printf_string("%.3gk", value / 1e3);
-  return printf_string("%.3g", value);
-}
-
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int unit = 0;
-  while (std::fabs(bytes) >= 1024 && unit < 4) {
-    bytes /= 1024;
-    ++unit;
-  }
-  std::string text = printf_string(unit == 0 ? "%.0f" : "%.2f", bytes);
-  text += ' ';
-  text += units[unit];
-  return text;
-}
-
-std::string format_seconds(double seconds) {
-  if (!std::isfinite(seconds)) return "n/a";
-  if (std::fabs(seconds) < 1) return printf_string("%.0f ms", seconds * 1e3);
-  return printf_string("%.2f s", seconds);
 }
 
 // Steps that go down (or repeat) mean the run was resumed from a checkpoint.
@@ -134,7 +106,7 @@ Axis step_axis(double lo, double hi) {
 }
 
 std::string tick_label(double value, double step, bool si) {
-  if (si && std::fabs(value) >= 1e3) return format_si(value);
+  if (si && std::fabs(value) >= 1e3) return format_count(value);
   const int decimals = std::clamp(static_cast<int>(std::ceil(-std::log10(step) - 1e-9)), 0, 6);
   char format[16];
   std::snprintf(format, sizeof format, "%%.%df", decimals);
@@ -644,9 +616,9 @@ void Timeline::draw_events() {
     tooltip << "R" << (i + 1) << ": re-plan at step " << r.step << "\n"
             << r.old_plan << " → " << r.new_plan << "\nmoved "
             << format_bytes(static_cast<double>(r.bytes_moved)) << " in "
-            << format_seconds(r.migration_s) << "; planning took " << format_seconds(r.planning_s)
-            << "\npredicted step time " << format_seconds(r.predicted_old_s) << " → "
-            << format_seconds(r.predicted_new_s) << " (gain " << format_seconds(r.predicted_gain_s)
+            << format_duration(r.migration_s) << "; planning took " << format_duration(r.planning_s)
+            << "\npredicted step time " << format_duration(r.predicted_old_s) << " → "
+            << format_duration(r.predicted_new_s) << " (gain " << format_duration(r.predicted_gain_s)
             << ")";
     svg_->begin_group({{"class", "replan"}}, tooltip.str());
     svg_->line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
@@ -668,10 +640,10 @@ void Timeline::draw_replan_table() {
     std::ostringstream head, plans;
     head << "R" << (i + 1) << "  step " << r.step << ": moved "
          << format_bytes(static_cast<double>(r.bytes_moved)) << " in "
-         << format_seconds(r.migration_s) << "; predicted step time "
-         << format_seconds(r.predicted_old_s) << " → " << format_seconds(r.predicted_new_s)
-         << " (gain " << format_seconds(r.predicted_gain_s) << "); planning "
-         << format_seconds(r.planning_s);
+         << format_duration(r.migration_s) << "; predicted step time "
+         << format_duration(r.predicted_old_s) << " → " << format_duration(r.predicted_new_s)
+         << " (gain " << format_duration(r.predicted_gain_s) << "); planning "
+         << format_duration(r.planning_s);
     plans << r.old_plan << "  →  " << r.new_plan;
     y += kRowHeight;
     svg_->text(left_, y, truncate(head.str(), max_chars), {{"class", "table"}});
@@ -734,7 +706,7 @@ std::string Timeline::render() {
     for (const auto& step : report_.steps) values.push_back(step.tokens_per_s);
     mean_tps = mean_of(values);
   }
-  if (std::isfinite(mean_tps)) subtitle << " · mean " << format_si(mean_tps) << " tokens/s";
+  if (std::isfinite(mean_tps)) subtitle << " · mean " << format_count(mean_tps) << " tokens/s";
   int64_t bytes = 0;
   for (const auto& r : report_.replans) bytes += r.bytes_moved;
   subtitle << " · " << report_.replans.size()
@@ -839,12 +811,12 @@ std::string summarize(const Report& report) {
   }
   std::vector<double> all;
   for (const auto& s : report.steps) all.push_back(s.tokens_per_s);
-  out << "throughput: mean " << format_si(mean_of(all)) << " tokens/s\n";
+  out << "throughput: mean " << format_count(mean_of(all)) << " tokens/s\n";
   const auto segments = plan_segments(report);
   for (size_t i = 0; i < segments.size(); ++i) {
     const PlanSegment& g = segments[i];
     out << "  plan " << (i + 1) << ": steps " << g.first_step << "-" << g.last_step << " ("
-        << g.num_steps << " steps), mean " << format_si(g.mean_tokens_per_s) << " tokens/s";
+        << g.num_steps << " steps), mean " << format_count(g.mean_tokens_per_s) << " tokens/s";
     if (!g.plan.empty()) out << "  [" << g.plan << "]";
     out << "\n";
   }
@@ -856,7 +828,7 @@ std::string summarize(const Report& report) {
   }
   out << "re-plans: " << report.replans.size() << " (" << report.declined.size() << " declined), "
       << format_bytes(static_cast<double>(bytes)) << " moved (" << bytes << " bytes) in "
-      << format_seconds(migration) << "\n";
+      << format_duration(migration) << "\n";
   return out.str();
 }
 

@@ -295,33 +295,4 @@ void MetricsLog::write(const MetricsRecord& record) {
   }
 }
 
-std::string format_duration(double seconds) {
-  char text[32];
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  if (seconds < 60) {
-    std::snprintf(text, sizeof text, "%.1fs", seconds);
-  } else if (seconds < 3600) {
-    std::snprintf(text, sizeof text, "%dm%02ds", static_cast<int>(seconds) / 60,
-                  static_cast<int>(seconds) % 60);
-  } else {
-    std::snprintf(text, sizeof text, "%dh%02dm", static_cast<int>(seconds) / 3600,
-                  static_cast<int>(seconds) / 60 % 60);
-  }
-  return text;
-}
-
-std::string format_count(double value) {
-  char text[32];
-  if (value >= 1e9) {
-    std::snprintf(text, sizeof text, "%.2fB", value / 1e9);
-  } else if (value >= 1e6) {
-    std::snprintf(text, sizeof text, "%.2fM", value / 1e6);
-  } else if (value >= 1e3) {
-    std::snprintf(text, sizeof text, "%.1fk", value / 1e3);
-  } else {
-    std::snprintf(text, sizeof text, "%.0f", value);
-  }
-  return text;
-}
-
 }  // namespace malleus::train

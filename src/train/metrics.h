@@ -109,9 +109,4 @@ class MetricsLog {
   int fd_ = -1;
 };
 
-// "1h02m", "3m05s", "12.3s"
-std::string format_duration(double seconds);
-// "12.3k", "1.20M"
-std::string format_count(double value);
-
 }  // namespace malleus::train

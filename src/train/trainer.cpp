@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/system.h"
 #include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
@@ -68,12 +69,6 @@ elastic::StragglerSchedule injected_stragglers(const TrainConfig& c, int world_s
     check_ranks("straggler trace " + c.straggler_trace);
   }
   return schedule;
-}
-
-std::string gib(double bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
-  return text;
 }
 
 // The metrics record of a controller decision (its numbers are rank 0's).
@@ -143,24 +138,24 @@ void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& p
   std::string parts;
   if (need.moments_split) {
     parts = "whose parameters and gradients take " +
-            gib(static_cast<double>(need.parameters + need.gradients)) +
+            format_bytes(static_cast<double>(need.parameters + need.gradients)) +
             ", and the Adam moments and summed gradients of its optimizer shard (" +
             format_count(static_cast<double>(need.moment_elements)) +
             " elements: the distributed optimizer splits them among the holders) " +
-            gib(static_cast<double>(need.optimizer + need.gradient_shard));
+            format_bytes(static_cast<double>(need.optimizer + need.gradient_shard));
   } else {
     parts = "whose parameters, gradients and Adam moments take " +
-            gib(static_cast<double>(need.parameters + need.gradients + need.optimizer));
+            format_bytes(static_cast<double>(need.parameters + need.gradients + need.optimizer));
   }
   throw Error("model \"" + model.name + "\" (" +
               format_count(static_cast<double>(model.num_parameters())) +
               " parameters) does not fit: under this plan rank " + std::to_string(rank) +
               " holds " + format_count(held) + " parameter elements, " + parts + " (plus " +
-              gib(static_cast<double>(need.checkpoint_copy)) +
+              format_bytes(static_cast<double>(need.checkpoint_copy)) +
               " for its part of a checkpoint), but this machine has " +
-              gib(static_cast<double>(available_bytes)) + " available" +
+              format_bytes(static_cast<double>(available_bytes)) + " available" +
               (ranks_here > 1
-                   ? ", " + gib(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
+                   ? ", " + format_bytes(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
                    : "") +
               ": use more ranks, a plan that shards the model further, or a smaller model");
 }
@@ -528,8 +523,8 @@ void Trainer::finish_checkpoint() {
 void Trainer::report_saved() {
   if (writer_.in_flight() || !writer_.last() || !is_root()) return;
   const SaveStats& s = *writer_.last();
-  std::printf("saved checkpoint %s (%sB; step held %s, written in %s)\n", s.dir.c_str(),
-              format_count(static_cast<double>(s.bytes)).c_str(),
+  std::printf("saved checkpoint %s (%s; step held %s, written in %s)\n", s.dir.c_str(),
+              format_bytes(static_cast<double>(s.bytes)).c_str(),
               format_duration(s.stall_s).c_str(), format_duration(s.total_s).c_str());
   std::fflush(stdout);
 }
@@ -564,10 +559,10 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
     const ReplanRecord& d = *s.replan;
     if (d.switched) {
       std::printf(
-          "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %sB in %.3f s "
+          "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %s in %.3f s "
           "(planning %.3f s)\n",
           static_cast<long long>(s.step), d.old_plan.c_str(), d.new_plan.c_str(), d.predicted_old_s,
-          d.predicted_new_s, format_count(static_cast<double>(d.bytes_moved)).c_str(),
+          d.predicted_new_s, format_bytes(static_cast<double>(d.bytes_moved)).c_str(),
           d.migration_s, d.planning_s);
     } else {
       std::printf("re-plan declined at step %lld: %s\n", static_cast<long long>(s.step),
