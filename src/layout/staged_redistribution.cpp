@@ -69,180 +69,223 @@ struct BlockRef {
   const Block* of = nullptr;
 };
 
-}  // namespace
-
-StagedRedistribution stage_redistribution(const model::ModelConfig& model,
-                                          const RedistributionPlan& plan,
-                                          const std::vector<StateKind>& kinds,
-                                          int64_t bucket_bytes) {
-  check(bucket_bytes > 0, "migration bucket must be positive, got " + std::to_string(bucket_bytes));
+// Bytes per element of every buffer of each kind (checking the kinds), and the kinds' buffer
+// counts into `staged`.
+std::vector<int64_t> kind_units(const std::vector<StateKind>& kinds, int world,
+                                StagedRedistribution* staged) {
   check(!kinds.empty(), "staged redistribution: no state to move");
-  const model::ParameterLayout full(model);
-  const int world = plan.world_size;
-  std::vector<int64_t> unit;  // bytes per element of every buffer of each kind
-  StagedRedistribution staged;
-  int64_t all_units = 0;
+  std::vector<int64_t> unit;
   for (const StateKind& kind : kinds) {
     check(kind.buffers > 0 && kind.element_bytes > 0, "staged redistribution: no state to move");
     check(kind.from.size() == size_t(world) && kind.to.size() == size_t(world),
           "staged redistribution: blocks for another world size");
     unit.push_back(kind.unit());
-    staged.kind_buffers.push_back(kind.buffers);
-    all_units += kind.unit();
+    staged->kind_buffers.push_back(kind.buffers);
   }
-  staged.chunk_elements = std::max<int64_t>(1, bucket_bytes / (4 * all_units));
+  return unit;
+}
 
-  // Each kind's holders of every tensor on either side, and the refined pieces of each tensor.
-  const size_t tensors = full.tensors().size();
+// What cutting the state into bands looks up: each kind's holders of every tensor on either side,
+// the refined pieces of each tensor, and the sender the plan chose for each (piece, new holder).
+struct StateIndex {
   using Holders = std::vector<std::vector<BlockRef>>;  // per tensor
-  std::vector<Holders> old_holders(kinds.size(), Holders(tensors)),
-      new_holders(kinds.size(), Holders(tensors));
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    for (int r = 0; r < world; ++r) {
-      const Blocks& before = kinds[k].from[size_t(r)];
-      for (size_t i = 0; i < before.size(); ++i) {
-        old_holders[k][size_t(before[i].tensor)].push_back({r, int(i), &before[i]});
-      }
-      const Blocks& after = kinds[k].to[size_t(r)];
-      for (size_t i = 0; i < after.size(); ++i) {
-        new_holders[k][size_t(after[i].tensor)].push_back({r, int(i), &after[i]});
-      }
-    }
-  }
-  std::vector<std::vector<size_t>> pieces_of(tensors);
-  for (size_t p = 0; p < plan.pieces.size(); ++p) {
-    pieces_of[size_t(plan.pieces[p].piece.tensor)].push_back(p);
-  }
-  // The sender the plan chose for each (piece, new holder).
+  std::vector<Holders> old_holders, new_holders;       // per kind
+  std::vector<std::vector<size_t>> pieces_of;          // per tensor, indices into plan.pieces
   std::map<std::pair<size_t, int>, int> chosen;
-  for (const auto* list : {&plan.transfers, &plan.local_copies}) {
-    for (const Transfer& t : *list) {
-      for (const PieceMove& m : t.moves) chosen[{size_t(m.piece), t.destination}] = t.source;
-    }
-  }
 
-  // Bands in tensor order: rows cut every chunk and at every block's first and last row.
-  std::vector<Band> bands;
-  for (size_t f = 0; f < tensors; ++f) {
-    const model::TensorSpec& spec = full.tensor(static_cast<int>(f));
-    const bool columns = column_sharded(spec);
-    const int64_t rows = spec.full_shape[0];
-    const int64_t height = std::max<int64_t>(1, staged.chunk_elements / row_width(spec));
-    std::vector<int64_t> cuts;
-    bool held = false;
+  StateIndex(const RedistributionPlan& plan, const std::vector<StateKind>& kinds, size_t tensors)
+      : old_holders(kinds.size(), Holders(tensors)),
+        new_holders(kinds.size(), Holders(tensors)),
+        pieces_of(tensors) {
     for (size_t k = 0; k < kinds.size(); ++k) {
-      for (const auto* side : {&old_holders[k][f], &new_holders[k][f]}) {
-        for (const BlockRef& h : *side) {
-          cuts.push_back(h.of->row_begin);
-          cuts.push_back(h.of->row_end);
-          held = true;
+      for (int r = 0; r < plan.world_size; ++r) {
+        const Blocks& before = kinds[k].from[size_t(r)];
+        for (size_t i = 0; i < before.size(); ++i) {
+          old_holders[k][size_t(before[i].tensor)].push_back({r, int(i), &before[i]});
+        }
+        const Blocks& after = kinds[k].to[size_t(r)];
+        for (size_t i = 0; i < after.size(); ++i) {
+          new_holders[k][size_t(after[i].tensor)].push_back({r, int(i), &after[i]});
         }
       }
     }
-    if (!held) continue;
-    for (int64_t row = 0; row < rows; row += height) cuts.push_back(row);
-    cuts.push_back(rows);
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-      Band band;
-      band.tensor = static_cast<int>(f);
-      band.begin = cuts[c];
-      band.end = cuts[c + 1];
-      for (size_t k = 0; k < kinds.size(); ++k) {
-        for (const BlockRef& h : old_holders[k][f]) {
-          const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
-          if (part.count > 0) band.old_parts.push_back(part);
-        }
-        for (const BlockRef& h : new_holders[k][f]) {
-          const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
-          if (part.count > 0) band.new_parts.push_back(part);
+    for (size_t p = 0; p < plan.pieces.size(); ++p) {
+      pieces_of[size_t(plan.pieces[p].piece.tensor)].push_back(p);
+    }
+    for (const auto* list : {&plan.transfers, &plan.local_copies}) {
+      for (const Transfer& t : *list) {
+        for (const PieceMove& m : t.moves) chosen[{size_t(m.piece), t.destination}] = t.source;
+      }
+    }
+  }
+};
+
+// Where tensor `f`'s bands begin and end: every chunk's worth of rows and every block's first and
+// last row, sorted; nothing when no kind holds the tensor on either side.
+std::vector<int64_t> band_cuts(const StateIndex& index, size_t f, const model::TensorSpec& spec,
+                               int64_t chunk_elements) {
+  std::vector<int64_t> cuts;
+  for (size_t k = 0; k < index.old_holders.size(); ++k) {
+    for (const auto* side : {&index.old_holders[k][f], &index.new_holders[k][f]}) {
+      for (const BlockRef& h : *side) {
+        cuts.push_back(h.of->row_begin);
+        cuts.push_back(h.of->row_end);
+      }
+    }
+  }
+  if (cuts.empty()) return cuts;
+  const int64_t rows = spec.full_shape[0];
+  const int64_t height = std::max<int64_t>(1, chunk_elements / row_width(spec));
+  for (int64_t row = 0; row < rows; row += height) cuts.push_back(row);
+  cuts.push_back(rows);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  return cuts;
+}
+
+// The moves of plan piece `p` within `band`, every kind: from each new holder's preferred source
+// (itself, else the plan's chosen sender, else the first old holder).
+void add_piece_moves(const RedistributionPlan& plan, const StateIndex& index,
+                     const model::TensorSpec& spec, size_t p, Band* band) {
+  const size_t f = size_t(band->tensor);
+  const bool columns = column_sharded(spec);
+  const Piece& piece = plan.pieces[p].piece;
+  BandMove m;
+  m.part = piece;
+  if (columns) {
+    m.row_begin = band->begin;
+    m.row_end = band->end;
+    m.elements = (band->end - band->begin) * (piece.end - piece.begin);
+  } else {
+    m.part.begin = std::max(piece.begin, band->begin);
+    m.part.end = std::min(piece.end, band->end);
+    if (m.part.begin >= m.part.end) return;
+    m.elements = (m.part.end - m.part.begin) * row_width(spec);
+  }
+  // The rows of the full tensor the part spans.
+  const int64_t first = columns ? band->begin : m.part.begin;
+  const int64_t last = columns ? band->end : m.part.end;
+  auto holds = [&](const Block& b) {
+    return b.axis_begin() <= m.part.begin && m.part.end <= b.axis_end() && b.row_begin <= first &&
+           last <= b.row_end;
+  };
+  for (size_t k = 0; k < index.old_holders.size(); ++k) {
+    std::vector<const BlockRef*> sources;
+    for (const BlockRef& h : index.old_holders[k][f]) {
+      if (holds(*h.of)) sources.push_back(&h);
+    }
+    for (const BlockRef& to : index.new_holders[k][f]) {
+      if (!holds(*to.of)) continue;
+      check(!sources.empty(), "redistribution: part of tensor " + spec.name +
+                                  " is held by no rank in the old layout");
+      const BlockRef* from = nullptr;
+      const auto sender = index.chosen.find({p, to.rank});
+      for (int preferred : {to.rank, sender == index.chosen.end() ? -1 : sender->second}) {
+        for (const BlockRef* s : sources) {
+          if (from == nullptr && s->rank == preferred) from = s;
         }
       }
-      for (size_t p : pieces_of[f]) {
-        const Piece& piece = plan.pieces[p].piece;
-        BandMove m;
-        m.part = piece;
-        if (columns) {
-          m.row_begin = band.begin;
-          m.row_end = band.end;
-          m.elements = (band.end - band.begin) * (piece.end - piece.begin);
-        } else {
-          m.part.begin = std::max(piece.begin, band.begin);
-          m.part.end = std::min(piece.end, band.end);
-          if (m.part.begin >= m.part.end) continue;
-          m.elements = (m.part.end - m.part.begin) * row_width(spec);
-        }
-        // The rows of the full tensor the part spans.
-        const int64_t first = columns ? band.begin : m.part.begin;
-        const int64_t last = columns ? band.end : m.part.end;
-        auto holds = [&](const Block& b) {
-          return b.axis_begin() <= m.part.begin && m.part.end <= b.axis_end() &&
-                 b.row_begin <= first && last <= b.row_end;
-        };
-        for (size_t k = 0; k < kinds.size(); ++k) {
-          std::vector<const BlockRef*> sources;
-          for (const BlockRef& h : old_holders[k][f]) {
-            if (holds(*h.of)) sources.push_back(&h);
-          }
-          for (const BlockRef& to : new_holders[k][f]) {
-            if (!holds(*to.of)) continue;
-            check(!sources.empty(), "redistribution: part of tensor " + spec.name +
-                                        " is held by no rank in the old layout");
-            const BlockRef* from = nullptr;
-            const auto sender = chosen.find({p, to.rank});
-            for (int preferred : {to.rank, sender == chosen.end() ? -1 : sender->second}) {
-              for (const BlockRef* s : sources) {
-                if (from == nullptr && s->rank == preferred) from = s;
-              }
-            }
-            if (from == nullptr) from = sources.front();
-            BandMove move = m;
-            move.kind = int(k);
-            move.source = from->rank;
-            move.destination = to.rank;
-            move.source_block = from->block;
-            move.destination_block = to.block;
-            band.moves.push_back(move);
-          }
-        }
-      }
-      std::stable_sort(
-          band.moves.begin(), band.moves.end(), [](const BandMove& a, const BandMove& b) {
-            return std::pair(a.source, a.destination) < std::pair(b.source, b.destination);
-          });
-      if (!band.old_parts.empty() || !band.new_parts.empty()) bands.push_back(std::move(band));
+      if (from == nullptr) from = sources.front();
+      BandMove move = m;
+      move.kind = int(k);
+      move.source = from->rank;
+      move.destination = to.rank;
+      move.source_block = from->block;
+      move.destination_block = to.block;
+      band->moves.push_back(move);
+    }
+  }
+}
+
+// Rows [begin, end) of tensor `f`: every rank's old and new parts of it, and its moves sorted by
+// (source, destination).
+Band make_band(const RedistributionPlan& plan, const StateIndex& index,
+               const model::TensorSpec& spec, size_t f, int64_t begin, int64_t end) {
+  Band band;
+  band.tensor = static_cast<int>(f);
+  band.begin = begin;
+  band.end = end;
+  for (size_t k = 0; k < index.old_holders.size(); ++k) {
+    for (const BlockRef& h : index.old_holders[k][f]) {
+      const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
+      if (part.count > 0) band.old_parts.push_back(part);
+    }
+    for (const BlockRef& h : index.new_holders[k][f]) {
+      const BandRange part = local_part(h.rank, int(k), *h.of, band.begin, band.end);
+      if (part.count > 0) band.new_parts.push_back(part);
+    }
+  }
+  for (size_t p : index.pieces_of[f]) add_piece_moves(plan, index, spec, p, &band);
+  std::stable_sort(band.moves.begin(), band.moves.end(), [](const BandMove& a, const BandMove& b) {
+    return std::pair(a.source, a.destination) < std::pair(b.source, b.destination);
+  });
+  return band;
+}
+
+// How far each rank's state may grow while the bands run: to max(old, new) + one chunk between
+// bands (cap + slack over its old state, in bytes); what it has grown by so far.
+class GrowthBound {
+ public:
+  GrowthBound(const std::vector<Band>& bands, const std::vector<int64_t>& unit, int world,
+              int64_t slack)
+      : unit_(unit), cap_(size_t(world)), grown_(size_t(world), 0), slack_(slack) {
+    std::vector<int64_t> old_total(static_cast<size_t>(world), 0), new_total(old_total);
+    for (const Band& band : bands) {
+      for (const BandRange& p : band.old_parts) old_total[size_t(p.rank)] += bytes(p);
+      for (const BandRange& p : band.new_parts) new_total[size_t(p.rank)] += bytes(p);
+    }
+    for (size_t r = 0; r < cap_.size(); ++r) {
+      cap_[r] = std::max<int64_t>(0, new_total[r] - old_total[r]);
     }
   }
 
-  // Each rank's state may grow to max(old, new) + one chunk between bands: cap + slack over its
-  // old state, in bytes.
-  std::vector<int64_t> old_total(static_cast<size_t>(world), 0), new_total(old_total);
-  for (const Band& band : bands) {
-    for (const BandRange& p : band.old_parts)
-      old_total[size_t(p.rank)] += p.count * unit[size_t(p.kind)];
-    for (const BandRange& p : band.new_parts)
-      new_total[size_t(p.rank)] += p.count * unit[size_t(p.kind)];
-  }
-  std::vector<int64_t> cap(static_cast<size_t>(world));
-  for (size_t r = 0; r < cap.size(); ++r)
-    cap[r] = std::max<int64_t>(0, new_total[r] - old_total[r]);
-  const int64_t slack = staged.chunk_elements * all_units;
-  std::vector<int64_t> grown(static_cast<size_t>(world), 0);  // new booked − old given back
-  auto overshoot = [&](const Band& band) {
-    // The most any rank would exceed its bound by after this band.
+  // The most any rank would exceed its bound by after `band`.
+  int64_t overshoot(const Band& band) const {
     std::map<int, int64_t> delta;
-    for (const BandRange& p : band.new_parts) delta[p.rank] += p.count * unit[size_t(p.kind)];
-    for (const BandRange& p : band.old_parts) delta[p.rank] -= p.count * unit[size_t(p.kind)];
+    for (const BandRange& p : band.new_parts) delta[p.rank] += bytes(p);
+    for (const BandRange& p : band.old_parts) delta[p.rank] -= bytes(p);
     int64_t worst = std::numeric_limits<int64_t>::min();
     for (const auto& [rank, d] : delta) {
       const auto r = static_cast<size_t>(rank);
-      worst = std::max(worst, grown[r] + d - cap[r] - slack);
+      worst = std::max(worst, grown_[r] + d - cap_[r] - slack_);
     }
     return worst;
-  };
-  staged.predicted_extra_bytes.assign(static_cast<size_t>(world), 0);
-  staged.received_bytes.assign(static_cast<size_t>(world), 0);
+  }
+
+  // Runs `band` next: its ranks' predicted peaks and received bytes go into `staged`.
+  void run(const Band& band, StagedRedistribution* staged) {
+    std::map<int, bool> involved;
+    for (const BandRange& p : band.old_parts) involved[p.rank] = true;
+    for (const BandRange& p : band.new_parts) involved[p.rank] = true;
+    for (const BandMove& m : band.moves) {
+      involved[m.source] = involved[m.destination] = true;
+      if (m.source != m.destination) {
+        staged->received_bytes[size_t(m.destination)] += m.elements * unit_[size_t(m.kind)];
+      }
+    }
+    for (const auto& [rank, yes] : involved) {
+      const auto r = static_cast<size_t>(rank);
+      const int64_t peak = grown_[r] + band_transient(band, rank, unit_) - cap_[r];
+      staged->predicted_extra_bytes[r] = std::max(staged->predicted_extra_bytes[r], peak);
+      grown_[r] += bytes_of(band.new_parts, rank, unit_) - bytes_of(band.old_parts, rank, unit_);
+    }
+  }
+
+ private:
+  int64_t bytes(const BandRange& p) const { return p.count * unit_[size_t(p.kind)]; }
+
+  const std::vector<int64_t>& unit_;
+  std::vector<int64_t> cap_, grown_;
+  int64_t slack_;
+};
+
+// The bands in the order they run, into `staged`: each time the first band in tensor order that
+// keeps every rank within its bound, else the one that exceeds it least.
+void order_bands(std::vector<Band> bands, const std::vector<int64_t>& unit, int world,
+                 int64_t slack, StagedRedistribution* staged) {
+  GrowthBound bound(bands, unit, world, slack);
+  staged->predicted_extra_bytes.assign(static_cast<size_t>(world), 0);
+  staged->received_bytes.assign(static_cast<size_t>(world), 0);
   std::vector<bool> done(bands.size(), false);
   size_t first = 0;
   for (size_t step = 0; step < bands.size(); ++step) {
@@ -251,7 +294,7 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
     int64_t best_overshoot = std::numeric_limits<int64_t>::max();
     for (size_t g = first; g < bands.size(); ++g) {
       if (done[g]) continue;
-      const int64_t over = overshoot(bands[g]);
+      const int64_t over = bound.overshoot(bands[g]);
       if (over < best_overshoot) {
         best = g;
         best_overshoot = over;
@@ -259,24 +302,36 @@ StagedRedistribution stage_redistribution(const model::ModelConfig& model,
       if (over <= 0) break;  // the first band in tensor order that fits
     }
     done[best] = true;
-    Band& band = bands[best];
-    std::map<int, bool> involved;
-    for (const BandRange& p : band.old_parts) involved[p.rank] = true;
-    for (const BandRange& p : band.new_parts) involved[p.rank] = true;
-    for (const BandMove& m : band.moves) {
-      involved[m.source] = involved[m.destination] = true;
-      if (m.source != m.destination) {
-        staged.received_bytes[size_t(m.destination)] += m.elements * unit[size_t(m.kind)];
-      }
-    }
-    for (const auto& [rank, yes] : involved) {
-      const auto r = static_cast<size_t>(rank);
-      const int64_t peak = grown[r] + band_transient(band, rank, unit) - cap[r];
-      staged.predicted_extra_bytes[r] = std::max(staged.predicted_extra_bytes[r], peak);
-      grown[r] += bytes_of(band.new_parts, rank, unit) - bytes_of(band.old_parts, rank, unit);
-    }
-    staged.bands.push_back(std::move(band));
+    bound.run(bands[best], staged);
+    staged->bands.push_back(std::move(bands[best]));
   }
+}
+
+}  // namespace
+
+StagedRedistribution stage_redistribution(const model::ModelConfig& model,
+                                          const RedistributionPlan& plan,
+                                          const std::vector<StateKind>& kinds,
+                                          int64_t bucket_bytes) {
+  check(bucket_bytes > 0, "migration bucket must be positive, got " + std::to_string(bucket_bytes));
+  const model::ParameterLayout full(model);
+  StagedRedistribution staged;
+  const std::vector<int64_t> unit = kind_units(kinds, plan.world_size, &staged);
+  int64_t all_units = 0;
+  for (int64_t u : unit) all_units += u;
+  staged.chunk_elements = std::max<int64_t>(1, bucket_bytes / (4 * all_units));
+  const StateIndex index(plan, kinds, full.tensors().size());
+  // Bands in tensor order: rows cut every chunk and at every block's first and last row.
+  std::vector<Band> bands;
+  for (size_t f = 0; f < full.tensors().size(); ++f) {
+    const model::TensorSpec& spec = full.tensor(static_cast<int>(f));
+    const std::vector<int64_t> cuts = band_cuts(index, f, spec, staged.chunk_elements);
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      Band band = make_band(plan, index, spec, f, cuts[c], cuts[c + 1]);
+      if (!band.old_parts.empty() || !band.new_parts.empty()) bands.push_back(std::move(band));
+    }
+  }
+  order_bands(std::move(bands), unit, plan.world_size, staged.chunk_elements * all_units, &staged);
   return staged;
 }
 
