@@ -277,6 +277,219 @@ class ScratchDir {
   fs::path path_;
 };
 
+// One supervision: the jobs it starts, one after another, and what it remembers between them.
+class Supervisor {
+ public:
+  explicit Supervisor(const LaunchOptions& o)
+      : o_(o),
+        devices_(o),
+        config_(resolved_config(o)),
+        run_dir_(config_.at("out_dir").get<std::string>()),
+        command_(o.command) {}
+
+  // Runs jobs until one finishes, stops or fails, or a restart is refused (Error).
+  int run() {
+    for (int attempt = 0;; ++attempt) {
+      const std::vector<std::string> ranks = devices_.next_job();
+      const int n = static_cast<int>(ranks.size());
+      check(n >= o_.min_ranks, "launch: " + std::to_string(n) + " device" + (n == 1 ? "" : "s") +
+                                   " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
+                                   ": not starting the job");
+      int status = 0;
+      const Forwarded forwarded = run_job(job_argv(ranks, attempt), attempt == 0, &status);
+      const double ended_at = unix_now();
+      failed_job_ended_ = ended_at;
+      const Outcome outcome = classify(status, forwarded.tail, take_hang_report());
+      if (const std::optional<int> code = ended(outcome, forwarded, status)) return *code;
+      if (const std::optional<int> code = restart(outcome, ranks, ended_at)) return *code;
+    }
+  }
+
+ private:
+  // mpirun's command line for a job on `ranks` (a device per rank).
+  std::vector<std::string> job_argv(const std::vector<std::string>& ranks, int attempt) const {
+    std::vector<std::string> argv = {o_.mpirun};
+    if (!devices_.hostfile().empty()) {
+      // The slots left on each host, in the hostfile's order (mpirun fills them in order, so
+      // rank r runs on ranks[r]).
+      std::map<std::string, int> slots;
+      std::vector<std::string> order;
+      for (const auto& host : ranks) {
+        if (slots[host]++ == 0) order.push_back(host);
+      }
+      std::string text;
+      for (const auto& host : order) text += host + " slots=" + std::to_string(slots[host]) + "\n";
+      const fs::path hostfile = scratch_.path() / ("hosts." + std::to_string(attempt));
+      write_file_atomic(hostfile, text);
+      argv.insert(argv.end(), {"--hostfile", hostfile.string()});
+    }
+    argv.insert(argv.end(), {"-np", std::to_string(ranks.size())});
+    argv.insert(argv.end(), o_.mpirun_args.begin(), o_.mpirun_args.end());
+    argv.push_back(o_.binary);
+    argv.insert(argv.end(), command_.begin(), command_.end());
+    return argv;
+  }
+
+  // Runs one job to its end, forwarding its output; after a restart, says when its first step
+  // came. Sets mpirun's exit status.
+  Forwarded run_job(const std::vector<std::string>& argv, bool first_job, int* status) const {
+    std::printf("launch: %s\n", shell_words(argv).c_str());
+    std::fflush(stdout);
+    const Child child = spawn(argv);
+    bool first_step_seen = first_job;
+    std::string line_start = "\n";  // the stdout seen so far ends here (for "step " at a line)
+    const Forwarded forwarded = forward(child, 1 << 20, [&](const std::string& chunk) {
+      if (first_step_seen) return;
+      const std::string text = line_start + chunk;
+      if (text.find("\nstep ") != std::string::npos) {
+        first_step_seen = true;
+        std::printf("launch: first step of restart %d, %.1f s after the failed job ended\n",
+                    restarts_, unix_now() - failed_job_ended_);
+        std::fflush(stdout);
+      }
+      line_start = text.substr(text.size() > 8 ? text.size() - 8 : 0);
+    });
+    *status = wait_status(child.pid);
+    return forwarded;
+  }
+
+  // The watchdog's report, kept as hang-<restart>.json (the next job clears hang.json).
+  std::optional<Json> take_hang_report() const {
+    std::optional<Json> hang_report;
+    const fs::path hang_path = train::hang_report_path(run_dir_);
+    if (fs::exists(hang_path)) {
+      try {
+        hang_report = parse_json(read_file(hang_path), hang_path.string());
+        std::error_code ec;
+        fs::rename(hang_path, run_dir_ / ("hang-" + std::to_string(restarts_ + 1) + ".json"), ec);
+      } catch (const Error& e) {
+        std::fprintf(stderr, "launch: warning: %s\n", e.what());
+      }
+    }
+    return hang_report;
+  }
+
+  // The exit status when the job ended for good (finished, stopped, failed); nothing when ranks
+  // were lost.
+  std::optional<int> ended(const Outcome& outcome, const Forwarded& forwarded, int status) const {
+    if (outcome.kind == Outcome::Kind::kFinished) {
+      std::printf("launch: the run finished%s\n", restarts_ == 0
+                                                      ? ""
+                                                      : (" after " + std::to_string(restarts_) +
+                                                         " restart" + (restarts_ == 1 ? "" : "s"))
+                                                            .c_str());
+      return 0;
+    }
+    if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
+      std::printf(
+          "launch: the job was stopped (exit status %d); continue with: malleus launch "
+          "... -- %s\n",
+          status, shell_words(restart_command(o_.command, run_dir_, 0)).c_str());
+      return status == 0 ? 1 : status;
+    }
+    if (outcome.kind == Outcome::Kind::kFailed) {
+      // Its error lines were forwarded already.
+      std::fprintf(stderr, "launch: the job failed (%s) without losing a rank: not restarting it\n",
+                   outcome.reason.c_str());
+      return status;
+    }
+    return std::nullopt;
+  }
+
+  // After ranks were lost: the next job's command, resuming from the latest checkpoint on the
+  // devices left (recorded in metrics.jsonl and on stdout). Returns 0 when the run had already
+  // finished; throws Error when no restart can be made.
+  std::optional<int> restart(const Outcome& outcome, const std::vector<std::string>& ranks,
+                             double ended_at) {
+    const int n = static_cast<int>(ranks.size());
+    std::vector<int> lost;
+    for (int r : outcome.lost_ranks) {
+      if (r >= 0 && r < n) lost.push_back(r);
+    }
+    const std::string who = lost.empty() ? std::string("no rank could be named")
+                                         : (lost.size() == 1 ? "rank " : "ranks ") +
+                                               joined(lost, ", ") + " " + outcome.reason;
+    const int64_t failed_at_step = last_logged_step(run_dir_ / "metrics.jsonl");
+    const int64_t from = restart_step(who, failed_at_step);
+    if (from >= config_.at("steps").get<int64_t>()) {
+      // Lost after its last step was saved (while the job was ending): nothing is left to do.
+      std::printf("launch: %s after the run's last step (%lld) was saved: the run finished\n",
+                  who.c_str(), static_cast<long long>(from));
+      return 0;
+    }
+    check(!(restarted_from_ == from && last_reason_ == outcome.reason),
+          "launch: " + who + " again before the run checkpointed past step " +
+              std::to_string(from) + ": the same failure repeats, not restarting (" +
+              outcome.detail + ")");
+    check(restarts_ < o_.max_restarts, "launch: " + who + " after " + std::to_string(restarts_) +
+                                           " restart" + (restarts_ == 1 ? "" : "s") +
+                                           ", the most --max-restarts allows: not restarting");
+    // A hostfile changed since the last exclusions brings those devices back; the ones just lost
+    // are out either way.
+    devices_.reread();
+    for (int r : lost) devices_.exclude(ranks[static_cast<size_t>(r)]);
+    const int left = static_cast<int>(devices_.next_job().size());
+    check(left >= o_.min_ranks,
+          "launch: " + who + "; " + std::to_string(left) + " device" + (left == 1 ? "" : "s") +
+              " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
+              ": not restarting (the run can be continued from its checkpoint of step " +
+              std::to_string(from) + " with malleus launch ... -- train --resume " +
+              run_dir_.string() + " once devices are back)");
+    ++restarts_;
+    train::RestartRecord record;
+    record.step = from;
+    record.restart = restarts_;
+    record.failed_at_step = failed_at_step;
+    record.steps_lost = std::max<int64_t>(0, failed_at_step - from);
+    record.reason = outcome.reason;
+    record.detail = outcome.detail;
+    for (int r : lost) record.lost_ranks.push_back(r);
+    record.ranks_before = n;
+    record.ranks_after = left;
+    record.failed_at = ended_at;
+    report_restart(record, who);
+    restarted_from_ = from;
+    last_reason_ = outcome.reason;
+    command_ = restart_command(o_.command, run_dir_.string(), restarts_);
+    return std::nullopt;
+  }
+
+  // The step of the latest complete checkpoint (Error when there is none).
+  int64_t restart_step(const std::string& who, int64_t failed_at_step) const {
+    const auto latest = train::latest_checkpoint(run_dir_ / "checkpoints");
+    check(latest.has_value(),
+          "launch: " + who + " at step " + std::to_string(failed_at_step) +
+              ", before the run's first checkpoint: nothing to restart from (checkpoint more "
+              "often: --checkpoint-every)");
+    return checkpoint_step(*latest);
+  }
+
+  void report_restart(const train::RestartRecord& record, const std::string& who) const {
+    train::MetricsLog(run_dir_ / "metrics.jsonl").write(record);
+    std::printf(
+        "restart %lld at step %lld: %s; resuming from the checkpoint of step %lld on %lld "
+        "rank%s (%lld step%s lost)\n",
+        static_cast<long long>(record.restart), static_cast<long long>(record.failed_at_step),
+        who.c_str(), static_cast<long long>(record.step),
+        static_cast<long long>(record.ranks_after), record.ranks_after == 1 ? "" : "s",
+        static_cast<long long>(record.steps_lost), record.steps_lost == 1 ? "" : "s");
+    if (!record.detail.empty()) std::printf("  (%s)\n", record.detail.c_str());
+    std::fflush(stdout);
+  }
+
+  const LaunchOptions& o_;
+  Devices devices_;
+  const Json config_;
+  const fs::path run_dir_;
+  ScratchDir scratch_;
+  train::StopSignals stop_signals_;
+  std::vector<std::string> command_;
+  int restarts_ = 0;
+  std::optional<int64_t> restarted_from_;  // the checkpoint step of the last restart
+  std::string last_reason_;
+  double failed_job_ended_ = 0;  // when the last failed job ended (Unix time)
+};
+
 }  // namespace
 
 std::vector<Host> parse_hostfile(const std::string& text, const std::string& source) {
@@ -366,164 +579,7 @@ int supervise(const LaunchOptions& o) {
         "malleus launch runs `train`: give `-- train <arguments>`");
   check(o.min_ranks >= 1, "--min-ranks must be at least 1");
   check(o.max_restarts >= 0, "--max-restarts must not be negative");
-  Devices devices(o);
-  const Json config = resolved_config(o);
-  const fs::path run_dir = config.at("out_dir").get<std::string>();
-  const fs::path checkpoints = run_dir / "checkpoints";
-  ScratchDir scratch;
-  train::StopSignals stop_signals;
-
-  std::vector<std::string> command = o.command;
-  int restarts = 0;
-  std::optional<int64_t> restarted_from;  // the checkpoint step of the last restart
-  std::string last_reason;
-  double failed_job_ended = 0;  // when the last failed job ended (Unix time)
-  for (int attempt = 0;; ++attempt) {
-    const std::vector<std::string> ranks = devices.next_job();
-    const int n = static_cast<int>(ranks.size());
-    check(n >= o.min_ranks, "launch: " + std::to_string(n) + " device" + (n == 1 ? "" : "s") +
-                                " left, fewer than --min-ranks " + std::to_string(o.min_ranks) +
-                                ": not starting the job");
-    std::vector<std::string> argv = {o.mpirun};
-    if (!devices.hostfile().empty()) {
-      // The slots left on each host, in the hostfile's order (mpirun fills them in order, so
-      // rank r runs on ranks[r]).
-      std::map<std::string, int> slots;
-      std::vector<std::string> order;
-      for (const auto& host : ranks) {
-        if (slots[host]++ == 0) order.push_back(host);
-      }
-      std::string text;
-      for (const auto& host : order) text += host + " slots=" + std::to_string(slots[host]) + "\n";
-      const fs::path hostfile = scratch.path() / ("hosts." + std::to_string(attempt));
-      write_file_atomic(hostfile, text);
-      argv.insert(argv.end(), {"--hostfile", hostfile.string()});
-    }
-    argv.insert(argv.end(), {"-np", std::to_string(n)});
-    argv.insert(argv.end(), o.mpirun_args.begin(), o.mpirun_args.end());
-    argv.push_back(o.binary);
-    argv.insert(argv.end(), command.begin(), command.end());
-    std::printf("launch: %s\n", shell_words(argv).c_str());
-    std::fflush(stdout);
-
-    const Child child = spawn(argv);
-    bool first_step_seen = attempt == 0;
-    std::string line_start = "\n";  // the stdout seen so far ends here (for "step " at a line)
-    const Forwarded forwarded = forward(child, 1 << 20, [&](const std::string& chunk) {
-      if (first_step_seen) return;
-      const std::string text = line_start + chunk;
-      if (text.find("\nstep ") != std::string::npos) {
-        first_step_seen = true;
-        std::printf("launch: first step of restart %d, %.1f s after the failed job ended\n",
-                    restarts, unix_now() - failed_job_ended);
-        std::fflush(stdout);
-      }
-      line_start = text.substr(text.size() > 8 ? text.size() - 8 : 0);
-    });
-    const int status = wait_status(child.pid);
-    const double ended_at = unix_now();
-    failed_job_ended = ended_at;
-
-    // The watchdog's report, kept as hang-<restart>.json (the next job clears hang.json).
-    std::optional<Json> hang_report;
-    const fs::path hang_path = train::hang_report_path(run_dir);
-    if (fs::exists(hang_path)) {
-      try {
-        hang_report = parse_json(read_file(hang_path), hang_path.string());
-        std::error_code ec;
-        fs::rename(hang_path, run_dir / ("hang-" + std::to_string(restarts + 1) + ".json"), ec);
-      } catch (const Error& e) {
-        std::fprintf(stderr, "launch: warning: %s\n", e.what());
-      }
-    }
-    const Outcome outcome = classify(status, forwarded.tail, hang_report);
-    if (outcome.kind == Outcome::Kind::kFinished) {
-      std::printf("launch: the run finished%s\n", restarts == 0
-                                                      ? ""
-                                                      : (" after " + std::to_string(restarts) +
-                                                         " restart" + (restarts == 1 ? "" : "s"))
-                                                            .c_str());
-      return 0;
-    }
-    if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
-      std::printf(
-          "launch: the job was stopped (exit status %d); continue with: malleus launch "
-          "... -- %s\n",
-          status, shell_words(restart_command(o.command, run_dir, 0)).c_str());
-      return status == 0 ? 1 : status;
-    }
-    if (outcome.kind == Outcome::Kind::kFailed) {
-      // Its error lines were forwarded already.
-      std::fprintf(stderr, "launch: the job failed (%s) without losing a rank: not restarting it\n",
-                   outcome.reason.c_str());
-      return status;
-    }
-
-    // Ranks were lost.
-    std::vector<int> lost;
-    for (int r : outcome.lost_ranks) {
-      if (r >= 0 && r < n) lost.push_back(r);
-    }
-    const std::string who = lost.empty() ? std::string("no rank could be named")
-                                         : (lost.size() == 1 ? "rank " : "ranks ") +
-                                               joined(lost, ", ") + " " + outcome.reason;
-    const int64_t failed_at_step = last_logged_step(run_dir / "metrics.jsonl");
-    const auto latest = train::latest_checkpoint(checkpoints);
-    check(latest.has_value(),
-          "launch: " + who + " at step " + std::to_string(failed_at_step) +
-              ", before the run's first checkpoint: nothing to restart from (checkpoint more "
-              "often: --checkpoint-every)");
-    const int64_t from = checkpoint_step(*latest);
-    if (from >= config.at("steps").get<int64_t>()) {
-      // Lost after its last step was saved (while the job was ending): nothing is left to do.
-      std::printf("launch: %s after the run's last step (%lld) was saved: the run finished\n",
-                  who.c_str(), static_cast<long long>(from));
-      return 0;
-    }
-    check(!(restarted_from == from && last_reason == outcome.reason),
-          "launch: " + who + " again before the run checkpointed past step " +
-              std::to_string(from) + ": the same failure repeats, not restarting (" +
-              outcome.detail + ")");
-    check(restarts < o.max_restarts, "launch: " + who + " after " + std::to_string(restarts) +
-                                         " restart" + (restarts == 1 ? "" : "s") +
-                                         ", the most --max-restarts allows: not restarting");
-    // A hostfile changed since the last exclusions brings those devices back; the ones just lost
-    // are out either way.
-    devices.reread();
-    for (int r : lost) devices.exclude(ranks[static_cast<size_t>(r)]);
-    const int left = static_cast<int>(devices.next_job().size());
-    check(left >= o.min_ranks,
-          "launch: " + who + "; " + std::to_string(left) + " device" + (left == 1 ? "" : "s") +
-              " left, fewer than --min-ranks " + std::to_string(o.min_ranks) +
-              ": not restarting (the run can be continued from its checkpoint of step " +
-              std::to_string(from) + " with malleus launch ... -- train --resume " +
-              run_dir.string() + " once devices are back)");
-
-    ++restarts;
-    train::RestartRecord record;
-    record.step = from;
-    record.restart = restarts;
-    record.failed_at_step = failed_at_step;
-    record.steps_lost = std::max<int64_t>(0, failed_at_step - from);
-    record.reason = outcome.reason;
-    record.detail = outcome.detail;
-    for (int r : lost) record.lost_ranks.push_back(r);
-    record.ranks_before = n;
-    record.ranks_after = left;
-    record.failed_at = ended_at;
-    train::MetricsLog(run_dir / "metrics.jsonl").write(record);
-    std::printf(
-        "restart %d at step %lld: %s; resuming from the checkpoint of step %lld on %d rank%s "
-        "(%lld step%s lost)\n",
-        restarts, static_cast<long long>(failed_at_step), who.c_str(), static_cast<long long>(from),
-        left, left == 1 ? "" : "s", static_cast<long long>(record.steps_lost),
-        record.steps_lost == 1 ? "" : "s");
-    if (!outcome.detail.empty()) std::printf("  (%s)\n", outcome.detail.c_str());
-    std::fflush(stdout);
-    restarted_from = from;
-    last_reason = outcome.reason;
-    command = restart_command(o.command, run_dir.string(), restarts);
-  }
+  return Supervisor(o).run();
 }
 
 }  // namespace malleus::launch
