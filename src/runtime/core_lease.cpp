@@ -76,6 +76,143 @@ int next_serial() {
   return serial++;
 }
 
+// Every rank's host, pid, lease serial and CPU mask, from one all-reduce of disjoint slots.
+struct Placement {
+  std::vector<uint64_t> hosts, pids, serials;
+  std::vector<Mask> masks;
+};
+
+Placement gather_placement(const comm::Communicator& world) {
+  const int me = world.rank(), ranks = world.size();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  check(sched_getaffinity(0, sizeof set, &set) == 0,
+        std::string("reading this rank's CPU affinity: ") + std::strerror(errno));
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const uint64_t host_hash = hash_text(host);
+  const int serial = next_serial();
+  std::vector<double> all(static_cast<size_t>(kFields) * ranks, 0.0);
+  double* mine = all.data() + static_cast<size_t>(kFields) * me;
+  mine[0] = static_cast<double>(host_hash >> 32);
+  mine[1] = static_cast<double>(host_hash & 0xffffffffu);
+  mine[2] = static_cast<double>(getpid());
+  mine[3] = serial;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) mine[4 + c / 32] += static_cast<double>(uint64_t{1} << (c % 32));
+  }
+  world.all_reduce_sum(all.data(), all.size());
+  auto field = [&](int rank, int f) {
+    return static_cast<uint64_t>(all[static_cast<size_t>(kFields) * rank + f]);
+  };
+  Placement placement;
+  placement.masks.resize(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    placement.hosts.push_back((field(r, 0) << 32) | field(r, 1));
+    placement.pids.push_back(field(r, 2));
+    placement.serials.push_back(field(r, 3));
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if ((field(r, 4 + c / 32) >> (c % 32)) & 1u) placement.masks[r].push_back(c);
+    }
+  }
+  return placement;
+}
+
+// Ranks of one host left unbound and oversubscribed (the same mask everywhere, with fewer CPUs
+// than the ranks need) are bound round-robin to its CPUs: their masks change, and this rank
+// (`me`), if among them, is bound. Says so in `notes`.
+void bind_unbound(const std::vector<int>& local, int threads_per_rank, int me,
+                  std::vector<Mask>* masks, std::vector<std::string>* notes) {
+  const Mask first = (*masks)[local.front()];
+  const bool same =
+      std::all_of(local.begin(), local.end(), [&](int r) { return (*masks)[r] == first; });
+  const size_t cpus = first.size();
+  if (!same || local.size() <= 1 || local.size() * threads_per_rank <= cpus || cpus == 0) return;
+  for (size_t i = 0; i < local.size(); ++i) {
+    Mask bound;
+    for (int t = 0; t < threads_per_rank; ++t) {
+      bound.push_back(first[(i * threads_per_rank + t) % cpus]);
+    }
+    std::sort(bound.begin(), bound.end());
+    bound.erase(std::unique(bound.begin(), bound.end()), bound.end());
+    (*masks)[local[i]] = bound;
+  }
+  notes->push_back(std::to_string(local.size()) + " ranks on " + std::to_string(cpus) +
+                   " CPUs were unbound: malleus bound them (rank i to CPU i mod " +
+                   std::to_string(cpus) + ")");
+  if (std::find(local.begin(), local.end(), me) != local.end()) bind_process((*masks)[me]);
+}
+
+// Different masks that overlap: their timings include each other, and nothing corrects it.
+void warn_overlaps(const std::map<Mask, std::vector<int>>& by_mask,
+                   std::vector<std::string>* notes) {
+  for (auto a = by_mask.begin(); a != by_mask.end(); ++a) {
+    for (auto b = std::next(a); b != by_mask.end(); ++b) {
+      Mask common;
+      std::set_intersection(a->first.begin(), a->first.end(), b->first.begin(), b->first.end(),
+                            std::back_inserter(common));
+      if (!common.empty()) {
+        notes->push_back("warning: ranks " + format_ranks(a->second) + " and " +
+                         format_ranks(b->second) + " overlap on CPU " + format_cpus(common) +
+                         " with different masks, so their measured times include each other's "
+                         "work (bind them, e.g. mpirun --bind-to core)");
+      }
+    }
+  }
+}
+
+// This rank's lease: the semaphore's name (empty when its CPUs are its own), whether it creates
+// it, how many ranks may hold it at once; and whether any rank of the job takes turns.
+struct LeaseChoice {
+  std::string name;
+  bool leader = false, any = false;
+  int slots = 1;
+};
+
+// Ranks of one host with identical masks share a lease when they outnumber its slots: the lease
+// of this rank (`me`), if among them, into `choice`.
+void choose_lease(const Placement& placement, const std::vector<int>& local, int threads_per_rank,
+                  int me, LeaseChoice* choice, std::vector<std::string>* notes) {
+  std::map<Mask, std::vector<int>> by_mask;
+  for (int r : local) by_mask[placement.masks[r]].push_back(r);
+  for (const auto& [mask, group] : by_mask) {
+    const int slots = std::max(1, static_cast<int>(mask.size()) / threads_per_rank);
+    if (static_cast<int>(group.size()) <= slots) continue;
+    choice->any = true;
+    notes->push_back("ranks " + format_ranks(group) + " share CPU " + format_cpus(mask) +
+                     " and take turns (core lease, " + std::to_string(slots) + " at a time)");
+    if (std::find(group.begin(), group.end(), me) == group.end()) continue;
+    const auto leader = static_cast<size_t>(group.front());
+    choice->name = "/malleus-lease-" + std::to_string(placement.pids[leader]) + "-" +
+                   std::to_string(placement.serials[leader]);
+    choice->leader = me == group.front();
+    choice->slots = slots;
+  }
+  warn_overlaps(by_mask, notes);
+}
+
+// The leader creates the semaphore, the others open it once it exists, and the leader unlinks it
+// once all have: it then lives exactly as long as the processes that use it. Collective.
+sem_t* open_lease(const comm::Communicator& world, const LeaseChoice& choice) {
+  sem_t* semaphore = SEM_FAILED;
+  if (choice.leader) {
+    sem_unlink(choice.name.c_str());  // a stale one from a killed job whose pid was recycled
+    semaphore =
+        sem_open(choice.name.c_str(), O_CREAT | O_EXCL, 0600, static_cast<unsigned>(choice.slots));
+    check(semaphore != SEM_FAILED,
+          "core lease: creating semaphore " + choice.name + ": " + std::strerror(errno));
+  }
+  world.barrier();
+  if (!choice.name.empty() && !choice.leader) {
+    semaphore = sem_open(choice.name.c_str(), 0);
+    check(semaphore != SEM_FAILED,
+          "core lease: opening semaphore " + choice.name + ": " + std::strerror(errno));
+  }
+  world.barrier();
+  if (choice.leader) sem_unlink(choice.name.c_str());
+  return semaphore;
+}
+
 }  // namespace
 
 CoreLease::~CoreLease() {
@@ -200,130 +337,27 @@ void all_gather_in_place(const comm::Communicator& comm, float* data,
 CoreSharing CoreSharing::detect(const comm::Communicator& world, int threads_per_rank) {
   check(threads_per_rank >= 1, "core sharing: threads per rank must be at least 1");
   const int me = world.rank(), ranks = world.size();
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  check(sched_getaffinity(0, sizeof set, &set) == 0,
-        std::string("reading this rank's CPU affinity: ") + std::strerror(errno));
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
-  const uint64_t host_hash = hash_text(host);
-
-  // Every rank's host, pid, lease serial and mask, in one all-reduce of disjoint slots.
-  const int serial = next_serial();
-  std::vector<double> all(static_cast<size_t>(kFields) * ranks, 0.0);
-  double* mine = all.data() + static_cast<size_t>(kFields) * me;
-  mine[0] = static_cast<double>(host_hash >> 32);
-  mine[1] = static_cast<double>(host_hash & 0xffffffffu);
-  mine[2] = static_cast<double>(getpid());
-  mine[3] = serial;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) mine[4 + c / 32] += static_cast<double>(uint64_t{1} << (c % 32));
-  }
-  world.all_reduce_sum(all.data(), all.size());
-  auto field = [&](int rank, int f) {
-    return static_cast<uint64_t>(all[static_cast<size_t>(kFields) * rank + f]);
-  };
-  std::vector<uint64_t> hosts(static_cast<size_t>(ranks));
-  std::vector<Mask> masks(static_cast<size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    hosts[r] = (field(r, 0) << 32) | field(r, 1);
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if ((field(r, 4 + c / 32) >> (c % 32)) & 1u) masks[r].push_back(c);
-    }
-  }
-
-  CoreSharing result;
+  Placement placement = gather_placement(world);
   std::map<uint64_t, std::vector<int>> by_host;
-  for (int r = 0; r < ranks; ++r) by_host[hosts[r]].push_back(r);
+  for (int r = 0; r < ranks; ++r) by_host[placement.hosts[r]].push_back(r);
   std::vector<std::string> notes;
-  std::string lease_name;  // this rank's lease, if it shares CPUs
-  bool lease_leader = false, any_lease = false;
-  int lease_slots = 1;
-  for (auto& [h, local] : by_host) {
-    // Unbound and oversubscribed: the same mask everywhere with fewer CPUs than ranks need.
-    const Mask& first = masks[local.front()];
-    const bool same =
-        std::all_of(local.begin(), local.end(), [&](int r) { return masks[r] == first; });
-    const size_t cpus = first.size();
-    if (same && local.size() > 1 && local.size() * threads_per_rank > cpus && cpus > 0) {
-      for (size_t i = 0; i < local.size(); ++i) {
-        Mask bound;
-        for (int t = 0; t < threads_per_rank; ++t) {
-          bound.push_back(first[(i * threads_per_rank + t) % cpus]);
-        }
-        std::sort(bound.begin(), bound.end());
-        bound.erase(std::unique(bound.begin(), bound.end()), bound.end());
-        masks[local[i]] = bound;
-      }
-      notes.push_back(std::to_string(local.size()) + " ranks on " + std::to_string(cpus) +
-                      " CPUs were unbound: malleus bound them (rank i to CPU i mod " +
-                      std::to_string(cpus) + ")");
-      if (std::find(local.begin(), local.end(), me) != local.end()) {
-        bind_process(masks[me]);
-      }
-    }
-    // Ranks with identical masks share a lease when they outnumber its slots.
-    std::map<Mask, std::vector<int>> by_mask;
-    for (int r : local) by_mask[masks[r]].push_back(r);
-    for (auto& [mask, group] : by_mask) {
-      const int slots = std::max(1, static_cast<int>(mask.size()) / threads_per_rank);
-      if (static_cast<int>(group.size()) <= slots) continue;
-      any_lease = true;
-      notes.push_back("ranks " + format_ranks(group) + " share CPU " + format_cpus(mask) +
-                      " and take turns (core lease, " + std::to_string(slots) + " at a time)");
-      if (std::find(group.begin(), group.end(), me) == group.end()) continue;
-      const int leader = group.front();
-      lease_name = "/malleus-lease-" + std::to_string(field(leader, 2)) + "-" +
-                   std::to_string(field(leader, 3));
-      lease_leader = me == leader;
-      lease_slots = slots;
-    }
-    // Different masks that overlap: their timings include each other, and nothing corrects it.
-    for (auto a = by_mask.begin(); a != by_mask.end(); ++a) {
-      for (auto b = std::next(a); b != by_mask.end(); ++b) {
-        Mask common;
-        std::set_intersection(a->first.begin(), a->first.end(), b->first.begin(), b->first.end(),
-                              std::back_inserter(common));
-        if (!common.empty()) {
-          notes.push_back("warning: ranks " + format_ranks(a->second) + " and " +
-                          format_ranks(b->second) + " overlap on CPU " + format_cpus(common) +
-                          " with different masks, so their measured times include each other's "
-                          "work (bind them, e.g. mpirun --bind-to core)");
-        }
-      }
-    }
+  LeaseChoice choice;
+  for (const auto& [h, local] : by_host) {
+    bind_unbound(local, threads_per_rank, me, &placement.masks, &notes);
+    choose_lease(placement, local, threads_per_rank, me, &choice, &notes);
   }
-
-  // The leader creates the semaphore, the others open it once it exists, and the leader unlinks
-  // it once all have: it then lives exactly as long as the processes that use it.
-  sem_t* semaphore = SEM_FAILED;
-  if (lease_leader) {
-    sem_unlink(lease_name.c_str());  // a stale one from a killed job whose pid was recycled
-    semaphore =
-        sem_open(lease_name.c_str(), O_CREAT | O_EXCL, 0600, static_cast<unsigned>(lease_slots));
-    check(semaphore != SEM_FAILED,
-          "core lease: creating semaphore " + lease_name + ": " + std::strerror(errno));
-  }
-  world.barrier();
-  if (!lease_name.empty() && !lease_leader) {
-    semaphore = sem_open(lease_name.c_str(), 0);
-    check(semaphore != SEM_FAILED,
-          "core lease: opening semaphore " + lease_name + ": " + std::strerror(errno));
-  }
-  world.barrier();
-  if (lease_leader) sem_unlink(lease_name.c_str());
-  if (semaphore != SEM_FAILED) {
-    result.lease.reset(new CoreLease(semaphore, lease_slots));
-  } else if (any_lease) {
+  CoreSharing result;
+  if (sem_t* semaphore = open_lease(world, choice); semaphore != SEM_FAILED) {
+    result.lease.reset(new CoreLease(semaphore, choice.slots));
+  } else if (choice.any) {
     // A core of its own in a job where others take turns: nothing to take turns on, but its
     // collectives must be the nonblocking kind its peers use (MPI never matches a blocking
     // collective with a nonblocking one), so it gets a lease without a semaphore.
-    result.lease.reset(new CoreLease(nullptr, static_cast<int>(masks[me].size())));
+    result.lease.reset(new CoreLease(nullptr, static_cast<int>(placement.masks[me].size())));
   }
-
   for (int r = 0; r < ranks; ++r) {
-    result.pids.push_back(static_cast<int>(field(r, 2)));
-    result.cpus.push_back(format_cpus(masks[r]));
+    result.pids.push_back(static_cast<int>(placement.pids[r]));
+    result.cpus.push_back(format_cpus(placement.masks[r]));
   }
   if (notes.empty()) {
     result.summary = "no host has more ranks than CPUs for them: no turns needed";
