@@ -144,6 +144,12 @@ TEST(CliModels, ErrorsAreNamed) {
   // The model as training initialises it, for a "before training" sample.
   const auto untrained = run_malleus("generate --untrained tiny --tokenizer byte --max-tokens 5");
   EXPECT_EQ(untrained.exit_code, 0) << untrained.output;
+  // A prompt ending in U+FFFD is held back as an incomplete character until the end of
+  // generation, then shown: with no new token, the prompt itself.
+  const auto replacement = run_malleus(
+      "generate --untrained tiny --tokenizer byte --max-tokens 0 --prompt 'price: 5 \xEF\xBF\xBD'");
+  EXPECT_EQ(replacement.exit_code, 0) << replacement.output;
+  EXPECT_EQ(text_of(replacement.output), "price: 5 \xEF\xBF\xBD") << replacement.output;
   expect_error(run_malleus("generate --untrained tiny"), {"--tokenizer"});
   expect_error(run_malleus("generate --untrained tiny --checkpoint " + d + "/run"),
                {"either --checkpoint or --untrained"});

@@ -11,6 +11,7 @@
 #include "test_util.h"
 #include "tokenizer/byte_tokenizer.h"
 #include "tokenizer/sentencepiece_tokenizer.h"
+#include "tokenizer/text_stream.h"
 
 using namespace malleus;
 using malleus::testing::error_of;
@@ -185,4 +186,43 @@ TEST(SentencePiece, PreparedShardsHoldDocumentsBetweenBosAndEos) {
   ASSERT_EQ(docs.size(), 36u);
   EXPECT_EQ(docs[0], lines[0] + "\n");
   EXPECT_EQ(docs[1], lines[1] + "\n");
+}
+
+// Text whose decoding ends in U+FFFD waits for the next token, and is shown at the end of
+// generation when none comes: a prompt ending in it, and an output ending in it.
+TEST(TextStream, HeldBackTextIsShownAtTheEnd) {
+  ByteTokenizer tok;
+  std::string shown;
+  const auto sink = [&](std::string_view text) { shown += text; };
+  const std::string prompt = "price: 5 \xEF\xBF\xBD";
+  {
+    tokenizer::TextStream stream(tok, tok.encode(prompt), sink);
+    EXPECT_EQ(shown, "");  // held back: it may be the start of a longer character
+    stream.finish();
+    EXPECT_EQ(shown, prompt);
+  }
+  shown.clear();
+  {
+    // The byte tokenizer decodes bytes as they are: the text ends in U+FFFD only once all three
+    // of its bytes came, and its last byte waits.
+    tokenizer::TextStream stream(tok, tok.encode("ok "), sink);
+    EXPECT_EQ(shown, "ok ");
+    for (int32_t byte : {0xE2, 0x82, 0xAC, 0xEF, 0xBF, 0xBD}) stream.add(byte);  // "€\uFFFD"
+    EXPECT_EQ(shown, "ok \xE2\x82\xAC\xEF\xBF");
+    stream.add(0x01);  // more text: what waited is shown with it (a control character as '?')
+    EXPECT_EQ(shown, "ok \xE2\x82\xAC\xEF\xBF\xBD?");
+    stream.finish();  // nothing held back: nothing more
+    EXPECT_EQ(shown, "ok \xE2\x82\xAC\xEF\xBF\xBD?");
+  }
+  shown.clear();
+  {
+    // An output ending in U+FFFD: shown at the end of generation, once.
+    tokenizer::TextStream stream(tok, tok.encode("a"), sink);
+    for (int32_t byte : {0xEF, 0xBF, 0xBD}) stream.add(byte);
+    EXPECT_EQ(shown, "a\xEF\xBF");
+    stream.finish();
+    EXPECT_EQ(shown, "a\xEF\xBF\xBD");
+    stream.finish();
+    EXPECT_EQ(shown, "a\xEF\xBF\xBD");
+  }
 }

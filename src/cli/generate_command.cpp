@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "model/config.h"
 #include "model/generation.h"
+#include "tokenizer/text_stream.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -33,47 +34,6 @@ int launched_ranks() {
   }
   return 1;
 }
-
-// Prints text as it grows. Tokens are decoded together with the prompt, not one by one: a
-// SentencePiece piece's leading space and a character split over byte-fallback tokens only come
-// out right in context. Text that ends in an incomplete character waits for the next token.
-class TextStream {
- public:
-  // `prompt`: the prompt's tokens after the start-of-document token; printed at once.
-  TextStream(const tokenizer::Tokenizer& tokenizer, std::vector<int32_t> prompt)
-      : tokenizer_(tokenizer), tokens_(std::move(prompt)) {
-    if (!tokens_.empty()) {
-      const int32_t last = tokens_.back();
-      tokens_.pop_back();
-      add(last);
-    }
-  }
-  void add(int32_t token) {
-    tokens_.push_back(token);
-    const std::string text = tokenizer_.decode(tokens_);
-    static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
-    if (std::string_view(text).ends_with(kReplacement)) return;
-    // Decoding more tokens only appends to the text (SentencePiece joins pieces, the byte
-    // tokenizer bytes), so what was printed stays valid.
-    if (text.size() > printed_) {
-      // A model can write any byte; control characters other than newline and tab (terminal
-      // escape sequences among them) are shown as '?' instead of acted on.
-      std::string shown = text.substr(printed_);
-      for (char& c : shown) {
-        const auto byte = static_cast<unsigned char>(c);
-        if ((byte < 0x20 && c != '\n' && c != '\t') || byte == 0x7f) c = '?';
-      }
-      std::fwrite(shown.data(), 1, shown.size(), stdout);
-      std::fflush(stdout);
-      printed_ = text.size();
-    }
-  }
-
- private:
-  const tokenizer::Tokenizer& tokenizer_;
-  std::vector<int32_t> tokens_;
-  size_t printed_ = 0;
-};
 
 void run_generate(const GenerateArgs& args) {
   check(launched_ranks() == 1,
@@ -128,7 +88,11 @@ void run_generate(const GenerateArgs& args) {
   // encode_prompt starts the prompt with bos or eos where the tokenizer has one.
   const tokenizer::SpecialTokens special = tok->special_tokens();
   const long start_tokens = special.bos >= 0 || special.eos >= 0 ? 1 : 0;
-  TextStream stream(*tok, {prompt.begin() + start_tokens, prompt.end()});
+  tokenizer::TextStream stream(*tok, {prompt.begin() + start_tokens, prompt.end()},
+                               [](std::string_view text) {
+                                 std::fwrite(text.data(), 1, text.size(), stdout);
+                                 std::fflush(stdout);
+                               });
   const auto start = std::chrono::steady_clock::now();
   const model::Generation out = model::generate(
       model, prompt, sampling,
@@ -136,6 +100,7 @@ void run_generate(const GenerateArgs& args) {
         if (token != eos || args.ignore_eos) stream.add(token);
       },
       !args.no_cache);
+  stream.finish();  // text still waiting for the rest of a character that never came
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const char* why = out.stop == model::StopReason::kStopToken     ? "end of text"
