@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "common/json.h"
 #include "model/config.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train_config_samples.h"
 
@@ -492,4 +494,51 @@ TEST(Cli, FullDiskDuringARunIsReportedAndLeavesWholeFiles) {
   }
   EXPECT_TRUE(left.empty()) << left.front();
   EXPECT_FALSE(fs::exists(small / "run" / "checkpoints" / "latest"));
+}
+
+// A learning rate far too high makes the loss or the gradient norm of a step non-finite: the run
+// stops there by itself, naming the step, without saving it; every checkpoint on disk is of an
+// earlier step (the one still being written is committed) and holds finite weights, and eval
+// refuses a checkpoint whose mean loss is not finite.
+TEST(Cli, NonFiniteStepStopsTheRunAndKeepsTheLastCheckpoint) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto r = run_malleus("train " + tiny_flags(dir) +
+                             " --steps 8 --lr 1e30 --warmup-steps 0 --grad-clip 0"
+                             " --checkpoint-every 1 --eval-every 0");
+  const std::string run = (dir / "run").string();
+  expect_error(r, {"is not finite (loss ", "--resume " + run});
+  const size_t at = r.output.find("error: step ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const int stopped = std::atoi(r.output.c_str() + at + std::strlen("error: step "));
+  ASSERT_GE(stopped, 2) << r.output;
+  ASSERT_LE(stopped, 8) << r.output;
+  EXPECT_NE(r.output.find("the last checkpoint, " + run + "/checkpoints/step_0000000" +
+                          std::to_string(stopped - 1) + ", is intact"),
+            std::string::npos)
+      << r.output;
+  for (int step = 1; step < stopped; ++step) {
+    const train::Checkpoint c = train::load_checkpoint(
+        dir / "run" / "checkpoints" / ("step_0000000" + std::to_string(step)), false);
+    EXPECT_EQ(c.step, step);
+    EXPECT_TRUE(std::all_of(c.params.begin(), c.params.end(), [](float x) {
+      return std::isfinite(x);
+    })) << step;
+  }
+  for (int step = stopped; step <= 8; ++step) {
+    EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / ("step_0000000" + std::to_string(step))))
+        << step;
+  }
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    EXPECT_LT(parse_json(line, "metrics")["step"].get<int>(), stopped) << line;
+  }
+
+  // A checkpoint with NaN weights: eval exits non-zero naming the loss.
+  train::Checkpoint c = train::load_checkpoint(dir / "run" / "checkpoints" / "step_00000001", true);
+  for (size_t i = 0; i < c.params.size(); i += 97) c.params[i] = std::nanf("");
+  train::save_checkpoint(dir / "nan", c);
+  expect_error(run_malleus("eval --checkpoint " + (dir / "nan").string() + " --data '" +
+                           (dir / "data" / "val_*.bin").string() + "'"),
+               {"the mean loss is nan", (dir / "nan").string()});
 }

@@ -480,3 +480,27 @@ TEST(CliMpi, RankKilledDuringASaveLeavesThePreviousCheckpointLatestSlow) {
         << resumed.output;
   }
 }
+
+// A step whose loss or gradient norm is not finite stops every rank at that step together (the
+// numbers come from one all-reduce): one message from rank 0, no MPI_Abort, a non-zero exit, and
+// no checkpoint of that step or later.
+TEST(CliMpi, NonFiniteStepStopsEveryRankTogether) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 6) +
+                                " --lr 1e30 --warmup-steps 0 --grad-clip 0 --checkpoint-every 1");
+  expect_clean_failure(r, {"is not finite (loss ", "--resume"});
+  EXPECT_FALSE(contains(r.output, "MPI_ABORT")) << r.output;
+  const size_t first = r.output.find("error: step ");
+  ASSERT_NE(first, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("error: step ", first + 1), std::string::npos) << "said once\n"
+                                                                         << r.output;
+  const int stopped = std::atoi(r.output.c_str() + first + std::strlen("error: step "));
+  ASSERT_GE(stopped, 2) << r.output;
+  for (int step = 1; step <= 6; ++step) {
+    EXPECT_EQ(fs::exists(dir / "run" / "checkpoints" / ("step_0000000" + std::to_string(step))),
+              step < stopped)
+        << step << "\n"
+        << r.output;
+  }
+}

@@ -1,5 +1,6 @@
 // train, prepare-data, eval, export, models.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -117,6 +118,8 @@ void run_train(const TrainArgs& args) {
   // The cheap, purely syntactic checks first: every flag's value, straggler specs included,
   // before any file is read.
   const train::ConfigValues flags = args.overrides.values();
+  std::string diverged;  // Trainer::run's message when a step was not finite (every rank's)
+  bool root = true;
   const int stop_signal = with_mpi([&](comm::Communicator& world) -> int {
     // Installed before the long setup: a stop asked for meanwhile acts after the first step.
     train::StopSignals stop_signals;
@@ -168,9 +171,19 @@ void run_train(const TrainArgs& args) {
     // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
     std::optional<train::RunDirectory> run_dir;
     if (world.rank() == 0) run_dir.emplace(config.out_dir, resumed_run);
-    return trainer.run();
+    root = world.rank() == 0;
+    try {
+      return trainer.run();
+    } catch (const train::Diverged& e) {
+      diverged = e.what();  // every rank stopped at the same step: no abort
+      return 0;
+    }
   });
   // After MPI_Finalize, which every rank reaches together.
+  if (!diverged.empty()) {
+    if (root) throw Error(diverged);  // said once
+    throw ExitStatus{1};
+  }
   if (stop_signal != 0) throw ExitStatus{128 + stop_signal};
 }
 
@@ -200,6 +213,11 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
         engine.evaluate([&](int index, int32_t* inputs,
                             int32_t* targets) { sampler.sample(index, inputs, targets); },
                         count);
+    check(std::isfinite(loss), "checkpoint " + dir.string() + " on " + data +
+                                   ": the mean loss is " + std::to_string(loss) + " over " +
+                                   std::to_string(count) +
+                                   " sequences, not a number a model can have: its weights hold "
+                                   "non-finite values or overflow");
     std::printf("checkpoint %s (step %lld) on %s: mean loss %.6f over %d sequences of %d tokens\n",
                 dir.c_str(), static_cast<long long>(checkpoint.step), data.c_str(), loss, count,
                 seq_len);

@@ -163,7 +163,12 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     before_update();
     release_local_state();
   }
-  update(lr, static_cast<float>(clip), slowdown);
+  // A loss or gradient norm that is not finite (the same on every rank) would make every
+  // parameter NaN: such a step updates nothing, and the caller decides what to do (Trainer::run
+  // stops).
+  if (std::isfinite(result.loss) && std::isfinite(result.grad_norm)) {
+    update(lr, static_cast<float>(clip), slowdown);
+  }
   ++steps_done_;
   return result;
 }

@@ -146,6 +146,8 @@ class Engine {
   // moments (the forward, backward and gradient sync have only read them): a checkpoint copying
   // this state in the background waits there (train/checkpoint_writer.h). Moments lent out by
   // local_state() stay until then.
+  //
+  // A step whose loss or gradient norm is not finite changes no parameter or moment.
   StepResult step(const SampleFn& sample, float lr, float grad_clip, double slowdown = 1.0,
                   const std::function<void()>& before_update = {});
   // Forward only: the mean token loss over sequences 0 .. count−1 of `sample`, micro-batches

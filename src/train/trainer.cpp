@@ -467,8 +467,6 @@ StepStats Trainer::train_step() {
   stats.grad_norm = r.grad_norm;
   stats.step_time_s = seconds_since(start);
   stats.tokens_per_s = static_cast<double>(config_.tokens_per_step()) / stats.step_time_s;
-  check(std::isfinite(stats.loss), "loss became " + std::to_string(stats.loss) + " at step " +
-                                       std::to_string(step_) + ": training diverged");
   return stats;
 }
 
@@ -631,6 +629,7 @@ int Trainer::run() {
   while (step_ < config_.steps) {
     watch("step", step_ + 1);
     const StepStats s = train_step();
+    if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) stop_diverged(s);
     poll_checkpoint();  // commits a background save once every rank has written its part
     recent_step_time =
         recent_step_time == 0 ? s.step_time_s : 0.9 * recent_step_time + 0.1 * s.step_time_s;
@@ -681,6 +680,24 @@ int Trainer::run() {
   }
   finish_checkpoint();
   return 0;
+}
+
+void Trainer::stop_diverged(const StepStats& s) {
+  // Every rank sees the same loss and norm (the step's all-reduce), so every rank is here. The
+  // save in flight holds an earlier step's state (the update waited for its copy): commit it.
+  finish_checkpoint();
+  char figures[128];
+  std::snprintf(figures, sizeof figures, "the %s is not finite (loss %g, gradient norm %g)",
+                std::isfinite(s.loss) ? "gradient norm" : "loss", s.loss, s.grad_norm);
+  const std::string resume =
+      writer_.last() ? "the last checkpoint, " + writer_.last()->dir.string() +
+                           ", is intact: continue from it with malleus train --resume " +
+                           config_.out_dir + " (with a lower --lr or a --grad-clip)"
+                     : "this run saved no checkpoint";
+  world_.barrier();  // no rank leaves while another still commits
+  throw Diverged("step " + std::to_string(s.step) + " of " + std::to_string(config_.steps) + ": " +
+                 figures + "; training stopped without updating the model or saving this step; " +
+                 resume);
 }
 
 int Trainer::agreed_stop_signal() {

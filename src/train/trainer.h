@@ -41,6 +41,12 @@ inline constexpr const char* kPlannerPlan = "auto";
 // against the model, the world size and the global batch; throws Error otherwise.
 plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model, int world_size);
 
+// The run stopped at a step whose loss or gradient norm was not finite (Trainer::run).
+class Diverged : public Error {
+ public:
+  using Error::Error;
+};
+
 class Trainer {
  public:
   // Collective over `world`. A fresh run: parameters initialised from config.seed. The model is
@@ -56,6 +62,8 @@ class Trainer {
   // Collective: the whole state, on rank 0 (other ranks get empty buffers).
   Checkpoint snapshot();
 
+  // One step. Its loss and gradient norm may be non-finite (then nothing was updated): run()
+  // stops there.
   StepStats train_step();
   // Mean token loss over up to max_samples sequences of `pattern` (all of them if fewer), in a
   // fixed order that depends on neither the plan nor the batch size. Collective.
@@ -66,6 +74,10 @@ class Trainer {
   // <out_dir>/metrics.jsonl (rank 0), evaluations, checkpoints in <out_dir>/checkpoints.
   // Returns 0, or the signal that stopped it early (train/stop_signal.h: a signal received on any
   // rank stops every rank after the same step, with a checkpoint of that step). Collective.
+  // A step whose loss or gradient norm is not finite (the same on every rank: one all-reduce
+  // carries both) updates nothing and ends the run on every rank together: the checkpoint in
+  // flight, of an earlier step, is committed, nothing more is saved, and every rank throws
+  // Diverged naming the step and the last checkpoint (docs/running.md).
   int run();
 
   // Restarts of the job before this run (by malleus launch): shown in the step lines.
@@ -88,6 +100,7 @@ class Trainer {
   void report_saved();
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
+  [[noreturn]] void stop_diverged(const StepStats& s);
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
   void log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics);
 
