@@ -85,6 +85,19 @@ TEST(CliModels, SentencePieceTrainGenerateExportImportResume) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = run_malleus("import --input " + d + "/hf --output " + d + "/imported");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // An existing checkpoint is replaced only with --force; another directory never.
+  const std::string manifest = read_file(dir / "imported" / "manifest.json");
+  expect_error(run_malleus("import --input " + d + "/hf --output " + d + "/imported"),
+               {d + "/imported is a checkpoint already", "--force"});
+  expect_error(run_malleus("import --input " + d + "/hf --output " + d + "/run --force"),
+               {d + "/run exists and is not a checkpoint"});
+  EXPECT_TRUE(fs::exists(dir / "run" / "metrics.jsonl"));
+  EXPECT_EQ(read_file(dir / "imported" / "manifest.json"), manifest);
+  r = run_malleus("import --input " + d + "/hf --output " + d + "/imported --force");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const auto& entry : fs::directory_iterator(dir.path())) {  // no temporary left beside it
+    EXPECT_NE(entry.path().filename().string().rfind("imported.", 0), 0u) << entry.path();
+  }
   r = run_malleus("export --checkpoint " + d + "/imported --output " + d + "/hf2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* file :
