@@ -17,6 +17,9 @@
 #            quota:P    a cgroup CPU quota of P % of one CPU per 10 ms for the rank (cgroup v2
 #                       cpu.max, or v1 cpu.cfs_quota_us); exits with status 3 and a message where
 #                       the machine has no writable cpu controller
+#            moving:MS  one busy process that starts on RANK's CPUs and moves to the next rank's
+#                       (in ranks.json's order, round) every MS milliseconds: load that moves
+#                       between the ranks (the moving-load benchmark, scripts/bench_moving_load.sh)
 # Prints one line when the slowdown starts and one when it ends. Whatever it started is stopped
 # when it ends, is interrupted, or the run goes away; every busy process also carries its own
 # time limit, so nothing outlives a killed script for long.
@@ -24,8 +27,10 @@ set -euo pipefail
 [[ $# -eq 5 ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2; }
 run=$1 rank=$2 from=$3 to=$4 method=$5
 kind=${method%%:*} amount=${method#*:}
-[[ $kind == busy || $kind == cpulimit || $kind == quota ]] && [[ $amount =~ ^[0-9]+$ ]] ||
-  { echo "slow_rank: METHOD must be busy:N, cpulimit:P or quota:P, not \"$method\"" >&2; exit 2; }
+[[ $kind == busy || $kind == cpulimit || $kind == quota || $kind == moving ]] &&
+  [[ $amount =~ ^[0-9]+$ ]] ||
+  { echo "slow_rank: METHOD must be busy:N, cpulimit:P, quota:P or moving:MS, not \"$method\"" >&2
+    exit 2; }
 [[ $from =~ ^[0-9]+$ && $to =~ ^[0-9]+$ && $from -ge 1 && $to -ge $from ]] ||
   { echo "slow_rank: FROM-TO must be steps with 1 <= FROM <= TO, not \"$from-$to\"" >&2; exit 2; }
 limit_s=${SLOW_RANK_LIMIT_S:-1800}  # the longest any busy process may live
@@ -67,13 +72,15 @@ wait_for_step() {
 fresh_ranks() { [[ -s $run/ranks.json ]] && (($(stat -c %Y "$run/ranks.json") >= started)); }
 for _ in $(seq 1200); do fresh_ranks && break; sleep 0.1; done
 fresh_ranks || { echo "slow_rank: no new $run/ranks.json within 120 s" >&2; exit 1; }
-read -r rank_pid rank_cpus < <(python3 - "$run/ranks.json" "$rank" << 'EOF'
+read -r rank_pid rank_cpus all_cpus < <(python3 - "$run/ranks.json" "$rank" << 'EOF'
 import json, sys
 ranks = json.load(open(sys.argv[1]))["ranks"]
 rank = int(sys.argv[2])
 if not 0 <= rank < len(ranks):
     sys.exit(f"slow_rank: {sys.argv[1]} has no rank {rank} (ranks 0-{len(ranks) - 1})")
-print(ranks[rank]["pid"], ranks[rank]["cpus"])
+# Every rank's CPUs from RANK on, round (moving:MS visits them in turn), separated by '/'.
+print(ranks[rank]["pid"], ranks[rank]["cpus"],
+      "/".join(ranks[(rank + i) % len(ranks)]["cpus"] for i in range(len(ranks))))
 EOF
 )
 
@@ -101,6 +108,22 @@ case $kind in
       timeout "$limit_s" taskset -c "$rank_cpus" bash -c 'while :; do :; done' &
       pids+=($!)
     done
+    ;;
+  moving)
+    # One busy process, its affinity moved from rank to rank by a loop that ends with it.
+    IFS=/ read -r -a visits <<< "$all_cpus"
+    # (taskset execs bash: $! is the busy process itself; it carries its own time limit.)
+    taskset -c "${visits[0]}" bash -c "while ((SECONDS < $limit_s)); do :; done" &
+    busy=$!
+    pids+=("$busy")
+    (
+      i=1
+      while sleep "$(printf '%d.%03d' $((amount / 1000)) $((amount % 1000)))" &&
+        taskset -apc "${visits[i % ${#visits[@]}]}" "$busy" > /dev/null 2>&1; do
+        i=$((i + 1))
+      done
+    ) &
+    pids+=($!)
     ;;
   cpulimit)
     command -v cpulimit > /dev/null || { echo "slow_rank: cpulimit is not installed (apt-get install cpulimit)" >&2; exit 1; }

@@ -1,7 +1,9 @@
 #include "elastic/controller.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "common/error.h"
 
@@ -54,10 +56,14 @@ bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
     const double was = std::max(1.0, planned), is = std::max(1.0, now);
     return std::abs(is - was) < options_.hysteresis * was ? 0 : is > was ? 1 : -1;
   };
+  ++steps_since_ask_;
   bool moved = false;
   for (size_t r = 0; r < rates.size(); ++r) {
     moved = moved || moved_from(planned_rates_[r], rates[r]) != 0;
   }
+  calm_steps_ = moved ? 0 : calm_steps_ + 1;
+  // On hold, every rank asks again after hold_reask_steps: the record of rates has grown.
+  moved = moved || (reask_ && steps_since_ask_ >= std::max(1, options_.hold_reask_steps));
   // Links by the same rule, on every one of the last min_samples readings, in one direction.
   // (decide() records what was planned for; trigger() alone changes nothing but the history.)
   planned_link_rates_.resize(link_rates.size(), 1.0);
@@ -88,27 +94,202 @@ bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
 Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
                             const std::vector<double>& rates, int monitored_steps, int64_t step,
                             int64_t remaining_steps, const std::vector<double>& link_rates) {
+  if (world.rank() == 0) account(current, rates);
   if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
   const std::vector<double> links = planning_link_rates_;
 
   Decision decision;
   std::string plan_text;  // the plan to switch to, if any
   if (world.rank() == 0) {
-    decision = propose(current, rates, step, remaining_steps, links);
+    decision = decide_on_root(current, rates, step, remaining_steps, links);
     if (decision.plan) plan_text = decision.plan->to_json().dump();
   }
-  int64_t length = static_cast<int64_t>(plan_text.size());
-  world.broadcast(&length, sizeof length, 0);
-  plan_text.resize(static_cast<size_t>(length));
+  // The plan's length and whether rank 0 is on hold (every rank then asks again soon).
+  int64_t header[2] = {static_cast<int64_t>(plan_text.size()), holding() ? 1 : 0};
+  world.broadcast(header, sizeof header, 0);
+  plan_text.resize(static_cast<size_t>(header[0]));
   world.broadcast(plan_text.data(), plan_text.size(), 0);
-  planned_rates_ = rates;
-  planned_link_rates_ = links;
+  asked(rates, links, header[1] != 0);
 
   decision.asked = true;
   if (world.rank() != 0 && !plan_text.empty()) {
     decision.plan = plan::Plan::from_json(Json::parse(plan_text), cost_.model(), "re-plan");
   }
   return decision;
+}
+
+Decision Controller::decide_alone(const plan::Plan& current, const std::vector<double>& rates,
+                                  int monitored_steps, int64_t step, int64_t remaining_steps,
+                                  const std::vector<double>& link_rates) {
+  account(current, rates);
+  if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
+  const std::vector<double> links = planning_link_rates_;
+  Decision decision = decide_on_root(current, rates, step, remaining_steps, links);
+  asked(rates, links, holding());
+  return decision;
+}
+
+void Controller::asked(const std::vector<double>& rates, const std::vector<double>& links,
+                       bool held) {
+  planned_rates_ = rates;
+  planned_link_rates_ = links;
+  reask_ = held;
+  steps_since_ask_ = 0;
+}
+
+void Controller::note_migration_seconds(double seconds) {
+  measured_migration_s_ = seconds;
+  if (open_) open_->switch_s = std::max(open_->switch_s, seconds);
+}
+
+void Controller::account(const plan::Plan& current, const std::vector<double>& rates) {
+  const std::vector<double> measured =
+      effective(step_rates_.size() == rates.size() ? step_rates_ : rates);
+  history_.push_back(measured);
+  while (history_.size() > static_cast<size_t>(std::max(1, options_.hold_window))) {
+    history_.pop_front();
+  }
+  // Rates that held still for half a window: the load that defeated re-planning has gone.
+  if (holding() && 2 * calm_steps_ >= options_.hold_window) losses_ = 0;
+  if (!open_) return;
+  const plan::CostModel cost = cost_.with_link_rates(effective(planned_link_rates_));
+  const double gain = cost.predict(open_->from, measured).iteration_time -
+                      cost.predict(current, measured).iteration_time;
+  if (!std::isfinite(gain)) return;
+  open_->realised_s += gain;
+  ++open_->steps;
+}
+
+double Controller::backtest(const plan::Plan& current, const plan::Plan& other,
+                            const std::vector<double>& link_rates, size_t last_steps) const {
+  const plan::CostModel cost = cost_.with_link_rates(link_rates);
+  double gain = 0;
+  const size_t from = history_.size() - std::min(last_steps, history_.size());
+  for (size_t i = from; i < history_.size(); ++i) {
+    gain += cost.predict(current, history_[i]).iteration_time -
+            cost.predict(other, history_[i]).iteration_time;
+  }
+  return gain;
+}
+
+std::vector<size_t> Controller::regimes() const {
+  // Runs of recorded steps whose every rate is within the hysteresis of the run's first step's.
+  std::vector<size_t> lengths;
+  const std::vector<double>* first = nullptr;
+  for (const auto& rates : history_) {
+    bool same = first != nullptr;
+    for (size_t r = 0; same && r < rates.size(); ++r) {
+      const double was = std::max(1.0, (*first)[r]), is = std::max(1.0, rates[r]);
+      same = std::abs(is - was) < options_.hysteresis * was;
+    }
+    if (same) {
+      ++lengths.back();
+    } else {
+      lengths.push_back(1);
+      first = &rates;
+    }
+  }
+  return lengths;
+}
+
+Decision Controller::decide_on_root(const plan::Plan& current, const std::vector<double>& rates,
+                                    int64_t step, int64_t remaining_steps,
+                                    const std::vector<double>& link_rates) {
+  if (open_) {
+    // A switch that did not pay for its measured cost: the load moved on before it paid back.
+    // On hold, one that paid does not end the hold (a calm window does).
+    if (open_->net_s() < 0) {
+      ++losses_;
+    } else if (!holding()) {
+      losses_ = 0;
+    }
+    open_.reset();
+  }
+  Decision d = propose(current, rates, step, remaining_steps, link_rates);
+  if (holding()) hold(current, d);
+  if (d.plan) {
+    open_ = SwitchRecord{
+        .from = current,
+        .to = *d.plan,
+        .step = step,
+        .predicted_gain_per_step_s = d.question.current_step_s - d.question.proposed_step_s,
+        .switch_s = d.question.switch_s};
+  }
+  return d;
+}
+
+void Controller::hold(const plan::Plan& current, Decision& d) const {
+  // Two candidates. The planner's plan for the rates now pays only if they stay: they must have
+  // held longer than any earlier run of rates recorded, and the plan must have gained twice its
+  // switch cost (there and back) over those steps, times 2^(losses − 1). Its plan for the mean of
+  // the recorded rates (for a load that moves, the plan best on average: no chase) must have
+  // gained its switch cost over all of them.
+  const double multiple = std::ldexp(1.0, std::min(losses_, options_.max_backoff) - 1);
+  std::vector<double> mean(d.rates.size(), 0.0);
+  for (const auto& rates : history_) {
+    for (size_t r = 0; r < mean.size() && r < rates.size(); ++r) {
+      mean[r] += rates[r] / static_cast<double>(history_.size());
+    }
+  }
+  struct Candidate {
+    plan::Plan plan;
+    size_t steps;  // recorded steps it is judged over
+    double trips;  // switch costs it must have gained
+  };
+  std::vector<Candidate> candidates;
+  // The rates now count only once they have held longer than any earlier run of rates recorded:
+  // a load that moves every few steps never does.
+  const std::vector<size_t> runs = regimes();
+  const bool outlasted =
+      !runs.empty() && std::all_of(runs.begin(), runs.end() - 1,
+                                   [&](size_t length) { return length < runs.back(); });
+  if (d.plan && outlasted) candidates.push_back({*d.plan, runs.back(), 2.0});
+  const plan::CostModel cost = cost_.with_link_rates(d.link_rates);
+  try {
+    plan::PlanRequest request;
+    request.rates = effective(mean);
+    request.current = current;
+    candidates.push_back({strategy_->plan(cost, request).plan, history_.size(), 1.0 / multiple});
+  } catch (const Error&) {
+    // No plan for the mean rates: the plan for the rates now is the only candidate.
+  }
+  const Json running = current.to_json();
+  std::optional<plan::Plan> best;
+  double best_margin = 0, best_gain = 0, best_switch = 0;
+  bool declined = false;
+  for (const Candidate& c : candidates) {
+    if (c.plan.to_json() == running) continue;
+    declined = true;
+    const double gain = backtest(current, c.plan, d.link_rates, c.steps);
+    const double switch_s =
+        std::max(replan::estimate_migration(cost, current, c.plan).seconds, measured_migration_s_);
+    const double margin = gain - c.trips * multiple * switch_s;
+    if (margin > best_margin) {
+      best = c.plan;
+      best_margin = margin;
+      best_gain = gain;
+      best_switch = switch_s;
+    }
+  }
+  const bool rule_took = d.plan.has_value();
+  d.plan.reset();
+  if (best) {
+    // Taken on the record of the recent rates: it would have paid over them.
+    d.plan = best;
+    d.new_plan = best->summary();
+    d.question.switch_s = best_switch;
+    d.verdict = {.take = true, .gain_s = best_gain, .reason = ""};
+    return;
+  }
+  if (!rule_took && !declined) return;  // nothing but the running plan: the rule's reason stands
+  char why[256];
+  std::snprintf(why, sizeof why,
+                "holding still: %d re-plan(s) did not pay for their measured cost, and no plan "
+                "would have paid %g x its switch cost over the recent rates",
+                losses_, multiple);
+  d.held = true;
+  d.verdict.take = false;
+  d.verdict.reason = why;
 }
 
 Decision Controller::propose(const plan::Plan& current, const std::vector<double>& measured,

@@ -2,6 +2,21 @@
 // rates and switch only if replan::weigh_switch says the predicted time saved over a horizon beats
 // the predicted cost of moving the state (the rule the simulator applies too). The decision is
 // made on rank 0 and its plan broadcast, so every rank acts on the same one.
+//
+// Holding still: load that moves between ranks faster than a re-plan pays back makes every switch
+// a loss (the plan fits where the load was). So rank 0 keeps its own record of each switch: the
+// gain it predicted, the gain it realised — the cost model's step time of the plan it left minus
+// the plan it took, on every following step's own rates (unsmoothed, note_step_rates), until the
+// next question — and the switch's measured cost (note_migration_seconds); and of the rates of
+// the last `hold_window` steps. A switch whose realised gain did not pay for its measured cost
+// puts the controller on hold. On hold it switches only to a plan that would have paid for itself
+// over the recorded rates, 2^(losses − 1) times over (losses: the losing switches, at most
+// `max_backoff` counted): the planner's plan for the rates now, which must have gained twice its
+// switch cost (there and back) over the steps those rates have held so far — and they must have
+// held longer than any earlier run of rates recorded — or its plan for the mean of the recorded
+// rates (for a load that moves, the plan best on average: no chase), which must have gained its
+// switch cost once over all of them. On hold every rank asks again every `hold_reask_steps`
+// steps. Rates that stay put for half a window end the hold.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +41,21 @@ struct ControllerOptions {
   int horizon_steps = 50;            // gain is counted over at most this many remaining steps
   int min_samples = 3;               // monitored steps needed after a re-plan before the next
   std::string strategy = "malleus";
+  int hold_window = 24;      // steps of rates recorded; half as many calm ones end a hold
+  int hold_reask_steps = 2;  // on hold: steps between questions
+  int max_backoff = 4;       // losing switches counted in the multiple of the switch cost
+};
+
+// One switch: what it predicted and what it realised (rank 0's record).
+struct SwitchRecord {
+  plan::Plan from, to;
+  int64_t step = 0;
+  double predicted_gain_per_step_s = 0;  // the cost model's, for the rates it was planned for
+  double switch_s = 0;    // the predicted cost; the measured migration once known, if larger
+  double realised_s = 0;  // sum over the steps since of (time of `from` − time of `to`)
+  int steps = 0;
+
+  double net_s() const { return realised_s - switch_s; }
 };
 
 // One decision. `asked` and `plan` are the same on every rank; the rest describes rank 0's
@@ -40,6 +70,7 @@ struct Decision {
   replan::SwitchQuestion question;
   replan::SwitchVerdict verdict;  // its reason also says why no plan was found
   double planning_s = std::numeric_limits<double>::quiet_NaN();
+  bool held = false;  // on hold, a plan the rule (or the mean rates) would take was declined
 };
 
 class Controller {
@@ -68,10 +99,36 @@ class Controller {
                    int64_t remaining_steps, const std::vector<double>& link_rates = {}) const;
   // The last migration's wall time: the switch cost is at least this (building communicators and
   // buffers costs time the bandwidth model does not see).
-  void note_migration_seconds(double seconds) { measured_migration_s_ = seconds; }
+  // It is also the last switch's measured cost in the record of realised gains.
+  void note_migration_seconds(double seconds);
+  // The rates of the step just run, unsmoothed (Monitor::step_rates): the realised gains are
+  // counted with them. Call before decide(); if never called, decide()'s rates are used.
+  void note_step_rates(std::vector<double> rates) { step_rates_ = std::move(rates); }
+  // decide() for a job of one process (no communicator): what rank 0 does, for tests and tools.
+  Decision decide_alone(const plan::Plan& current, const std::vector<double>& rates,
+                        int monitored_steps, int64_t step, int64_t remaining_steps,
+                        const std::vector<double>& link_rates = {});
+  // Rank 0's record: the last switch, followed until the next question, and the losing switches.
+  const std::optional<SwitchRecord>& open_record() const { return open_; }
+  int losses() const { return losses_; }
+  bool holding() const { return losses_ > 0; }
 
  private:
   std::vector<double> effective(const std::vector<double>& rates) const;
+  // Rank 0, every step: records the step's rates and adds the step to the open record.
+  void account(const plan::Plan& current, const std::vector<double>& rates);
+  // Rank 0, when asked: closes the open record, proposes, applies the hold.
+  Decision decide_on_root(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
+                          int64_t remaining_steps, const std::vector<double>& link_rates);
+  // On hold: replaces the proposal in `d` by the best plan over the recorded rates, or none.
+  void hold(const plan::Plan& current, Decision& d) const;
+  // Time `other` would have saved against `current` over the last `last_steps` recorded rates.
+  double backtest(const plan::Plan& current, const plan::Plan& other,
+                  const std::vector<double>& link_rates, size_t last_steps) const;
+  // The recorded steps cut into runs of the same rates (within the hysteresis), oldest first.
+  std::vector<size_t> regimes() const;
+  // All ranks, after a question: what was planned for, and whether to ask again soon.
+  void asked(const std::vector<double>& rates, const std::vector<double>& links, bool held);
 
   plan::CostModel cost_;
   ControllerOptions options_;
@@ -80,6 +137,13 @@ class Controller {
   std::deque<std::vector<double>> link_history_;  // the last min_samples link readings
   std::vector<double> planning_link_rates_;
   double measured_migration_s_ = -1;
+  std::vector<double> step_rates_;
+  std::optional<SwitchRecord> open_;
+  int losses_ = 0;
+  bool reask_ = false;       // on hold: ask again after hold_reask_steps (every rank knows)
+  int steps_since_ask_ = 0;  // trigger() calls since the last question
+  int calm_steps_ = 0;       // trigger() calls since the compute rates last moved
+  std::deque<std::vector<double>> history_;  // rank 0: the last hold_window steps' rates
 };
 
 // The cluster to plan for when training on this machine: the named preset (default "cpu-local")

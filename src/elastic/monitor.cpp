@@ -11,7 +11,8 @@ namespace malleus::elastic {
 Monitor::Monitor(int world_size, MonitorOptions options)
     : options_(options),
       ranks_(static_cast<size_t>(std::max(world_size, 0))),
-      rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0) {
+      rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0),
+      step_rates_(rates_) {
   check(world_size > 0, "monitor: the world size must be positive");
   check(options.window >= 1 && options.block >= options.window,
         "monitor: the window must be at least 1 and the block at least the window");
@@ -41,13 +42,16 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
             " ranks");
   const size_t window = static_cast<size_t>(options_.window);
   std::vector<size_t> calibrated;  // ranks whose first reference was set this step
+  std::vector<double> step_times(n, 0.0);
   for (size_t r = 0; r < n; ++r) {
     RankState& st = ranks_[r];
     const double seconds = measurements[2 * r], flops = measurements[2 * r + 1];
     if (!(seconds > 0 && flops > 0)) continue;  // nothing measured (timing off): rate unchanged
+    step_times[r] = seconds / flops;
     const double t = seconds / flops;
     if (geometries[r] != st.geometry) {
       st.entry_rate = st.geometry.empty() ? 0 : st.rate;
+      st.entry_reference = st.geometry.empty() ? 0 : st.references[st.geometry].value;
       st.geometry = geometries[r];
       st.window.clear();
     }
@@ -91,7 +95,13 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
       ref.value = fastest;
     }
   }
-  for (size_t r = 0; r < n; ++r) rates_[r] = ranks_[r].rate;
+  for (size_t r = 0; r < n; ++r) {
+    rates_[r] = ranks_[r].rate;
+    // Settling in a new geometry: against the reference of the one it came from.
+    double ref = reference(static_cast<int>(r));
+    if (ref == 0) ref = ranks_[r].entry_reference;
+    step_rates_[r] = step_times[r] > 0 && ref > 0 ? step_times[r] / ref : rates_[r];
+  }
   ++samples_;
   return rates_;
 }

@@ -51,6 +51,11 @@ class Monitor {
   const std::vector<double>& observe(const std::vector<double>& measurements,
                                      const std::vector<std::string>& geometries);
   const std::vector<double>& rates() const { return rates_; }
+  // The last step's rates alone, unsmoothed: its time per FLOP over the reference; while a rank
+  // settles in a geometry new to it, over the reference of the geometry it came from (time per
+  // FLOP depends on the shape somewhat, but a stale rate would hide a load that moved); the
+  // windowed rate where it has neither, or measured nothing.
+  const std::vector<double>& step_rates() const { return step_rates_; }
   // Steps observed since the last re-plan (or the start).
   int samples() const { return samples_; }
   void note_replan() { samples_ = 0; }
@@ -69,16 +74,17 @@ class Monitor {
     bool fixed = false;        // set_reference's: measurements do not move it
   };
   struct RankState {
-    std::string geometry;       // of the current visit; empty before the first step
-    std::deque<double> window;  // this visit's last `window` measured times per FLOP
-    double entry_rate = 0;      // rate when this visit began; 0: the run's first geometry
+    std::string geometry;        // of the current visit; empty before the first step
+    std::deque<double> window;   // this visit's last `window` measured times per FLOP
+    double entry_rate = 0;       // rate when this visit began; 0: the run's first geometry
+    double entry_reference = 0;  // the reference of the geometry this visit came from
     double rate = 1;
     std::map<std::string, Reference> references;
   };
 
   MonitorOptions options_;
   std::vector<RankState> ranks_;
-  std::vector<double> rates_;
+  std::vector<double> rates_, step_rates_;
   int samples_ = 0;
 };
 

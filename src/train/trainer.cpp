@@ -440,6 +440,7 @@ StepStats Trainer::train_step() {
   if (controller_) {
     // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
     const std::vector<double> no_links;
+    controller_->note_step_rates(monitor_.step_rates());  // what its switches realised
     const elastic::Decision decision = controller_->decide(
         world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_,
         config_.replan_links ? stats.link_rates : no_links);
