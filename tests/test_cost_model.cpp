@@ -134,13 +134,13 @@ TEST(CostModel, MemoryAndStageAwareRecomputation) {
   EXPECT_LT(g.memory.layer_kept[int(RecomputeMode::kFull)],
             g.memory.layer_kept[int(RecomputeMode::kSelective)]);
   // Few layers and few micro-batches in flight: no recomputation.
-  const auto light = cost.stage_cost(g, 10, false, false, 1);
+  const auto light = cost.stage_cost(g, {.layers = 10});
   EXPECT_TRUE(light.fits);
   EXPECT_EQ(light.recompute, model::Recompute{});
   // 30 layers: the first of 8 stages (8 in flight) must recompute, the seventh (2 in flight)
   // need not.
-  const auto first = cost.stage_cost(g, 30, true, false, 8);
-  const auto third = cost.stage_cost(g, 30, false, false, 2);
+  const auto first = cost.stage_cost(g, {.layers = 30, .first = true, .in_flight = 8});
+  const auto third = cost.stage_cost(g, {.layers = 30, .in_flight = 2});
   EXPECT_EQ(third.recompute, model::Recompute{});
   EXPECT_TRUE(first.fits);
   EXPECT_NE(first.recompute.mode, RecomputeMode::kNone);
@@ -150,11 +150,12 @@ TEST(CostModel, MemoryAndStageAwareRecomputation) {
   }
   EXPECT_LE(first.memory_bytes, cost.cluster().usable_memory());
   // Recomputing a layer fully costs one more forward of it and one all-reduce.
-  const auto none = cost.stage_cost(g, 20, false, false, 1);
-  const auto full = cost.stage_cost(g, 20, false, false, 1, {RecomputeMode::kFull, 5});
+  const auto none = cost.stage_cost(g, {.layers = 20});
+  const auto full = cost.stage_cost(g, {.layers = 20, .planned = {RecomputeMode::kFull, 5}});
   EXPECT_NEAR(full.backward - none.backward, 5 * (g.layer_forward + g.layer_comm),
               1e-9 * full.backward);
-  const auto selective = cost.stage_cost(g, 20, false, false, 1, {RecomputeMode::kSelective, 5});
+  const auto selective =
+      cost.stage_cost(g, {.layers = 20, .planned = {RecomputeMode::kSelective, 5}});
   EXPECT_NEAR(selective.backward - none.backward, 5 * g.attention_core_forward,
               1e-9 * selective.backward);
   EXPECT_LT(full.memory_bytes, selective.memory_bytes);
@@ -162,7 +163,8 @@ TEST(CostModel, MemoryAndStageAwareRecomputation) {
   // A planned recomputation is kept as it is, even where none is needed.
   EXPECT_EQ(full.recompute, (model::Recompute{RecomputeMode::kFull, 5}));
   // Far too many layers for one group even with recomputation.
-  EXPECT_FALSE(cost.stage_cost(g, 80, true, true, 8).fits);
+  EXPECT_FALSE(
+      cost.stage_cost(g, {.layers = 80, .first = true, .last = true, .in_flight = 8}).fits);
 
   // One formula: with even shares every rank of a stage is its fullest, so a prediction's
   // per-device memory is the stage's memory (recomputation included).
@@ -412,7 +414,7 @@ TEST(CostModel, TheLinkProbesBufferCountsOnNodeLeadersOnlyInStagesAsPerDevice) {
   const CostModel tight(model, cluster, batch);
   const plan::GroupCost g = tight.group_cost(stages[1], rates);
   const plan::StageCost fitted =
-      tight.stage_cost(g, stages[1].num_layers(), false, false, 3, {}, true, 1);
+      tight.stage_cost(g, {.layers = stages[1].num_layers(), .in_flight = 3});
   EXPECT_TRUE(fitted.fits);
   EXPECT_EQ(fitted.recompute, model::Recompute{});
   EXPECT_DOUBLE_EQ(fitted.memory_bytes, by_kind[1].total());
@@ -421,7 +423,9 @@ TEST(CostModel, TheLinkProbesBufferCountsOnNodeLeadersOnlyInStagesAsPerDevice) {
   plan::GroupCost as_leader = g;
   as_leader.probes_links = true;
   const plan::StageCost charged =
-      tight.stage_cost(as_leader, stages[1].num_layers(), false, false, 3, {}, false, 1);
+      tight.stage_cost(as_leader, {.layers = stages[1].num_layers(),
+                                   .in_flight = 3,
+                                   .choice = plan::RecomputeChoice::kAsPlanned});
   EXPECT_FALSE(charged.fits);
   EXPECT_DOUBLE_EQ(charged.memory_bytes - fitted.memory_bytes,
                    probe_bytes - by_kind[1].communication);
@@ -544,7 +548,7 @@ TEST(CostModel, SubpipelinedTensorParallelismHidesHalfReductionsBehindTheOtherHa
     EXPECT_NEAR(g.qkv_share, qkv / all, 1e-12);
     EXPECT_DOUBLE_EQ(g.layer_comm_half,
                      cost.allreduce_time(tp8.ranks, cost.activation_message_bytes() / 2));
-    const auto plain = cost.stage_cost(g, 10, false, false, 1);
+    const auto plain = cost.stage_cost(g, {.layers = 10});
     EXPECT_DOUBLE_EQ(cost.exposed_layer_comm(g, false), 2 * g.layer_comm);
 
     cost.set_tp_subpipeline(true);
@@ -561,7 +565,7 @@ TEST(CostModel, SubpipelinedTensorParallelismHidesHalfReductionsBehindTheOtherHa
     // On NVLink the halves hide almost entirely behind a 70B layer's compute: about one half
     // all-reduce per layer and direction is left, far less than the two whole ones.
     EXPECT_LT(cost.exposed_layer_comm(g, false), g.layer_comm);
-    const auto overlapped = cost.stage_cost(g, 10, false, false, 1);
+    const auto overlapped = cost.stage_cost(g, {.layers = 10});
     EXPECT_NEAR(plain.forward - overlapped.forward,
                 10 * (2 * g.layer_comm - cost.exposed_layer_comm(g, false)), 1e-12);
     EXPECT_NEAR(plain.comm - overlapped.comm,
@@ -669,12 +673,12 @@ TEST(CostModel, TheVocabularyParallelLossAddsTwoSmallAllReducesToTheLastStage) {
       cost.allreduce_time(tp2.ranks, tokens) + cost.allreduce_time(tp2.ranks, 2 * tokens);
   EXPECT_DOUBLE_EQ(g.loss_comm, loss);
   EXPECT_GT(loss, 4 * cost.cluster().intra_node_latency);  // two collectives of two latencies
-  const auto middle = cost.stage_cost(g, 2, false, false, 1);
-  const auto last = cost.stage_cost(g, 2, false, true, 1);
+  const auto middle = cost.stage_cost(g, {.layers = 2});
+  const auto last = cost.stage_cost(g, {.layers = 2, .last = true});
   EXPECT_NEAR(last.forward - middle.forward, g.head_forward + loss, 1e-12);
   EXPECT_NEAR(last.comm - middle.comm, g.layer_comm + loss, 1e-12);  // + the head's backward
   // One rank: no all-reduce at all.
   const auto alone = cost.group_cost(group(cost, {0}), plan::Rates(4, 1.0));
   EXPECT_EQ(alone.loss_comm, 0);
-  EXPECT_EQ(cost.stage_cost(alone, 4, true, true, 1).comm, 0);
+  EXPECT_EQ(cost.stage_cost(alone, {.layers = 4, .first = true, .last = true}).comm, 0);
 }

@@ -113,12 +113,12 @@ BaseLayout base_layout(const CostModel& cost, const Shape& shape, const Rates& r
 }
 
 Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rates,
-                 bool uneven_layers, bool uneven_micro_batches) {
+                 UnevenAssignment uneven) {
   const int L = cost.model().num_layers;
   const int M = cost.batch().micro_batches();
   std::vector<PipelineEval> evals;
   for (const auto& stages : base.pipelines) {
-    if (uneven_layers) {
+    if (uneven.layers) {
       PipelineEval e = evaluate_pipeline(cost, stages, rates, to_int(base.pipelines.size()));
       if (e.feasible) {
         evals.push_back(std::move(e));
@@ -141,7 +141,7 @@ Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rat
     evals.push_back(std::move(e));
   }
   std::vector<int> m;
-  if (uneven_micro_batches) {
+  if (uneven.micro_batches) {
     std::vector<double> first, period;
     for (const auto& e : evals) first.push_back(e.first), period.push_back(e.period);
     m = assign_micro_batches(M, first, period, to_int(evals.size()) > M);
@@ -171,7 +171,7 @@ class UniformStrategy : public Strategy {
     const Rates rates = full_rates(req.rates, cost.cluster().num_devices());
     const Shape shape = resolve_base(cost, req.base);
     const BaseLayout base = base_layout(cost, shape, rates);
-    PlanResult r = finish(name(), cost, uneven_plan(cost, base, rates, false, false), rates, start);
+    PlanResult r = finish(name(), cost, uneven_plan(cost, base, rates, {}), rates, start);
     r.restart = base.dropped;
     if (base.dropped) r.note = "pipelines with a gone device dropped (restart)";
     return r;
@@ -180,20 +180,21 @@ class UniformStrategy : public Strategy {
 
 class UnevenStrategy : public Strategy {
  public:
-  UnevenStrategy(bool layers, bool micro_batches) : layers_(layers), micro_(micro_batches) {}
-  std::string name() const override { return layers_ ? "uneven-layers" : "uneven-microbatches"; }
+  explicit UnevenStrategy(UnevenAssignment uneven) : uneven_(uneven) {}
+  std::string name() const override {
+    return uneven_.layers ? "uneven-layers" : "uneven-microbatches";
+  }
   PlanResult plan(const CostModel& cost, const PlanRequest& req) const override {
     const auto start = Clock::now();
     const Rates rates = full_rates(req.rates, cost.cluster().num_devices());
     const BaseLayout base = base_layout(cost, resolve_base(cost, req.base), rates);
-    PlanResult r =
-        finish(name(), cost, uneven_plan(cost, base, rates, layers_, micro_), rates, start);
+    PlanResult r = finish(name(), cost, uneven_plan(cost, base, rates, uneven_), rates, start);
     r.restart = base.dropped;
     return r;
   }
 
  private:
-  bool layers_, micro_;
+  UnevenAssignment uneven_;
 };
 
 class DropSlowStrategy : public Strategy {
@@ -226,8 +227,8 @@ std::unique_ptr<Strategy> make_uniform_strategy() {
 std::unique_ptr<Strategy> make_drop_slow_strategy(double threshold) {
   return std::make_unique<DropSlowStrategy>(threshold);
 }
-std::unique_ptr<Strategy> make_uneven_strategy(bool layers, bool micro_batches) {
-  return std::make_unique<UnevenStrategy>(layers, micro_batches);
+std::unique_ptr<Strategy> make_uneven_strategy(UnevenAssignment uneven) {
+  return std::make_unique<UnevenStrategy>(uneven);
 }
 
 }  // namespace detail

@@ -77,6 +77,24 @@ std::vector<int> water_fill(int total, double unit, const std::vector<double>& b
   return shares;
 }
 
+// The fewest of 1..layers recomputed layers of `mode` for which `fits(k)`, 0 if none. A stage's
+// memory is linear in k for k ≥ 1 (memory_use: each recomputed layer keeps less, and under the
+// shifted schedule holds one more scratch), so the k that fit are a prefix or a suffix
+// of 1..layers: k = 1, or, when memory falls with k, the first that fits by binary search (O(log
+// layers) instead of trying every k).
+template <typename Fits>
+int fewest_recomputed_layers(int layers, const Fits& fits) {
+  if (layers < 1) return 0;
+  if (fits(1)) return 1;
+  if (!fits(layers)) return 0;
+  int lo = 1, hi = layers;  // fits(hi), !fits(lo)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    (fits(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
 // The cores a stage's ranks run on (ClusterSpec::core_of), sorted.
 std::vector<int> cores_of(const ClusterSpec& cluster, const Stage& stage) {
   std::vector<int> cores;
@@ -164,55 +182,6 @@ double shard_training_flops(const model::ModelConfig& model, int sequences, int 
   return (1 + kBackwardPerForward) * forward;
 }
 
-void MemoryFootprint::include(const MemoryFootprint& o) {
-  auto raise = [](double& x, double y) { x = std::max(x, y); };
-  raise(params_per_layer, o.params_per_layer);
-  raise(embedding_params, o.embedding_params);
-  raise(head_params, o.head_params);
-  raise(largest_layer_tensor, o.largest_layer_tensor);
-  raise(vocabulary_tensor, o.vocabulary_tensor);
-  raise(parameter_bytes, o.parameter_bytes);
-  raise(gradient_bytes, o.gradient_bytes);
-  raise(optimizer_bytes, o.optimizer_bytes);
-  for (int m = 0; m < 3; ++m) {
-    raise(layer_kept[m], o.layer_kept[m]);
-    raise(recompute_scratch[m], o.recompute_scratch[m]);
-  }
-  raise(stage_output, o.stage_output);
-  raise(embedding_inputs, o.embedding_inputs);
-  raise(head_kept, o.head_kept);
-  raise(layer_workspace, o.layer_workspace);
-  raise(head_workspace, o.head_workspace);
-}
-
-MemoryUse memory_use(const MemoryFootprint& f, int layers, bool first, bool last, int in_flight,
-                     const model::Recompute& recompute, int pipelines, bool distributed_optimizer,
-                     bool recompute_ahead, bool probed) {
-  MemoryUse use;
-  const bool synced = pipelines > 1;
-  const double params =
-      layers * f.params_per_layer + (first ? f.embedding_params : 0) + (last ? f.head_params : 0);
-  const double holders = synced && distributed_optimizer ? pipelines : 1;
-  use.parameters = params * f.parameter_bytes;
-  use.gradients = params * f.gradient_bytes * (holders > 1 ? 1 + 1 / holders : 1);
-  use.optimizer = params * f.optimizer_bytes / holders;
-  const auto mode = static_cast<size_t>(recompute.mode);
-  const int recomputed =
-      recompute.mode == model::RecomputeMode::kNone ? 0 : std::clamp(recompute.layers, 0, layers);
-  const double per_micro_batch = (layers - recomputed) * f.layer_kept[0] +
-                                 recomputed * f.layer_kept[mode] + f.stage_output +
-                                 (first ? f.embedding_inputs : 0) + (last ? f.head_kept : 0);
-  const int scratch_layers = recomputed == 0 ? 0 : recompute_ahead ? recomputed : 1;
-  use.activations = in_flight * per_micro_batch + scratch_layers * f.recompute_scratch[mode];
-  use.workspace = f.layer_workspace + (last ? f.head_workspace : 0);
-  // The runtime packs gradients in fp32 (gradient_bytes per element).
-  const double largest = std::max(f.largest_layer_tensor, first || last ? f.vocabulary_tensor : 0);
-  use.communication = std::max({largest, synced ? std::min(params, kGradSyncChunkElements) : 0.0,
-                                probed ? 2 * kLinkProbeElements : 0.0}) *
-                      f.gradient_bytes;
-  return use;
-}
-
 void BatchConfig::validate(const std::string& source) const {
   check(global_batch > 0, source + ": global batch must be positive");
   check(micro_batch > 0, source + ": micro-batch must be positive");
@@ -293,51 +262,6 @@ double CostModel::layer_parameters(const Shares& shares) const {
   return attention_params_ * shares.heads + ffn_params_ * shares.ffn + 2.0 * model_.hidden_size;
 }
 
-MemoryFootprint CostModel::footprint(const Stage& stage, size_t member) const {
-  const Shares shares = Shares::of(stage, member, model_);
-  const double h = model_.hidden_size, V = model_.vocab_size, F = model_.ffn_hidden_size;
-  const double heads = model_.num_heads * shares.heads;
-  const double q = h * shares.heads, kv = model_.kv_dim() * shares.heads, f = F * shares.ffn;
-  const double v = V * shares.vocab;
-  const double tokens = double(batch_.micro_batch) * batch_.seq_len;
-  const double a = cluster_.activation_bytes;
-  constexpr double kTokenBytes = 4;  // int32 token ids
-  // Tensors of h values per token that every rank of the group holds whole, unless sequence
-  // parallelism splits them (norm outputs, residuals).
-  const double replicated = cluster_.sequence_parallel ? 1.0 / stage.tp() : 1.0;
-  MemoryFootprint fp;
-  fp.params_per_layer = layer_parameters(shares);
-  fp.embedding_params = V * h * shares.vocab;
-  fp.head_params = V * h * shares.vocab + h;
-  fp.largest_layer_tensor = std::max(h * f, h * q);
-  fp.vocabulary_tensor = v * h;
-  fp.gradient_bytes = cluster_.grad_bytes;
-  fp.parameter_bytes = cluster_.activation_bytes;  // weights in the training precision
-  fp.optimizer_bytes =
-      std::max(0.0, cluster_.state_bytes_per_param - fp.parameter_bytes - fp.gradient_bytes);
-  // Per token of one micro-batch through one layer: the input; the outputs of the norms, the
-  // matmuls and the MLP (what selective recomputation keeps); the attention core (scores, unless
-  // fused, and the attention output).
-  const double input = h * replicated;
-  const double outputs = (3 * h + 2) * replicated + q + 2 * kv + 3 * f;
-  const double core = q + (cluster_.flash_attention ? 0.0 : heads * batch_.seq_len);
-  using model::RecomputeMode;
-  auto index = [](RecomputeMode m) { return static_cast<size_t>(m); };
-  fp.layer_kept[index(RecomputeMode::kNone)] = tokens * (input + outputs + core) * a;
-  fp.layer_kept[index(RecomputeMode::kSelective)] = tokens * (input + outputs) * a;
-  fp.layer_kept[index(RecomputeMode::kFull)] = tokens * input * a;
-  fp.recompute_scratch[index(RecomputeMode::kSelective)] = tokens * core * a;
-  fp.recompute_scratch[index(RecomputeMode::kFull)] = tokens * (outputs + core) * a;
-  fp.stage_output = tokens * h * replicated * a;
-  fp.embedding_inputs = tokens * kTokenBytes;
-  // Targets; final norm output and its rstd; logits; losses, row maxima, two softmax sums.
-  fp.head_kept = tokens * kTokenBytes + tokens * ((h + 1) * replicated + v + 4) * a;
-  // Backward scratch: four of h, two of q, two of kv, three of f per token; the logits' gradient.
-  fp.layer_workspace = tokens * (4 * h + 2 * q + 2 * kv + 3 * f) * a;
-  fp.head_workspace = tokens * v * a;
-  return fp;
-}
-
 CostModel CostModel::with_link_rates(std::vector<double> link_rates) const {
   CostModel slowed = *this;
   slowed.cluster_.link_rates = std::move(link_rates);
@@ -363,13 +287,6 @@ double CostModel::allreduce_time(const std::vector<int>& ranks, double bytes) co
 
 bool CostModel::probes_links(int device) const {
   return cluster_.nodes > 1 && device % cluster_.devices_per_node == 0;
-}
-
-MemoryUse CostModel::idle_memory(int device) const {
-  MemoryUse use;
-  use.workspace = 3.0 * kComputeProbeSize * kComputeProbeSize * sizeof(float);
-  use.communication = probes_links(device) ? 2 * kLinkProbeElements * sizeof(float) : 0.0;
-  return use;
 }
 
 std::vector<double> CostModel::link_probe_seconds_per_byte() const {
@@ -514,19 +431,27 @@ double CostModel::exposed_layer_comm(const GroupCost& g, bool backward) const {
   return exposed;
 }
 
-StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool last,
-                                int in_flight, const model::Recompute& planned,
-                                bool choose_recompute, int pipelines, bool ahead) const {
+StageCost CostModel::stage_cost(const GroupCost& g, const StageQuery& q) const {
   using model::RecomputeMode;
   StageCost c;
+  const int layers = q.layers;
+  const bool first = q.first, last = q.last;
   const double l = layers;
-  const int n = std::max(in_flight, 1);
   const double cap = cluster_.usable_memory();
-  const bool shifted = (shifted_recompute_ || ahead) && !last;
+  StageMemory question;
+  question.layers = layers;
+  question.first = first;
+  question.last = last;
+  question.in_flight = std::max(q.in_flight, 1);
+  question.pipelines = q.pipelines;
+  question.optimizer =
+      distributed_optimizer_ ? OptimizerSharding::kDistributed : OptimizerSharding::kWhole;
+  const bool shifted = (shifted_recompute_ || q.timing == RecomputeTiming::kAhead) && !last;
+  question.timing = shifted ? RecomputeTiming::kAhead : RecomputeTiming::kInBackward;
+  question.probe = g.probes_links ? LinkProbe::kHeld : LinkProbe::kNone;
   auto memory = [&](const model::Recompute& r) {
-    return memory_use(g.memory, layers, first, last, n, r, pipelines, distributed_optimizer_,
-                      shifted, g.probes_links)
-        .total();
+    question.recompute = r;
+    return memory_use(g.memory, question).total();
   };
   // What recomputing one layer adds to the backward: the attention core's forward (selective),
   // or the layer's forward up to the MLP output with the attention all-reduce (full).
@@ -535,9 +460,9 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
     return r.layers * (r.mode == RecomputeMode::kSelective ? g.attention_core_forward
                                                            : g.layer_forward + g.layer_comm);
   };
-  model::Recompute chosen = planned;
-  if (planned.mode == RecomputeMode::kNone && choose_recompute && recompute_allowed_ &&
-      memory({}) > cap) {
+  model::Recompute chosen = q.planned;
+  if (q.planned.mode == RecomputeMode::kNone && q.choice == RecomputeChoice::kChooseToFit &&
+      recompute_allowed_ && memory({}) > cap) {
     // Stage-aware: of selective or full on the first k layers, the cheapest that fits; the most
     // memory saved when none does.
     // Memory falls and time grows with k, so per mode the fewest layers that fit is its best.
@@ -545,12 +470,12 @@ StageCost CostModel::stage_cost(const GroupCost& g, int layers, bool first, bool
     if (memory(chosen) <= cap) {
       double best = kInf;
       for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
-        for (int k = 1; k <= layers; ++k) {
-          const model::Recompute r{mode, k};
-          if (memory(r) > cap) continue;
-          if (extra_time(r) < best) best = extra_time(r), chosen = r;
-          break;
-        }
+        const int k = fewest_recomputed_layers(layers, [&](int n) {
+          return memory({mode, n}) <= cap;
+        });
+        if (k == 0) continue;
+        const model::Recompute r{mode, k};
+        if (extra_time(r) < best) best = extra_time(r), chosen = r;
       }
     }
   }
@@ -652,8 +577,16 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       }
       StagePrediction sp;
       const int in_flight = std::min(S - j, p.micro_batches);
-      sp.cost = stage_cost(g, s.num_layers(), first, last, in_flight, s.recompute, choose_recompute,
-                           P, s.recompute_ahead);
+      StageQuery query;
+      query.layers = s.num_layers();
+      query.first = first;
+      query.last = last;
+      query.in_flight = in_flight;
+      query.planned = s.recompute;
+      query.choice = choose_recompute ? RecomputeChoice::kChooseToFit : RecomputeChoice::kAsPlanned;
+      query.pipelines = P;
+      query.timing = s.recompute_ahead ? RecomputeTiming::kAhead : RecomputeTiming::kInBackward;
+      sp.cost = stage_cost(g, query);
       if (!sp.cost.fits && out.fits) {
         out.fits = false;
         if (out.problem.empty()) {
@@ -670,11 +603,9 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       for (size_t i = 0; i < s.ranks.size(); ++i) {
         const int r = s.ranks[i];
         if (r < 0 || r >= plan.world_size) continue;
-        out.memory_bytes[static_cast<size_t>(r)] =
-            memory_use(footprint(s, i), s.num_layers(), first, last, in_flight, sp.cost.recompute,
-                       P, distributed_optimizer_,
-                       (shifted_recompute_ || s.recompute_ahead) && !last, probes_links(r))
-                .total();
+        StageMemory m = stage_memory(p, static_cast<size_t>(j), P, r);
+        m.recompute = sp.cost.recompute;
+        out.memory_bytes[static_cast<size_t>(r)] = memory_use(footprint(s, i), m).total();
       }
     }
     if (cluster_.cores_shared()) {
@@ -746,54 +677,6 @@ void CostModel::write_recompute(Plan& plan, const Prediction& prediction) {
       if (stages[j].recompute.layers == 0) stages[j].recompute_ahead = false;
     }
   }
-}
-
-bool CostModel::choose_recompute_ahead(Plan& plan) const {
-  const double cap = cluster_.usable_memory();
-  const int P = static_cast<int>(plan.pipelines.size());
-  bool any = false;
-  for (auto& p : plan.pipelines) {
-    const int S = static_cast<int>(p.stages.size());
-    for (int j = 0; j + 1 < S; ++j) {
-      Stage& s = p.stages[static_cast<size_t>(j)];
-      if (s.recompute_ahead || s.recompute.mode == model::RecomputeMode::kNone ||
-          s.recompute.layers == 0) {
-        continue;
-      }
-      const int in_flight = std::min(S - j, p.micro_batches);
-      bool fits = true;
-      for (size_t i = 0; i < s.ranks.size() && fits; ++i) {
-        fits = memory_use(footprint(s, i), s.num_layers(), j == 0, false, in_flight, s.recompute, P,
-                          distributed_optimizer_, true, probes_links(s.ranks[i]))
-                   .total() <= cap;
-      }
-      s.recompute_ahead = fits;
-      any = any || fits;
-    }
-  }
-  return any;
-}
-
-std::vector<MemoryUse> CostModel::memory_by_kind(const Plan& plan) const {
-  std::vector<MemoryUse> out(static_cast<size_t>(plan.world_size));
-  for (int r = 0; r < plan.world_size; ++r) out[static_cast<size_t>(r)] = idle_memory(r);
-  const int P = static_cast<int>(plan.pipelines.size());
-  for (const auto& p : plan.pipelines) {
-    const int S = static_cast<int>(p.stages.size());
-    for (int j = 0; j < S; ++j) {
-      const Stage& s = p.stages[static_cast<size_t>(j)];
-      const int in_flight = std::min(S - j, p.micro_batches);
-      for (size_t i = 0; i < s.ranks.size(); ++i) {
-        const int r = s.ranks[i];
-        if (r < 0 || r >= plan.world_size) continue;
-        out[static_cast<size_t>(r)] =
-            memory_use(footprint(s, i), s.num_layers(), j == 0, j == S - 1, in_flight, s.recompute,
-                       P, distributed_optimizer_,
-                       (shifted_recompute_ || s.recompute_ahead) && j < S - 1, probes_links(r));
-      }
-    }
-  }
-  return out;
 }
 
 void CostModel::even_shares_of(Stage& stage) const {

@@ -29,14 +29,7 @@
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
 //
-// Memory per rank (MemoryFootprint, memory_use), kind by kind what the runtime allocates
-// (backend/memory.h): parameters, gradients and optimizer state of the rank's shard (precision
-// from the cluster); activations: per micro-batch in flight under 1F1B (stage s of S holds
-// min(S − s, m)) each layer's kept tensors (its input, norm outputs, q/k/v, attention
-// scores unless the cluster has flash attention, attention output, MLP intermediates, shares of
-// the TP group; norm and residual tensors split over the group only with sequence parallelism)
-// and the stage output, the tokens on the first stage and the logits and loss statistics on the
-// last; the backward workspace shared by all micro-batches; the gradient-sync packing buffer.
+// Memory per rank: plan/memory_model.h.
 // Sub-pipelined tensor parallelism (set_tp_subpipeline, model/transformer.h): a layer's
 // micro-batch runs as two parts, so each of its 2 forward and 2 backward all-reduces becomes two
 // of half the activations, c/2 = allreduce(b·s·h/2) each, and every half-reduction but the last
@@ -63,6 +56,7 @@
 
 #include "model/config.h"
 #include "plan/cluster.h"
+#include "plan/memory_model.h"
 #include "plan/plan.h"
 
 namespace malleus::plan {
@@ -89,69 +83,11 @@ inline constexpr double kBackwardPerForward = 2;
 double shard_training_flops(const model::ModelConfig& model, int sequences, int seq_len, int layers,
                             bool last_stage, const Shares& shares = {});
 
-// ---- memory: the one formula, used for the planner's memory limits and for a prediction's
-// per-device memory, and held against the runtime's own account of its allocations. New kinds
-// of state are new components here; callers only ask for memory_use(...). -----------------------
-
-// Bytes one rank of a stage needs, by component, before the stage's layer count, position,
-// micro-batches in flight and recomputation are known.
-struct MemoryFootprint {
-  double params_per_layer = 0, embedding_params = 0, head_params = 0;   // elements
-  double largest_layer_tensor = 0, vocabulary_tensor = 0;               // elements
-  double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;  // per parameter
-  // One micro-batch through one layer: what it keeps until its backward, by RecomputeMode, and
-  // what is live while a layer of that mode is recomputed (once per stage).
-  double layer_kept[3] = {0, 0, 0}, recompute_scratch[3] = {0, 0, 0};
-  double stage_output = 0;                         // one micro-batch
-  double embedding_inputs = 0, head_kept = 0;      // one micro-batch, first / last stage
-  double layer_workspace = 0, head_workspace = 0;  // backward scratch, once per stage
-  // Component-wise maximum: the footprint of a group's fullest rank.
-  void include(const MemoryFootprint& other);
-};
-
-// The runtime sums gradients across pipelines in packed chunks of at most this many elements (a
-// larger single piece alone), which bounds its packing buffer.
-inline constexpr double kGradSyncChunkElements = 16.0 * 1024 * 1024;
-// On several nodes each node's first rank (its leader) exchanges a fixed probe of this many fp32
-// elements (512 KiB) each way with every other node's leader each step, twice, one partner per
-// round of link_probe_partner's schedule, timed for the link monitor (runtime::Engine), through
-// the ranks' packing buffer (send and receive halves). Large against a token-bucket shaper's
-// burst, so that a throttled link shows at its rate, and small against a step (about 2 ms a round
-// on the test bed's healthy links, 20 ms on one throttled to a tenth).
-inline constexpr double kLinkProbeElements = 128.0 * 1024;
-// A rank the plan leaves idle multiplies two kComputeProbeSize² fp32 matrices into a third (its
-// workspace) every step, so that the monitor keeps measuring its device and sees it recover
-// (runtime::Engine::run_probe).
-inline constexpr int kComputeProbeSize = 256;
 // The link probe's fixed schedule among `nodes` nodes (the circle method: every pair of nodes
 // meets once, each node in at most one pair per round): its number of rounds, and node `node`'s
 // partner in round `round`, or -1 for a bye (an odd number of nodes).
 int link_probe_rounds(int nodes);
 int link_probe_partner(int nodes, int round, int node);
-
-// Bytes by kind, as backend::MemoryKind names them.
-struct MemoryUse {
-  double parameters = 0, gradients = 0, optimizer = 0, activations = 0, workspace = 0,
-         communication = 0;
-  double total() const {
-    return parameters + gradients + optimizer + activations + workspace + communication;
-  }
-};
-
-// A footprint on a stage of `layers` layers holding `in_flight` micro-batches at once, with
-// `recompute` applied to its first layers, in a plan of `pipelines` pipelines. With more than
-// one, the rank packs its gradients for the sync in chunks of kGradSyncChunkElements (otherwise
-// the pack buffer only ever holds one tensor, for the gradient norm), and with the distributed
-// optimizer (ZeRO-1) every piece has `pipelines` holders: each keeps 1/pipelines of the
-// optimizer state (fp32 master weights and moments, optimizer_bytes) and of the summed gradients
-// (a shard of its own next to the full gradients). `recompute_ahead`: the stage recomputes ahead
-// of its backward (the shifted schedule), with a scratch per recomputing layer. `probed`: the rank
-// is its node's leader in a job of several nodes (CostModel::probes_links), so its packing buffer
-// also holds the link probe (2 × kLinkProbeElements: what it sends and receives). For a stage's
-// fullest member (GroupCost::memory), whether any member probes (GroupCost::probes_links).
-MemoryUse memory_use(const MemoryFootprint& footprint, int layers, bool first, bool last,
-                     int in_flight, const model::Recompute& recompute, int pipelines,
-                     bool distributed_optimizer, bool recompute_ahead = false, bool probed = false);
 
 struct BatchConfig {
   int global_batch = 64;  // sequences per optimizer step
@@ -201,6 +137,10 @@ struct GroupCost {
   bool probes_links = false;
   bool gone = false;  // a member has rate ∞
 };
+
+// Whether stage_cost may give a stage whose plan says no recomputation the cheapest one that makes
+// it fit (the planner's search), or predicts exactly the plan's (what the runtime will run).
+enum class RecomputeChoice { kAsPlanned, kChooseToFit };
 
 struct StageCost {
   double forward = 0, backward = 0;  // per micro-batch, TP communication and recomputation in
@@ -292,14 +232,20 @@ class CostModel {
   // Each member's compute time relative to the group's slowest member (1 for the slowest): the
   // share of a stage's compute time the member is actually busy.
   std::vector<double> member_load(const Stage& stage, const Rates& rates) const;
-  // `in_flight`: micro-batches whose activations the stage holds at once. `planned`: the stage's
-  // recomputation; when none and `choose_recompute`, the cheapest one that makes it fit.
-  // `pipelines`: of the plan (memory_use). `ahead`: the plan has the stage recompute ahead of its
-  // gradient (Stage::recompute_ahead); it does on a stage before the last with it or under the
-  // shifted schedule.
-  StageCost stage_cost(const GroupCost& group, int layers, bool first, bool last, int in_flight,
-                       const model::Recompute& planned = {}, bool choose_recompute = true,
-                       int pipelines = 1, bool ahead = false) const;
+  // One stage of a pipeline, for stage_cost: it sets the stage's memory and its recomputation.
+  // (A struct, not positional flags: callers name what they set.)
+  struct StageQuery {
+    int layers = 0;
+    bool first = false, last = false;  // the stage's position in its pipeline
+    int in_flight = 1;                 // micro-batches whose activations it holds at once
+    model::Recompute planned{};        // the stage's recomputation as its plan says
+    RecomputeChoice choice = RecomputeChoice::kChooseToFit;
+    int pipelines = 1;  // of the plan (memory_use)
+    // kAhead: the plan has the stage recompute ahead of its gradient (Stage::recompute_ahead); it
+    // does on a stage before the last with it or under the shifted schedule.
+    RecomputeTiming timing = RecomputeTiming::kInBackward;
+  };
+  StageCost stage_cost(const GroupCost& group, const StageQuery& query) const;
 
   // 1F1B closed form from per-stage F, B and P2P times (see the header comment).
   static PipelinePrediction pipeline_time(std::vector<StagePrediction> stages, int micro_batches);
@@ -330,6 +276,9 @@ class CostModel {
   double owned_parameters(const Stage& stage, size_t member, bool first, bool last) const;
 
  private:
+  // The memory question of stage `j` of `pipeline` (its layers, position, micro-batches in
+  // flight, recomputation as planned) on device `device`, in a plan of `pipelines` pipelines.
+  StageMemory stage_memory(const Pipeline& pipeline, size_t j, int pipelines, int device) const;
   // Parameter elements of one layer's shard (matmuls on the shares, both norms whole).
   double layer_parameters(const Shares& shares) const;
 

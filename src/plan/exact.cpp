@@ -24,11 +24,20 @@ PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
     groups.push_back(cost.group_cost(s, rates));
     if (groups.back().gone) return out;
   }
+  // Stage j of S with l layers, S − j micro-batches in flight, recomputation chosen to fit.
+  auto query = [&](int j, int l) {
+    CostModel::StageQuery q;
+    q.layers = l;
+    q.first = j == 0;
+    q.last = j == S - 1;
+    q.in_flight = S - j;
+    q.pipelines = pipelines;
+    return q;
+  };
   std::vector<std::function<double(int)>> fns;
   for (int j = 0; j < S; ++j) {
     fns.emplace_back([&, j](int l) {
-      const StageCost c = cost.stage_cost(groups[static_cast<size_t>(j)], l, j == 0, j == S - 1,
-                                          S - j, {}, true, pipelines);
+      const StageCost c = cost.stage_cost(groups[static_cast<size_t>(j)], query(j, l));
       return c.fits ? c.forward + c.backward : kInf;
     });
   }
@@ -38,8 +47,8 @@ PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
   std::vector<StagePrediction> preds;
   for (int j = 0; j < S; ++j) {
     StagePrediction p;
-    p.cost = cost.stage_cost(groups[static_cast<size_t>(j)], counts[static_cast<size_t>(j)], j == 0,
-                             j == S - 1, S - j, {}, true, pipelines);
+    p.cost =
+        cost.stage_cost(groups[static_cast<size_t>(j)], query(j, counts[static_cast<size_t>(j)]));
     if (j + 1 < S) {
       p.p2p_next =
           cost.p2p_time(stages[static_cast<size_t>(j)], stages[static_cast<size_t>(j + 1)]);

@@ -130,8 +130,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, PlannerOptions 
   if (name == "malleus") return detail::make_malleus_strategy(std::move(options));
   if (name == "uniform") return detail::make_uniform_strategy();
   if (name == "drop-slow") return detail::make_drop_slow_strategy(options.straggler_threshold);
-  if (name == "uneven-microbatches") return detail::make_uneven_strategy(false, true);
-  if (name == "uneven-layers") return detail::make_uneven_strategy(true, false);
+  if (name == "uneven-microbatches") return detail::make_uneven_strategy({.micro_batches = true});
+  if (name == "uneven-layers") return detail::make_uneven_strategy({.layers = true});
   std::string names;
   for (const auto& n : strategy_names()) {
     names += ' ';

@@ -75,16 +75,20 @@ struct BaseLayout {
 // The request's base shape, or the best healthy uniform shape when it gives none.
 Shape resolve_base(const CostModel& cost, const Shape& base);
 BaseLayout base_layout(const CostModel& cost, const Shape& shape, const Rates& rates);
-// A plan from a base layout with layers even or assigned by rates, and micro-batches even or
-// assigned by rates.
+// What the uneven baselines assign from the rates (the rest is split evenly).
+struct UnevenAssignment {
+  bool layers = false;         // layers per stage
+  bool micro_batches = false;  // micro-batches per pipeline
+};
+// A plan from a base layout with layers and micro-batches even or assigned by rates.
 Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rates,
-                 bool uneven_layers, bool uneven_micro_batches);
+                 UnevenAssignment uneven);
 // The fastest uniform plan over the devices below `threshold` (none gone); empty when none fits.
 UniformChoice drop_slow_choice(const CostModel& cost, const Rates& rates, double threshold);
 
 std::unique_ptr<Strategy> make_uniform_strategy();
 std::unique_ptr<Strategy> make_drop_slow_strategy(double threshold);
-std::unique_ptr<Strategy> make_uneven_strategy(bool layers, bool micro_batches);
+std::unique_ptr<Strategy> make_uneven_strategy(UnevenAssignment uneven);
 // Ours (search.cpp).
 std::unique_ptr<Strategy> make_malleus_strategy(PlannerOptions options);
 

@@ -341,9 +341,11 @@ class MalleusSearch {
     const Shape shape = resolve_base(cost_, request_.base);
     try {
       const BaseLayout base = base_layout(cost_, shape, rates_);
-      for (auto [layers, micro] :
-           {std::pair{true, true}, {true, false}, {false, true}, {false, false}}) {
-        add_refined(uneven_plan(cost_, base, rates_, layers, micro));
+      for (const UnevenAssignment uneven :
+           {UnevenAssignment{.layers = true, .micro_batches = true},
+            UnevenAssignment{.layers = true}, UnevenAssignment{.micro_batches = true},
+            UnevenAssignment{}}) {
+        add_refined(uneven_plan(cost_, base, rates_, uneven));
       }
     } catch (const Error&) {
       // every base pipeline holds a gone device
