@@ -548,15 +548,21 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
   std::vector<double> layer_link_rate(static_cast<size_t>(L), 1.0);
   for (const auto& p : plan.pipelines) {
     for (const auto& s : p.stages) {
+      // The stage's nodes, once, then its layers (not every rank × layer).
+      if (s.ranks.empty()) continue;
+      const int node = cluster_.node_of(s.ranks[0]);
+      bool spans = false;
+      double slowest_link = 1.0;
       for (int r : s.ranks) {
-        const int node = cluster_.node_of(r);
-        for (int l = s.layer_begin; l < s.layer_end; ++l) {
-          int& n = layer_node[static_cast<size_t>(l)];
-          if (n < 0) n = node;
-          if (n != node) layer_crosses[static_cast<size_t>(l)] = true;
-          double& slowest = layer_link_rate[static_cast<size_t>(l)];
-          slowest = std::max(slowest, cluster_.link_rate(node));
-        }
+        spans = spans || cluster_.node_of(r) != node;
+        slowest_link = std::max(slowest_link, cluster_.link_rate(cluster_.node_of(r)));
+      }
+      for (int l = s.layer_begin; l < s.layer_end; ++l) {
+        int& n = layer_node[static_cast<size_t>(l)];
+        if (n < 0) n = node;
+        if (n != node || spans) layer_crosses[static_cast<size_t>(l)] = true;
+        double& slowest = layer_link_rate[static_cast<size_t>(l)];
+        slowest = std::max(slowest, slowest_link);
       }
     }
   }
@@ -600,12 +606,17 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       if (!last) sp.p2p_next = p2p_time(s, p.stages[static_cast<size_t>(j + 1)]);
       stages.push_back(sp);
       // Per-rank memory with the stage's recomputation choice.
+      MemoryFootprint member;  // members with the same shares hold the same footprint
       for (size_t i = 0; i < s.ranks.size(); ++i) {
         const int r = s.ranks[i];
         if (r < 0 || r >= plan.world_size) continue;
+        if (i == 0 || s.heads[i] != s.heads[i - 1] || s.ffn[i] != s.ffn[i - 1] ||
+            s.vocab[i] != s.vocab[i - 1]) {
+          member = footprint(s, i);
+        }
         StageMemory m = stage_memory(p, static_cast<size_t>(j), P, r);
         m.recompute = sp.cost.recompute;
-        out.memory_bytes[static_cast<size_t>(r)] = memory_use(footprint(s, i), m).total();
+        out.memory_bytes[static_cast<size_t>(r)] = memory_use(member, m).total();
       }
     }
     if (cluster_.cores_shared()) {
@@ -629,7 +640,7 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         std::max(out.pipeline_time, busiest_core_compute(cluster_, plan, out.pipelines));
   }
   // Gradient sync and optimizer step, per rank.
-  std::map<int, double> optimizer_per_core;
+  std::vector<double> optimizer_per_core(static_cast<size_t>(std::max(plan.world_size, 1)), 0.0);
   for (const auto& p : plan.pipelines) {
     const int S = static_cast<int>(p.stages.size());
     for (int j = 0; j < S; ++j) {
@@ -657,7 +668,9 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         const double opt = updated * 2 * cluster_.state_bytes_per_param /
                            cluster_.memory_bandwidth * (std::isfinite(rate) ? rate : 1.0);
         // Ranks that take turns on a core step their optimizers one after another.
-        double& on_core = optimizer_per_core[cluster_.core_of(s.ranks[i])];
+        const auto core = static_cast<size_t>(cluster_.core_of(s.ranks[i]));
+        if (core >= optimizer_per_core.size()) optimizer_per_core.resize(core + 1, 0.0);
+        double& on_core = optimizer_per_core[core];
         on_core += opt;
         out.optimizer_time = std::max(out.optimizer_time, on_core);
       }

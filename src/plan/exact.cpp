@@ -12,18 +12,34 @@ namespace malleus::plan {
 
 namespace detail {
 
-PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages, const Rates& rates,
-                               int pipelines) {
-  PipelineEval out;
-  const int S = to_int(stages.size());
-  const int L = cost.model().num_layers;
-  if (S == 0 || S > L) return out;
+namespace {
+
+// A pipeline's stage costs: all that its layer assignment and times depend on.
+struct PipelineCosts {
   std::vector<GroupCost> groups;
-  groups.reserve(stages.size());
-  for (const auto& s : stages) {
-    groups.push_back(cost.group_cost(s, rates));
-    if (groups.back().gone) return out;
+  std::vector<double> p2p;  // after each stage but the last
+  bool gone = false;
+};
+
+PipelineCosts pipeline_costs(const CostModel& cost, const std::vector<Stage>& stages,
+                             const Rates& rates) {
+  PipelineCosts out;
+  out.groups.reserve(stages.size());
+  for (size_t j = 0; j < stages.size(); ++j) {
+    out.groups.push_back(cost.group_cost(stages[j], rates));
+    out.gone = out.gone || out.groups.back().gone;
+    if (j + 1 < stages.size()) out.p2p.push_back(cost.p2p_time(stages[j], stages[j + 1]));
   }
+  return out;
+}
+
+// Layers per stage and the pipeline's time coefficients from its stage costs (empty counts: no
+// assignment fits).
+PipelineTimes time_pipeline(const CostModel& cost, const PipelineCosts& pc, int pipelines) {
+  PipelineTimes out;
+  const int S = to_int(pc.groups.size());
+  const int L = cost.model().num_layers;
+  if (S == 0 || S > L || pc.gone) return out;
   // Stage j of S with l layers, S − j micro-batches in flight, recomputation chosen to fit.
   auto query = [&](int j, int l) {
     CostModel::StageQuery q;
@@ -37,30 +53,87 @@ PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages,
   std::vector<std::function<double(int)>> fns;
   for (int j = 0; j < S; ++j) {
     fns.emplace_back([&, j](int l) {
-      const StageCost c = cost.stage_cost(groups[static_cast<size_t>(j)], query(j, l));
+      const StageCost c = cost.stage_cost(pc.groups[static_cast<size_t>(j)], query(j, l));
       return c.fits ? c.forward + c.backward : kInf;
     });
   }
-  const auto counts = assign_layers(L, fns);
-  if (counts.empty()) return out;
-  set_layers(stages, counts);
+  out.layers = assign_layers(L, fns);
+  if (out.layers.empty()) return out;
   std::vector<StagePrediction> preds;
   for (int j = 0; j < S; ++j) {
     StagePrediction p;
-    p.cost =
-        cost.stage_cost(groups[static_cast<size_t>(j)], query(j, counts[static_cast<size_t>(j)]));
-    if (j + 1 < S) {
-      p.p2p_next =
-          cost.p2p_time(stages[static_cast<size_t>(j)], stages[static_cast<size_t>(j + 1)]);
-    }
+    p.cost = cost.stage_cost(pc.groups[static_cast<size_t>(j)],
+                             query(j, out.layers[static_cast<size_t>(j)]));
+    if (j + 1 < S) p.p2p_next = pc.p2p[static_cast<size_t>(j)];
     preds.push_back(p);
   }
   const PipelinePrediction pp = CostModel::pipeline_time(std::move(preds), 1);
-  out.feasible = true;
   out.first = pp.first_micro_batch;
   out.period = pp.period;
+  return out;
+}
+
+PipelineEval with_times(std::vector<Stage> stages, const PipelineTimes& times) {
+  PipelineEval out;
+  if (times.layers.empty()) return out;
+  set_layers(stages, times.layers);
+  out.feasible = true;
+  out.first = times.first;
+  out.period = times.period;
   out.stages = std::move(stages);
   return out;
+}
+
+void append(std::string& key, double x) {
+  key.append(reinterpret_cast<const char*>(&x), sizeof x);
+}
+
+// Every number of the stage costs, as bytes: equal keys, equal evaluations.
+std::string cost_key(const PipelineCosts& pc, int pipelines) {
+  std::string key;
+  key.reserve(pc.groups.size() * 64 * sizeof(double));
+  append(key, pipelines);
+  for (size_t j = 0; j < pc.groups.size(); ++j) {
+    const GroupCost& g = pc.groups[j];
+    for (double x :
+         {double(g.tp), g.layer_forward, g.layer_backward, g.layer_comm, g.layer_comm_half,
+          g.loss_comm, g.attention_share, g.o_proj_share, g.qkv_share, g.attention_core_forward,
+          g.head_forward, g.head_backward, double(g.probes_links), double(g.gone),
+          j < pc.p2p.size() ? pc.p2p[j] : -1.0}) {
+      append(key, x);
+    }
+    const MemoryFootprint& f = g.memory;
+    for (double x : {f.params_per_layer, f.embedding_params, f.head_params, f.largest_layer_tensor,
+                     f.vocabulary_tensor, f.parameter_bytes, f.gradient_bytes, f.optimizer_bytes,
+                     f.layer_kept[0], f.layer_kept[1], f.layer_kept[2], f.recompute_scratch[0],
+                     f.recompute_scratch[1], f.recompute_scratch[2], f.stage_output,
+                     f.embedding_inputs, f.head_kept, f.layer_workspace, f.head_workspace}) {
+      append(key, x);
+    }
+  }
+  return key;
+}
+
+}  // namespace
+
+PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages, const Rates& rates,
+                               int pipelines) {
+  const PipelineCosts pc = pipeline_costs(cost, stages, rates);
+  return with_times(std::move(stages), time_pipeline(cost, pc, pipelines));
+}
+
+PipelineEval PipelineEvaluator::operator()(std::vector<Stage> stages, const Rates& rates,
+                                           int pipelines) {
+  const PipelineCosts pc = pipeline_costs(*cost_, stages, rates);
+  const std::string key = cost_key(pc, pipelines);
+  auto it = times_.find(key);
+  if (it == times_.end()) {
+    ++evaluations_;
+    it = times_.emplace(key, time_pipeline(*cost_, pc, pipelines)).first;
+  } else {
+    ++reused_;
+  }
+  return with_times(std::move(stages), it->second);
 }
 
 double allocation_time(const std::vector<double>& first, const std::vector<double>& period,
@@ -148,14 +221,87 @@ std::vector<int> assign_micro_batches(int total, const std::vector<double>& firs
                                               " micro-batches for " + std::to_string(n) +
                                               " pipelines");
   std::vector<int> m(n, allow_zero ? 0 : 1);
-  int left = total - (allow_zero ? 0 : to_int(n));
-  // Greedy on the next micro-batch's finishing time: the total'th smallest of all T_i(k) is the
-  // optimum, and picking the smallest next value each time reaches exactly that.
+  const long long left = total - (allow_zero ? 0 : to_int(n));
+  // The optimum takes the `left` smallest of all next finishing times T_i(k) (k > m_i). Most of
+  // them at once: below a bound T found by bisection, pipeline i's count of values ≤ T is closed
+  // form, and every value ≤ T is among the smallest while their count stays ≤ left. The last few
+  // (ties at the bound; at most about one per pipeline) go one at a time, greedily on the next
+  // finishing time with a heap, as the exact rule does for all of them.
+  auto value = [&](size_t i, long long k) {  // T_i(k + 1): finishing with k + 1 micro-batches
+    return k == 0 ? first[i] : first[i] + static_cast<double>(k) * period[i];
+  };
+  // Values of pipeline i at most `bound`, beyond its m_i.
+  auto count = [&](size_t i, double bound) -> long long {
+    if (!(first[i] <= bound)) return 0;
+    const long long k0 = m[i];
+    if (!(period[i] > 0) || !std::isfinite(period[i])) return value(i, k0) <= bound ? 1 : 0;
+    // Values k = 0..c−1, as the comparisons value(k) ≤ bound say (not the division's rounding).
+    long long c = std::min(static_cast<long long>(std::floor((bound - first[i]) / period[i])) + 1,
+                           left + k0 + 1);
+    while (c > 0 && value(i, c - 1) > bound) --c;
+    while (c <= left + k0 && value(i, c) <= bound) ++c;
+    return std::max(0LL, c - k0);
+  };
+  // Pipelines with the same coefficients count alike: most of a large cluster's are.
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return first[a] != first[b] ? first[a] < first[b] : period[a] < period[b];
+  });
+  std::vector<std::pair<size_t, long long>> kinds;  // a pipeline of each kind, how many
+  for (size_t i : order) {
+    if (!kinds.empty() && first[kinds.back().first] == first[i] &&
+        period[kinds.back().first] == period[i]) {
+      ++kinds.back().second;
+    } else {
+      kinds.emplace_back(i, 1);
+    }
+  }
+  auto counted = [&](double bound) {
+    long long sum = 0;
+    for (size_t k = 0; k < kinds.size() && sum <= left; ++k) {
+      sum += kinds[k].second * count(kinds[k].first, bound);
+    }
+    return sum;
+  };
+  double lo = 0, hi = 0;
+  bool any = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(first[i])) continue;
+    const double v = value(i, m[i]);
+    lo = any ? std::min(lo, v) : v;
+    any = true;
+  }
+  if (any && left > 0 && counted(lo) <= left) {
+    // hi: a bound with more than `left` values, or the largest finite value when none has.
+    hi = lo;
+    for (double step = std::max(1e-300, std::abs(lo)); counted(hi) <= left && std::isfinite(hi);
+         step *= 2) {
+      hi = lo + step;
+    }
+    for (int iter = 0; iter < 200 && std::isfinite(hi) && lo < hi; ++iter) {
+      const double mid = lo + (hi - lo) / 2;
+      if (mid <= lo || mid >= hi) break;
+      (counted(mid) <= left ? lo : hi) = mid;
+    }
+    std::vector<int> add(kinds.size());
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      add[k] = static_cast<int>(count(kinds[k].first, lo));
+    }
+    size_t k = 0;
+    for (size_t pos = 0; pos < n; ++pos) {
+      const size_t i = order[pos];
+      if (first[i] != first[kinds[k].first] || period[i] != period[kinds[k].first]) ++k;
+      m[i] += add[k];
+    }
+  }
+  long long rest = total;
+  for (int x : m) rest -= x;
   using Item = std::pair<double, size_t>;
   std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;
-  auto next = [&](size_t i) { return m[i] == 0 ? first[i] : first[i] + m[i] * period[i]; };
+  auto next = [&](size_t i) { return value(i, m[i]); };
   for (size_t i = 0; i < n; ++i) heap.emplace(next(i), i);
-  for (; left > 0; --left) {
+  for (; rest > 0; --rest) {
     const size_t i = heap.top().second;
     heap.pop();
     ++m[i];

@@ -31,12 +31,19 @@ struct PlanRequest {
   std::optional<Plan> current;  // the plan running now: ties are broken toward it
 };
 
+// Where a planner's time went: a named phase and its wall time.
+struct PlanningPhase {
+  std::string name;
+  double seconds = 0;
+};
+
 struct PlanResult {
   std::string strategy;
   Plan plan;
-  Prediction prediction;        // the cost model's
-  double planning_seconds = 0;  // wall time of plan()
-  bool restart = false;         // applying it means stopping and restarting the job
+  Prediction prediction;              // the cost model's
+  double planning_seconds = 0;        // wall time of plan()
+  std::vector<PlanningPhase> phases;  // ours: planning_seconds by phase
+  bool restart = false;               // applying it means stopping and restarting the job
   std::string note;
 };
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "plan/planner.h"
@@ -19,6 +20,21 @@ using Clock = std::chrono::steady_clock;
 inline int to_int(size_t n) {
   return static_cast<int>(n);
 }
+
+// Wall time by phase of a planner's run (PlanResult::phases).
+class PhaseClock {
+ public:
+  void lap(std::string name) {
+    const auto now = Clock::now();
+    phases_.push_back({std::move(name), std::chrono::duration<double>(now - last_).count()});
+    last_ = now;
+  }
+  std::vector<PlanningPhase> phases() const { return phases_; }
+
+ private:
+  Clock::time_point last_ = Clock::now();
+  std::vector<PlanningPhase> phases_;
+};
 
 // One rate per device (missing devices healthy).
 Rates full_rates(const Rates& rates, int devices);
@@ -46,6 +62,26 @@ struct PipelineEval {
 // optimizer's share).
 PipelineEval evaluate_pipeline(const CostModel& cost, std::vector<Stage> stages, const Rates& rates,
                                int pipelines = 1);
+// Layers per stage (empty: none fits) and the time coefficients of a pipeline.
+struct PipelineTimes {
+  std::vector<int> layers;
+  double first = kInf, period = kInf;
+};
+// evaluate_pipeline, remembering its answers by the pipeline's stage costs (every number the
+// evaluation reads: group costs, memory footprints, hand-off times): pipelines that cost the same
+// (most healthy pipelines of a layout, which differ only in their ranks) are evaluated once.
+class PipelineEvaluator {
+ public:
+  explicit PipelineEvaluator(const CostModel& cost) : cost_(&cost) {}
+  PipelineEval operator()(std::vector<Stage> stages, const Rates& rates, int pipelines);
+  size_t evaluations() const { return evaluations_; }  // layer assignments computed
+  size_t reused() const { return reused_; }            // answered from memory
+
+ private:
+  const CostModel* cost_;
+  std::unordered_map<std::string, PipelineTimes> times_;
+  size_t evaluations_ = 0, reused_ = 0;
+};
 // Max of T_i(m_i) over the pipelines given micro-batches.
 double allocation_time(const std::vector<double>& first, const std::vector<double>& period,
                        const std::vector<int>& m);

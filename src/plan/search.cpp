@@ -109,8 +109,9 @@ struct Candidate {
 // slow links.
 class BaseSearch {
  public:
-  BaseSearch(const CostModel& cost, const Rates& rates, int t, int S, bool stage_major = false)
-      : cost_(cost), rates_(rates) {
+  BaseSearch(const CostModel& cost, PipelineEvaluator& evaluate, const Rates& rates, int t, int S,
+             bool stage_major = false)
+      : cost_(cost), evaluate_(evaluate), rates_(rates) {
     const ClusterSpec& c = cost.cluster();
     const int per_node = c.devices_per_node / t;
     const int G = c.nodes * per_node;
@@ -188,9 +189,7 @@ class BaseSearch {
       const RegionOption& o = options_[p][r][static_cast<size_t>(choice[r])];
       for (const auto& g : o.groups) stages.push_back(make_group(cost_, g, o.balance, rates_));
     }
-    return cache
-        .emplace(choice,
-                 evaluate_pipeline(cost_, std::move(stages), rates_, to_int(options_.size())))
+    return cache.emplace(choice, evaluate_(std::move(stages), rates_, to_int(options_.size())))
         .first->second;
   }
 
@@ -214,6 +213,7 @@ class BaseSearch {
   }
 
   const CostModel& cost_;
+  PipelineEvaluator& evaluate_;
   const Rates& rates_;
   std::vector<std::vector<std::vector<RegionOption>>> options_;  // pipeline → region → options
   std::vector<std::vector<int>> choice_;
@@ -235,19 +235,31 @@ class MalleusSearch {
         request_(request),
         options_(options),
         rates_(full_rates(request.rates, cost.cluster().num_devices())),
-        healthy_(static_cast<size_t>(cost.cluster().num_devices()), 1.0) {}
+        healthy_(static_cast<size_t>(cost.cluster().num_devices()), 1.0),
+        evaluate_(cost),
+        evaluate_healthy_(cost) {}
 
   PlanResult run() {
     const auto start = Clock::now();
+    PhaseClock clock;
     const std::vector<Base> bases = enumerate_bases();
+    clock.lap("bases");
     search(bases);
+    clock.lap("search");
     add_baselines();
     add_current();
+    clock.lap("baselines");
     check(!candidates_.empty(), "malleus: no plan fits the devices that are left");
-    const std::vector<Candidate*> pool = score_and_refine();
+    score();
+    clock.lap("score");
+    const std::vector<Candidate*> pool = refine();
+    clock.lap("refine");
     PlanResult r = finish("malleus", cost_, choose(pool).plan, rates_, start);
+    clock.lap("finish");
+    r.phases = clock.phases();
     r.note = std::to_string(candidates_.size()) + " candidates from " +
-             std::to_string(bases.size()) + " bases";
+             std::to_string(bases.size()) + " bases; " + std::to_string(evaluate_.evaluations()) +
+             " pipelines evaluated, " + std::to_string(evaluate_.reused()) + " reused";
     return r;
   }
 
@@ -269,7 +281,7 @@ class MalleusSearch {
 
   // Bases (t, S): for each TP degree the fewest stages that fit, a few more, the stage counts that
   // tile the cluster evenly, and the request's base shape.
-  std::vector<Base> enumerate_bases() const {
+  std::vector<Base> enumerate_bases() {
     const ClusterSpec& c = cost_.cluster();
     const int L = cost_.model().num_layers;
     bool slow_links = false;
@@ -301,13 +313,13 @@ class MalleusSearch {
       std::sort(counts.begin(), counts.end());
       counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
       for (int S : counts) {
-        BaseSearch probe(cost_, healthy_, t, S);
+        BaseSearch probe(cost_, evaluate_healthy_, healthy_, t, S);
         bases.push_back({t, S, probe.initial_objective()});
         // With a slow inter-node link, also the layout that puts pipeline hand-offs rather than
         // the gradient sync on the links (only then: on healthy links Megatron's is never worse
         // by the cost model, and the search stays as fast).
         if (slow_links && S > 1 && G % S == 0 && G / S > 1) {
-          BaseSearch across(cost_, healthy_, t, S, true);
+          BaseSearch across(cost_, evaluate_healthy_, healthy_, t, S, true);
           bases.push_back({t, S, across.initial_objective(), true});
         }
       }
@@ -325,7 +337,7 @@ class MalleusSearch {
     for (const Base& b : bases) {
       const bool is_base = b.t == request_.base.tp && b.S == request_.base.pp;
       if (!is_base && !(b.healthy_time <= prune * best_healthy)) continue;
-      BaseSearch(cost_, rates_, b.t, b.S, b.stage_major).run(candidates_, 3);
+      BaseSearch(cost_, evaluate_, rates_, b.t, b.S, b.stage_major).run(candidates_, 3);
     }
   }
 
@@ -370,15 +382,18 @@ class MalleusSearch {
     if (current_is_usable()) add_refined(*request_.current);
   }
 
-  // Scores every candidate with the cost model, then re-scores the best few (and the baseline-
-  // shaped ones) with the evaluator when there is one. Returns the re-scored pool.
-  std::vector<Candidate*> score_and_refine() {
+  // Scores every candidate with the cost model (score), then re-scores the best few (and the
+  // baseline-shaped ones) with the evaluator when there is one (refine, which returns them).
+  void score() {
     for (auto& cand : candidates_) {
       const Prediction pred = cost_.predict(cand.plan, rates_);
       cand.score = pred.fits ? pred.iteration_time : kInf;
     }
     std::stable_sort(candidates_.begin(), candidates_.end(),
                      [](const Candidate& a, const Candidate& b) { return a.score < b.score; });
+  }
+
+  std::vector<Candidate*> refine() {
     std::vector<Candidate*> pool;
     for (size_t i = 0; i < candidates_.size(); ++i) {
       Candidate& cand = candidates_[i];
@@ -424,6 +439,7 @@ class MalleusSearch {
   const PlanRequest& request_;
   const PlannerOptions& options_;
   const Rates rates_, healthy_;
+  PipelineEvaluator evaluate_, evaluate_healthy_;  // under the rates; on the healthy cluster
   std::vector<Candidate> candidates_;
 };
 
