@@ -63,6 +63,9 @@ struct PlannerOptions {
   // request's current plan wins. Unset: the current plan wins if it is among them (it moves
   // nothing), otherwise the fastest.
   MigrationBytes migration;
+  // Ours also moves whole healthy TP groups from one pipeline to another (docs/planner.md); off
+  // only to measure what the move adds.
+  bool move_groups = true;
 };
 
 class Strategy {

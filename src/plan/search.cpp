@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
+#include <tuple>
 
 #include "common/error.h"
 #include "plan/planner_parts.h"
@@ -100,78 +102,89 @@ struct Candidate {
   bool must_refine = false;
 };
 
-// Searches one base (t, S): Megatron's layout of t-rank groups, S per pipeline, regrouped region
-// by region around the stragglers by coordinate descent on the predicted iteration time, with
-// layers and micro-batches assigned exactly for every trial. `stage_major`: pipeline p's stage j
-// is group j·P + p instead of p·S + j, so the stages of a pipeline spread over the nodes and the
-// same stage of every pipeline shares a node: pipeline hand-offs (one activation) cross the
-// inter-node links and the gradient sync (every parameter) stays inside nodes — the layout for
-// slow links.
+// One pipeline of a search: its regions' options in stage order, and, for a pipeline the search
+// keeps as it is (the incremental re-plan's untouched ones), its evaluation with its layers.
+struct PipelineSpace {
+  std::vector<std::vector<RegionOption>> regions;
+  std::vector<bool> healthy;  // per region: every device at rate 1 (its groups may move)
+  std::optional<PipelineEval> fixed;
+  bool straggling() const {
+    return std::find(healthy.begin(), healthy.end(), false) != healthy.end();
+  }
+};
+
+bool all_healthy(const std::vector<int>& devices, const Rates& rates) {
+  for (int d : devices) {
+    if (rates[static_cast<size_t>(d)] != 1.0) return false;
+  }
+  return true;
+}
+
+// Megatron's layout of t-rank groups, S per pipeline, as a search space: every pipeline's devices
+// on one node form a region with region_options. `stage_major`: pipeline p's stage j is group
+// j·P + p instead of p·S + j, so the stages of a pipeline spread over the nodes and the same stage
+// of every pipeline shares a node: pipeline hand-offs (one activation) cross the inter-node links
+// and the gradient sync (every parameter) stays inside nodes — the layout for slow links.
+std::vector<PipelineSpace> megatron_space(const CostModel& cost, const Rates& rates, int t, int S,
+                                          bool stage_major) {
+  const ClusterSpec& c = cost.cluster();
+  const int per_node = c.devices_per_node / t;
+  const int G = c.nodes * per_node;
+  const int P = G / S;
+  std::vector<PipelineSpace> space(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    std::vector<std::vector<int>> regions;
+    int last_node = -1;
+    for (int j = 0; j < S; ++j) {
+      const int g = stage_major ? j * P + p : p * S + j;
+      const int node = g / per_node;
+      if (node != last_node) regions.emplace_back(), last_node = node;
+      for (int r = g * t; r < (g + 1) * t; ++r) regions.back().push_back(r);
+    }
+    for (const auto& devices : regions) {
+      space[static_cast<size_t>(p)].regions.push_back(region_options(devices, t, rates));
+      space[static_cast<size_t>(p)].healthy.push_back(all_healthy(devices, rates));
+    }
+  }
+  return space;
+}
+
+// A coordinate descent over a search space on the predicted iteration time, with layers and
+// micro-batches assigned exactly for every trial: region by region, the option that lowers the
+// time most; then whole healthy TP groups moved from one pipeline to another (move_groups).
 class BaseSearch {
  public:
-  BaseSearch(const CostModel& cost, PipelineEvaluator& evaluate, const Rates& rates, int t, int S,
-             bool stage_major = false)
-      : cost_(cost), evaluate_(evaluate), rates_(rates) {
-    const ClusterSpec& c = cost.cluster();
-    const int per_node = c.devices_per_node / t;
-    const int G = c.nodes * per_node;
-    const int P = G / S;
-    for (int p = 0; p < P; ++p) {
-      std::vector<std::vector<int>> regions;
-      int last_node = -1;
-      for (int j = 0; j < S; ++j) {
-        const int g = stage_major ? j * P + p : p * S + j;
-        const int node = g / per_node;
-        if (node != last_node) regions.emplace_back(), last_node = node;
-        for (int r = g * t; r < (g + 1) * t; ++r) regions.back().push_back(r);
-      }
-      std::vector<std::vector<RegionOption>> options;
-      for (const auto& devices : regions) options.push_back(region_options(devices, t, rates));
-      options_.push_back(std::move(options));
-    }
-    choice_.resize(options_.size());
-    evals_.resize(options_.size());
-    for (size_t p = 0; p < options_.size(); ++p) {
-      choice_[p].assign(options_[p].size(), 0);
-      evals_[p] = &eval(p, choice_[p]);
+  BaseSearch(const CostModel& cost, PipelineEvaluator& evaluate, const Rates& rates,
+             std::vector<PipelineSpace> space)
+      : cost_(cost), evaluate_(evaluate), rates_(rates), space_(std::move(space)) {
+    const size_t P = space_.size();
+    choice_.resize(P);
+    moves_.resize(P);
+    evals_.resize(P);
+    cache_.resize(P);
+    for (size_t p = 0; p < P; ++p) {
+      choice_[p].assign(space_[p].regions.size(), 0);
+      evals_[p] = &eval(p);
     }
   }
 
-  // Runs the descent and appends its best states to `out`.
-  void run(std::vector<Candidate>& out, int keep) {
-    std::vector<std::pair<double, Plan>> found;
+  // Runs the descent and appends its best `keep` states to `out`.
+  void run(std::vector<Candidate>& out, int keep, bool move_groups = true) {
     double current = objective(nullptr);
-    record(found, current);
+    record(current);
     for (int pass = 0; pass < 2; ++pass) {
-      bool improved = false;
-      for (size_t p = 0; p < options_.size(); ++p) {
-        for (size_t r = 0; r < options_[p].size(); ++r) {
-          if (options_[p][r].size() <= 1) continue;
-          const int was = choice_[p][r];
-          int best = was;
-          for (int o = 0; o < to_int(options_[p][r].size()); ++o) {
-            if (o == was) continue;
-            choice_[p][r] = o;
-            evals_[p] = &eval(p, choice_[p]);
-            const double value = objective(nullptr);
-            if (value < current * (1 - 1e-9)) {
-              current = value;
-              best = o;
-              improved = true;
-              record(found, value);
-            }
-          }
-          choice_[p][r] = best;
-          evals_[p] = &eval(p, choice_[p]);
-        }
-      }
-      if (!improved) break;
+      if (!descend(current)) break;
     }
-    std::sort(found.begin(), found.end(),
+    if (move_groups) {
+      for (int round = 0; round < 4 && move_group(current); ++round) {
+        descend(current);
+      }
+    }
+    std::sort(found_.begin(), found_.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (int i = 0; i < std::min(keep, to_int(found.size())); ++i) {
+    for (int i = 0; i < std::min(keep, to_int(found_.size())); ++i) {
       Candidate c;
-      c.plan = std::move(found[static_cast<size_t>(i)].second);
+      c.plan = std::move(found_[static_cast<size_t>(i)].second);
       out.push_back(std::move(c));
     }
   }
@@ -180,21 +193,152 @@ class BaseSearch {
   double initial_objective() { return objective(nullptr); }
 
  private:
-  const PipelineEval& eval(size_t p, const std::vector<int>& choice) {
+  // Whole healthy TP groups a pipeline gave away and received (appended after its stages or put
+  // before them), by their ranks.
+  struct Moves {
+    std::vector<std::vector<int>> given;
+    std::vector<std::vector<int>> front, back;
+    bool empty() const { return given.empty() && front.empty() && back.empty(); }
+    bool operator<(const Moves& o) const {
+      return std::tie(given, front, back) < std::tie(o.given, o.front, o.back);
+    }
+  };
+
+  // One pass over every region with a choice; whether the time fell.
+  bool descend(double& current) {
+    bool improved = false;
+    for (size_t p = 0; p < space_.size(); ++p) {
+      for (size_t r = 0; r < space_[p].regions.size(); ++r) {
+        if (space_[p].regions[r].size() <= 1) continue;
+        const int was = choice_[p][r];
+        int best = was;
+        for (int o = 0; o < to_int(space_[p].regions[r].size()); ++o) {
+          if (o == was) continue;
+          choice_[p][r] = o;
+          evals_[p] = &eval(p);
+          const double value = objective(nullptr);
+          if (value < current * (1 - 1e-9)) {
+            current = value;
+            best = o;
+            improved = true;
+            record(value);
+          }
+        }
+        choice_[p][r] = best;
+        evals_[p] = &eval(p);
+      }
+    }
+    return improved;
+  }
+
+  // Pipelines worth moving groups between: those with a straggler or with groups moved, and one
+  // of the others (alike, as a rule).
+  std::vector<size_t> movers() const {
+    std::vector<size_t> out;
+    bool untouched = false;
+    for (size_t p = 0; p < space_.size(); ++p) {
+      const bool touched = !moves_[p].empty() || space_[p].straggling();
+      if (touched || !untouched) out.push_back(p);
+      untouched = untouched || !touched;
+    }
+    return out;
+  }
+
+  // The groups of pipeline p that can move: in healthy regions, not given yet; the first and the
+  // last such (the ends of its stage order).
+  std::vector<std::vector<int>> movable(size_t p) const {
+    std::vector<std::vector<int>> all;
+    for (size_t r = 0; r < space_[p].regions.size(); ++r) {
+      if (!space_[p].healthy[r]) continue;
+      const RegionOption& o = space_[p].regions[r][static_cast<size_t>(choice_[p][r])];
+      for (const auto& g : o.groups) {
+        const auto& given = moves_[p].given;
+        if (std::find(given.begin(), given.end(), g) == given.end()) all.push_back(g);
+      }
+    }
+    if (all.size() <= 2) return all;
+    return {all.front(), all.back()};
+  }
+
+  size_t stage_count(size_t p) const { return evals_[p]->stages.size(); }
+
+  // The best single move of a whole healthy TP group from one pipeline to another (Malleus's
+  // planner's: a pipeline that lost a device gives a healthy group to another, so that both run
+  // as many stages); applied when it lowers the time. Returns whether one was.
+  bool move_group(double& current) {
+    const std::vector<size_t> pipes = movers();
+    double best = current * (1 - 1e-9);
+    size_t best_from = 0, best_to = 0;
+    std::vector<int> best_group;
+    bool best_front = false, found = false;
+    for (size_t from : pipes) {
+      if (stage_count(from) <= 1) continue;
+      for (const auto& group : movable(from)) {
+        for (size_t to : pipes) {
+          if (to == from) continue;
+          for (bool front : {false, true}) {
+            apply_move(from, to, group, front);
+            const double value = objective(nullptr);
+            if (value < best) {
+              best = value, found = true;
+              best_from = from, best_to = to, best_group = group, best_front = front;
+            }
+            undo_move(from, to, front);
+          }
+        }
+      }
+    }
+    if (!found) return false;
+    apply_move(best_from, best_to, best_group, best_front);
+    current = best;
+    record(best);
+    return true;
+  }
+
+  void apply_move(size_t from, size_t to, const std::vector<int>& group, bool front) {
+    moves_[from].given.push_back(group);
+    (front ? moves_[to].front : moves_[to].back).push_back(group);
+    evals_[from] = &eval(from);
+    evals_[to] = &eval(to);
+  }
+
+  void undo_move(size_t from, size_t to, bool front) {
+    moves_[from].given.pop_back();
+    (front ? moves_[to].front : moves_[to].back).pop_back();
+    evals_[from] = &eval(from);
+    evals_[to] = &eval(to);
+  }
+
+  const PipelineEval& eval(size_t p) {
+    const std::vector<int>& choice = choice_[p];
+    const Moves& moves = moves_[p];
+    bool initial = moves.empty();
+    for (int c : choice) initial = initial && c == 0;
+    if (initial && space_[p].fixed) return *space_[p].fixed;
     auto& cache = cache_[p];
-    auto it = cache.find(choice);
+    const auto key = std::make_pair(choice, moves);
+    auto it = cache.find(key);
     if (it != cache.end()) return it->second;
     std::vector<Stage> stages;
-    for (size_t r = 0; r < choice.size(); ++r) {
-      const RegionOption& o = options_[p][r][static_cast<size_t>(choice[r])];
-      for (const auto& g : o.groups) stages.push_back(make_group(cost_, g, o.balance, rates_));
+    for (auto it_front = moves.front.rbegin(); it_front != moves.front.rend(); ++it_front) {
+      stages.push_back(make_group(cost_, *it_front, false, rates_));
     }
-    return cache.emplace(choice, evaluate_(std::move(stages), rates_, to_int(options_.size())))
+    for (size_t r = 0; r < choice.size(); ++r) {
+      const RegionOption& o = space_[p].regions[r][static_cast<size_t>(choice[r])];
+      for (const auto& g : o.groups) {
+        if (std::find(moves.given.begin(), moves.given.end(), g) != moves.given.end()) continue;
+        stages.push_back(make_group(cost_, g, o.balance, rates_));
+      }
+    }
+    for (const auto& g : moves.back) stages.push_back(make_group(cost_, g, false, rates_));
+    return cache.emplace(key, evaluate_(std::move(stages), rates_, to_int(space_.size())))
         .first->second;
   }
 
   double objective(std::vector<int>* micro_batches) {
     std::vector<double> first, period;
+    first.reserve(evals_.size());
+    period.reserve(evals_.size());
     for (const PipelineEval* e : evals_) {
       first.push_back(e->feasible ? e->first : kInf);
       period.push_back(e->feasible ? e->period : kInf);
@@ -205,20 +349,22 @@ class BaseSearch {
     return t;
   }
 
-  void record(std::vector<std::pair<double, Plan>>& found, double value) {
+  void record(double value) {
     if (!std::isfinite(value)) return;
     std::vector<int> m;
     objective(&m);
-    found.emplace_back(value, assemble(cost_, evals_, m));
+    found_.emplace_back(value, assemble(cost_, evals_, m));
   }
 
   const CostModel& cost_;
   PipelineEvaluator& evaluate_;
   const Rates& rates_;
-  std::vector<std::vector<std::vector<RegionOption>>> options_;  // pipeline → region → options
+  std::vector<PipelineSpace> space_;
   std::vector<std::vector<int>> choice_;
+  std::vector<Moves> moves_;
   std::vector<const PipelineEval*> evals_;
-  std::map<size_t, std::map<std::vector<int>, PipelineEval>> cache_;
+  std::vector<std::map<std::pair<std::vector<int>, Moves>, PipelineEval>> cache_;
+  std::vector<std::pair<double, Plan>> found_;
 };
 
 // A base of the search: t-rank TP groups, S per pipeline, and how fast it is when healthy.
@@ -313,13 +459,15 @@ class MalleusSearch {
       std::sort(counts.begin(), counts.end());
       counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
       for (int S : counts) {
-        BaseSearch probe(cost_, evaluate_healthy_, healthy_, t, S);
+        BaseSearch probe(cost_, evaluate_healthy_, healthy_,
+                         megatron_space(cost_, healthy_, t, S, false));
         bases.push_back({t, S, probe.initial_objective()});
         // With a slow inter-node link, also the layout that puts pipeline hand-offs rather than
         // the gradient sync on the links (only then: on healthy links Megatron's is never worse
         // by the cost model, and the search stays as fast).
         if (slow_links && S > 1 && G % S == 0 && G / S > 1) {
-          BaseSearch across(cost_, evaluate_healthy_, healthy_, t, S, true);
+          BaseSearch across(cost_, evaluate_healthy_, healthy_,
+                            megatron_space(cost_, healthy_, t, S, true));
           bases.push_back({t, S, across.initial_objective(), true});
         }
       }
@@ -337,7 +485,8 @@ class MalleusSearch {
     for (const Base& b : bases) {
       const bool is_base = b.t == request_.base.tp && b.S == request_.base.pp;
       if (!is_base && !(b.healthy_time <= prune * best_healthy)) continue;
-      BaseSearch(cost_, evaluate_, rates_, b.t, b.S, b.stage_major).run(candidates_, 3);
+      BaseSearch(cost_, evaluate_, rates_, megatron_space(cost_, rates_, b.t, b.S, b.stage_major))
+          .run(candidates_, 3, options_.move_groups);
     }
   }
 
