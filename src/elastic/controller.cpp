@@ -277,6 +277,7 @@ void Controller::hold(const plan::Plan& current, Decision& d) const {
     // Taken on the record of the recent rates: it would have paid over them.
     d.plan = best;
     d.new_plan = best->summary();
+    d.question.proposed_step_s = cost.predict(*best, d.rates).iteration_time;
     d.question.switch_s = best_switch;
     d.verdict = {.take = true, .gain_s = best_gain, .reason = ""};
     return;
