@@ -29,6 +29,8 @@
 
 #include "bench_args.h"
 #include "bench_models.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
 #include "common/error.h"
@@ -41,8 +43,6 @@
 #include "model/parameters.h"
 #include "plan/cost_model.h"
 #include "plan/plan.h"
-#include "train/checkpoint.h"
-#include "train/checkpoint_writer.h"
 
 using namespace malleus;
 namespace fs = std::filesystem;
@@ -189,12 +189,12 @@ int main(int argc, char** argv) {
     adam_v[i] = static_cast<float>(i % 911) * 1e-7f;
   }
   const auto refinement = layout::common_refinement(model, {&saving});
-  const std::vector<train::SavedKind> state =
-      train::saved_state(model, refinement, me, full, params.data(), &moment_blocks, adam_m.data(),
-                         adam_v.data(), /*moments_split=*/true);
+  const std::vector<checkpoint::SavedKind> state =
+      checkpoint::saved_state(model, refinement, me, full, params.data(), &moment_blocks,
+                              adam_m.data(), adam_v.data(), /*moments_split=*/true);
   int64_t owned = 0;  // bytes this rank writes
-  for (const train::SavedKind& kind : state) {
-    for (const train::OwnedPart& p : kind.parts) {
+  for (const checkpoint::SavedKind& kind : state) {
+    for (const checkpoint::OwnedPart& p : kind.parts) {
       owned += p.part.elements * 4 * static_cast<int64_t>(kind.buffers.size());
     }
   }
@@ -233,10 +233,10 @@ int main(int argc, char** argv) {
     stand_in.compute = static_cast<int64_t>(
         world.all_reduce_max(static_cast<double>(static_cast<int64_t>(1.0 / per_round))));
   }
-  train::Checkpoint header;
+  checkpoint::Checkpoint header;
   header.model = model;
   header.train_config = Json::object();
-  train::CheckpointWriter writer(world);
+  checkpoint::CheckpointWriter writer(world);
   PageBuffer<float> p(static_cast<size_t>(stage.total_size())), m(p.size()), v(p.size());
   int64_t step = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -256,11 +256,11 @@ int main(int argc, char** argv) {
     sync_stall.push_back(sync_s);
 
     // Loading it under the pipeline plan, from the disk.
-    const fs::path saved = train::checkpoint_dir(dir, step);
+    const fs::path saved = checkpoint::checkpoint_dir(dir, step);
     if (me == 0) evict_tree(saved);
     world.barrier();
     start = Clock::now();
-    const train::CheckpointIndex index(saved);
+    const checkpoint::CheckpointIndex index(saved);
     const int64_t read = index.read(stage, {p.data(), m.data(), v.data()});
     const double load_s = world.all_reduce_max(since(start));
     check(read == load_bytes, "the load read " + std::to_string(read) + " bytes, expected " +
@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
       (kind == 0 ? sync_extra : kind == 1 ? async_extra : deferred_extra).push_back(extra);
       writer.wait();
       world.barrier();
-      if (me == 0) fs::remove_all(train::checkpoint_dir(dir, step));
+      if (me == 0) fs::remove_all(checkpoint::checkpoint_dir(dir, step));
     }
     if (me == 0) {
       std::printf(
@@ -313,8 +313,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (me == 0) {
-      fs::remove_all(train::checkpoint_dir(dir, step - 4));
-      fs::remove_all(train::checkpoint_dir(dir, step - 3));
+      fs::remove_all(checkpoint::checkpoint_dir(dir, step - 4));
+      fs::remove_all(checkpoint::checkpoint_dir(dir, step - 3));
     }
     world.barrier();
   }

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "common/stats.h"
 #include "model/generation.h"
-#include "train/checkpoint.h"
 
 using namespace malleus;
 
@@ -29,8 +29,8 @@ int main(int argc, char** argv) {
     model::ModelConfig config;
     std::vector<float> params;
     if (std::filesystem::is_directory(source)) {
-      const train::Checkpoint c =
-          train::load_checkpoint(train::resolve_checkpoint(source), /*with_optimizer=*/false);
+      const checkpoint::Checkpoint c = checkpoint::load_checkpoint(
+          checkpoint::resolve_checkpoint(source), /*with_optimizer=*/false);
       config = c.model;
       params = c.params;
     } else {

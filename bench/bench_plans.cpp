@@ -35,9 +35,9 @@
 #include "common/json.h"
 #include "common/stats.h"
 #include "data/shard.h"
+#include "metrics/metrics.h"
 #include "model/config.h"
 #include "tokenizer/byte_tokenizer.h"
-#include "train/metrics.h"
 #include "train/trainer.h"
 
 using namespace malleus;

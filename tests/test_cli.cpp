@@ -15,7 +15,7 @@
 #include "common/json.h"
 #include "model/config.h"
 #include "test_util.h"
-#include "train/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 #include "train/config.h"
 #include "train_config_samples.h"
 
@@ -518,7 +518,7 @@ TEST(Cli, NonFiniteStepStopsTheRunAndKeepsTheLastCheckpoint) {
             std::string::npos)
       << r.output;
   for (int step = 1; step < stopped; ++step) {
-    const train::Checkpoint c = train::load_checkpoint(
+    const checkpoint::Checkpoint c = checkpoint::load_checkpoint(
         dir / "run" / "checkpoints" / ("step_0000000" + std::to_string(step)), false);
     EXPECT_EQ(c.step, step);
     EXPECT_TRUE(std::all_of(c.params.begin(), c.params.end(), [](float x) {
@@ -535,9 +535,9 @@ TEST(Cli, NonFiniteStepStopsTheRunAndKeepsTheLastCheckpoint) {
   }
 
   // A checkpoint with NaN weights: eval exits non-zero naming the loss.
-  train::Checkpoint c = train::load_checkpoint(dir / "run" / "checkpoints" / "step_00000001", true);
+  checkpoint::Checkpoint c = checkpoint::load_checkpoint(dir / "run" / "checkpoints" / "step_00000001", true);
   for (size_t i = 0; i < c.params.size(); i += 97) c.params[i] = std::nanf("");
-  train::save_checkpoint(dir / "nan", c);
+  checkpoint::save_checkpoint(dir / "nan", c);
   expect_error(run_malleus("eval --checkpoint " + (dir / "nan").string() + " --data '" +
                            (dir / "data" / "val_*.bin").string() + "'"),
                {"the mean loss is nan", (dir / "nan").string()});

@@ -7,12 +7,12 @@
 #include <fstream>
 #include <random>
 
+#include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
+#include "hf/export.h"
+#include "hf/import.h"
+#include "hf/safetensors.h"
 #include "test_util.h"
-#include "train/checkpoint.h"
-#include "train/export.h"
-#include "train/import.h"
-#include "train/safetensors.h"
 #include "train/trainer.h"
 #include "train_config_samples.h"
 
@@ -22,7 +22,7 @@ using malleus::testing::ScratchDir;
 namespace {
 
 // A few training steps so the weights are no longer at their initial values.
-train::Checkpoint trained_tiny_checkpoint(const ScratchDir& dir, const std::string& model) {
+checkpoint::Checkpoint trained_tiny_checkpoint(const ScratchDir& dir, const std::string& model) {
   malleus::testing::write_synthetic_corpus(dir / "data");
   train::TrainConfig c = malleus::testing::synthetic_corpus_config(dir.path(), model);
   c.seq_len = 16;
@@ -39,8 +39,8 @@ train::Checkpoint trained_tiny_checkpoint(const ScratchDir& dir, const std::stri
 TEST(Export, SafetensorsRoundTripIsBitExact) {
   ScratchDir dir;
   const auto checkpoint = trained_tiny_checkpoint(dir, "tiny");
-  train::export_hf(checkpoint, dir / "hf");
-  const auto tensors = train::read_safetensors(dir / "hf" / "model.safetensors");
+  hf::export_hf(checkpoint, dir / "hf");
+  const auto tensors = hf::read_safetensors(dir / "hf" / "model.safetensors");
   const model::ParameterLayout layout(checkpoint.model);
   ASSERT_EQ(tensors.size(), layout.tensors().size());
   for (const auto& spec : layout.tensors()) {
@@ -59,7 +59,7 @@ TEST(Export, SafetensorsRoundTripIsBitExact) {
 TEST(Export, HuggingFaceReferenceComputesTheSameLoss) {
   ScratchDir dir;
   const auto checkpoint = trained_tiny_checkpoint(dir, "tiny");  // grouped KV heads: 4 q, 2 kv
-  train::export_hf(checkpoint, dir / "hf");
+  hf::export_hf(checkpoint, dir / "hf");
 
   const int seq = 24;
   std::mt19937_64 rng(17);
@@ -97,8 +97,8 @@ TEST(Export, ReferenceSelfTest) {
 TEST(Import, ReproducesTheExportedModelsEvalLossExactly) {
   ScratchDir dir;
   const auto checkpoint = trained_tiny_checkpoint(dir, "tiny");
-  train::export_hf(checkpoint, dir / "hf");
-  const train::ImportResult imported = train::import_hf(dir / "hf");
+  hf::export_hf(checkpoint, dir / "hf");
+  const hf::ImportResult imported = hf::import_hf(dir / "hf");
   EXPECT_EQ(imported.checkpoint.params, checkpoint.params);
 
   // evaluate() is given the validation data: the config's (none) is never read here.

@@ -5,14 +5,14 @@
 
 #include <cstring>
 
+#include "checkpoint/checkpoint.h"
 #include "common/files.h"
+#include "hf/export.h"
+#include "hf/import.h"
+#include "hf/safetensors.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 #include "test_util.h"
-#include "train/checkpoint.h"
-#include "train/export.h"
-#include "train/import.h"
-#include "train/safetensors.h"
 
 using namespace malleus;
 using malleus::testing::error_of;
@@ -21,8 +21,8 @@ using malleus::testing::ScratchDir;
 namespace {
 
 // A small model with a SentencePiece tokenizer of the same vocabulary, randomly initialised.
-train::Checkpoint sentencepiece_checkpoint() {
-  train::Checkpoint c;
+checkpoint::Checkpoint sentencepiece_checkpoint() {
+  checkpoint::Checkpoint c;
   c.tokenizer = malleus::testing::small_sentencepiece("bpe", 320);
   c.model = model::load_model_config("tiny");
   c.model.vocab_size = 320;
@@ -52,14 +52,14 @@ void expect_same_files(const fs::path& a, const fs::path& b) {
 }
 
 // An HF directory written by hand: config.json plus the model's tensors.
-void write_hf(const fs::path& dir, const Json& config, const std::vector<train::TensorRef>& t) {
+void write_hf(const fs::path& dir, const Json& config, const std::vector<hf::TensorRef>& t) {
   fs::create_directories(dir);
   write_file_atomic(dir / "config.json", config.dump(2));
-  train::write_safetensors(dir / "model.safetensors", t);
+  hf::write_safetensors(dir / "model.safetensors", t);
 }
 
-std::vector<train::TensorRef> tensor_refs(const train::Checkpoint& c) {
-  std::vector<train::TensorRef> refs;
+std::vector<hf::TensorRef> tensor_refs(const checkpoint::Checkpoint& c) {
+  std::vector<hf::TensorRef> refs;
   const model::ParameterLayout layout(c.model);
   for (const auto& spec : layout.tensors()) {
     refs.push_back({spec.name, spec.shape, c.params.data() + spec.offset});
@@ -77,8 +77,8 @@ void expect_error(const std::function<void()>& f, std::initializer_list<std::str
 
 TEST(Import, ExportImportExportIsByteIdentical) {
   ScratchDir dir;
-  const train::Checkpoint original = sentencepiece_checkpoint();
-  train::export_hf(original, dir / "first");
+  const checkpoint::Checkpoint original = sentencepiece_checkpoint();
+  hf::export_hf(original, dir / "first");
   for (const char* file :
        {"config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"}) {
     EXPECT_TRUE(fs::exists(dir / "first" / file)) << file;
@@ -90,10 +90,10 @@ TEST(Import, ExportImportExportIsByteIdentical) {
   EXPECT_EQ(tokenizer_config["unk_token"], "<unk>");
   EXPECT_TRUE(tokenizer_config["pad_token"].is_null());
 
-  const train::ImportResult imported = train::import_hf(dir / "first");
+  const hf::ImportResult imported = hf::import_hf(dir / "first");
   EXPECT_TRUE(imported.ignored.empty());
   EXPECT_EQ(imported.dtype, "F32");
-  const train::Checkpoint& c = imported.checkpoint;
+  const checkpoint::Checkpoint& c = imported.checkpoint;
   EXPECT_EQ(c.params, original.params);
   EXPECT_EQ(c.step, 0);
   EXPECT_EQ(c.adam_m, std::vector<float>(c.params.size(), 0.0f));  // a fresh optimizer
@@ -103,14 +103,14 @@ TEST(Import, ExportImportExportIsByteIdentical) {
   EXPECT_EQ(c.model.rope_theta, 500000.0f);
 
   // Through a saved checkpoint too, as `malleus import` then `malleus export` do.
-  train::save_checkpoint(dir / "ckpt", c);
-  train::export_hf(train::load_checkpoint(dir / "ckpt", false), dir / "second");
+  checkpoint::save_checkpoint(dir / "ckpt", c);
+  hf::export_hf(checkpoint::load_checkpoint(dir / "ckpt", false), dir / "second");
   expect_same_files(dir / "first", dir / "second");
 }
 
 TEST(Import, ShardedBf16WeightsAreReadExactly) {
   ScratchDir dir;
-  train::Checkpoint c = sentencepiece_checkpoint();
+  checkpoint::Checkpoint c = sentencepiece_checkpoint();
   c.tokenizer = nullptr;
   // Weights representable in bf16, so reading them must give them back exactly.
   for (float& x : c.params) {
@@ -121,7 +121,7 @@ TEST(Import, ShardedBf16WeightsAreReadExactly) {
   }
   const auto layout = model::ParameterLayout(c.model);
   fs::create_directories(dir / "hf");
-  Json config = train::hf_config_json(c.model);
+  Json config = hf::hf_config_json(c.model);
   config["torch_dtype"] = "bfloat16";
   config["transformers_version"] = "4.40.0";
   config["some_future_flag"] = true;
@@ -154,7 +154,7 @@ TEST(Import, ShardedBf16WeightsAreReadExactly) {
   }
   write_file_atomic(dir / "hf" / "model.safetensors.index.json",
                     Json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump());
-  const train::ImportResult imported = train::import_hf(dir / "hf");
+  const hf::ImportResult imported = hf::import_hf(dir / "hf");
   EXPECT_EQ(imported.dtype, "BF16");
   EXPECT_EQ(imported.checkpoint.params, c.params);
   EXPECT_EQ(imported.checkpoint.tokenizer, nullptr);  // no tokenizer.model in the directory
@@ -163,13 +163,13 @@ TEST(Import, ShardedBf16WeightsAreReadExactly) {
 
   // A shard the index names but the directory lacks.
   fs::remove(dir / "hf" / "model-00002-of-00002.safetensors");
-  expect_error([&] { train::import_hf(dir / "hf"); }, {"model-00002-of-00002.safetensors"});
+  expect_error([&] { hf::import_hf(dir / "hf"); }, {"model-00002-of-00002.safetensors"});
 }
 
 TEST(Import, UnsupportedConfigsNameTheKeyAndValue) {
   ScratchDir dir;
-  const train::Checkpoint c = sentencepiece_checkpoint();
-  const Json base = train::hf_config_json(c.model);
+  const checkpoint::Checkpoint c = sentencepiece_checkpoint();
+  const Json base = hf::hf_config_json(c.model);
   const std::vector<std::tuple<std::string, Json, std::string>> cases = {
       {"architectures", Json::array({"MistralForCausalLM"}), "MistralForCausalLM"},
       {"model_type", "gpt2", "gpt2"},
@@ -188,44 +188,44 @@ TEST(Import, UnsupportedConfigsNameTheKeyAndValue) {
     config[key] = value;
     if (key == "num_attention_heads") config.erase("head_dim");
     write_hf(dir / "hf", config, tensor_refs(c));
-    expect_error([&] { train::import_hf(dir / "hf"); },
+    expect_error([&] { hf::import_hf(dir / "hf"); },
                  {"config.json", key == "num_attention_heads" ? "num_heads" : key, shown});
   }
 }
 
 TEST(Import, UnsupportedOrMissingWeightsAreNamed) {
   ScratchDir dir;
-  const train::Checkpoint c = sentencepiece_checkpoint();
-  const Json config = train::hf_config_json(c.model);
+  const checkpoint::Checkpoint c = sentencepiece_checkpoint();
+  const Json config = hf::hf_config_json(c.model);
   auto refs = tensor_refs(c);
   // An attention bias the model has no place for.
   const std::vector<float> bias(32, 0.5f);
   auto with_bias = refs;
   with_bias.push_back({"model.layers.0.self_attn.q_proj.bias", {32}, bias.data()});
   write_hf(dir / "hf", config, with_bias);
-  expect_error([&] { train::import_hf(dir / "hf"); },
+  expect_error([&] { hf::import_hf(dir / "hf"); },
                {"model.layers.0.self_attn.q_proj.bias", "biases are not supported"});
   // A missing LM head (as a tied-embedding model would store it).
   auto without_head = refs;
   without_head.pop_back();
   write_hf(dir / "hf", config, without_head);
-  expect_error([&] { train::import_hf(dir / "hf"); }, {"lm_head.weight", "missing"});
+  expect_error([&] { hf::import_hf(dir / "hf"); }, {"lm_head.weight", "missing"});
   // A shape that disagrees with config.json.
   auto wrong = refs;
   wrong[0].shape = {32, 320};
   write_hf(dir / "hf", config, wrong);
-  expect_error([&] { train::import_hf(dir / "hf"); },
+  expect_error([&] { hf::import_hf(dir / "hf"); },
                {"model.embed_tokens.weight", "[32, 320]", "[320, 32]"});
   // Old conversions' rotary buffers are ignored, not refused.
   auto with_inv_freq = refs;
   const std::vector<float> inv_freq(4, 1.0f);
   with_inv_freq.push_back({"model.layers.0.self_attn.rotary_emb.inv_freq", {4}, inv_freq.data()});
   write_hf(dir / "hf", config, with_inv_freq);
-  EXPECT_EQ(train::import_hf(dir / "hf").ignored.size(), 1u);
+  EXPECT_EQ(hf::import_hf(dir / "hf").ignored.size(), 1u);
   // Not a model directory at all; a bad tokenizer.model.
-  expect_error([&] { train::import_hf(dir / "nowhere"); }, {"nowhere", "no such directory"});
+  expect_error([&] { hf::import_hf(dir / "nowhere"); }, {"nowhere", "no such directory"});
   write_file_atomic(dir / "hf" / "tokenizer.model", "not a model");
-  expect_error([&] { train::import_hf(dir / "hf"); }, {"tokenizer.model"});
+  expect_error([&] { hf::import_hf(dir / "hf"); }, {"tokenizer.model"});
   fs::remove(dir / "hf" / "model.safetensors");
-  expect_error([&] { train::import_hf(dir / "hf"); }, {"model.safetensors"});
+  expect_error([&] { hf::import_hf(dir / "hf"); }, {"model.safetensors"});
 }

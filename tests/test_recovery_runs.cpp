@@ -12,7 +12,7 @@
 #include "common/files.h"
 #include "common/json.h"
 #include "test_util.h"
-#include "train/metrics.h"
+#include "metrics/metrics.h"
 
 using namespace malleus;
 using malleus::testing::BackgroundCommand;
@@ -48,16 +48,16 @@ std::string launch_command(int ranks, const std::string& launch_flags, const std
 // and the restart records of a run's metrics.
 struct Metrics {
   std::map<int64_t, double> losses;
-  std::vector<train::RestartRecord> restarts;
+  std::vector<metrics::RestartRecord> restarts;
 };
 Metrics read_metrics(const fs::path& run) {
   Metrics m;
   std::ifstream in(run / "metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
-    const auto record = train::parse_record(parse_json(line, "metrics"), "metrics");
+    const auto record = metrics::parse_record(parse_json(line, "metrics"), "metrics");
     if (!record) continue;
-    if (const auto* s = std::get_if<train::StepRecord>(&*record)) m.losses[s->step] = s->loss;
-    if (const auto* r = std::get_if<train::RestartRecord>(&*record)) m.restarts.push_back(*r);
+    if (const auto* s = std::get_if<metrics::StepRecord>(&*record)) m.losses[s->step] = s->loss;
+    if (const auto* r = std::get_if<metrics::RestartRecord>(&*record)) m.restarts.push_back(*r);
   }
   return m;
 }
@@ -129,7 +129,7 @@ TEST_F(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
 
   const Metrics m = read_metrics(run);
   ASSERT_EQ(m.restarts.size(), 1u) << out;
-  const train::RestartRecord& r = m.restarts.front();
+  const metrics::RestartRecord& r = m.restarts.front();
   EXPECT_EQ(r.reason, "killed");
   EXPECT_EQ(r.lost_ranks, std::vector<int64_t>{3});
   EXPECT_EQ(r.ranks_before, 4);
@@ -185,7 +185,7 @@ TEST_F(RecoverySlow, StoppedRankIsNamedByTheWatchdogAndLeftOut) {
 
   const Metrics m = read_metrics(run);
   ASSERT_EQ(m.restarts.size(), 1u) << out;
-  const train::RestartRecord& r = m.restarts.front();
+  const metrics::RestartRecord& r = m.restarts.front();
   EXPECT_EQ(r.reason, "hung");
   EXPECT_EQ(r.lost_ranks, std::vector<int64_t>{2}) << r.detail;
   EXPECT_EQ(r.ranks_after, 3);

@@ -136,23 +136,24 @@ TEST(Report, SvgHasPanelsReplanLinesAndLegend) {
 TEST(Report, SvgWithMarkupInEveryNameIsValidXml) {
   // Plans, reasons and the title come from files and the command line: the chart must escape them.
   const std::string nasty = "a<&\"b>";
-  train::StepRecord step;
+  metrics::StepRecord step;
   step.step = 1;
   step.loss = 3;
   step.tokens_per_s = 100;
   step.plan = nasty;
   step.rates = {1, 2};
-  train::ReplanRecord replan;
+  metrics::ReplanRecord replan;
   replan.switched = true;
   replan.step = 1;
   replan.old_plan = nasty;
   replan.new_plan = nasty;
-  train::ReplanRecord declined = replan;
+  metrics::ReplanRecord declined = replan;
   declined.switched = false;
   declined.reason = nasty;
   std::string text;
-  for (const train::MetricsRecord& record : {train::MetricsRecord(step), {replan}, {declined}}) {
-    text += train::to_json(record).dump() + "\n";
+  for (const metrics::MetricsRecord& record :
+       {metrics::MetricsRecord(step), {replan}, {declined}}) {
+    text += metrics::to_json(record).dump() + "\n";
   }
   RenderOptions options;
   options.title = nasty;
@@ -166,7 +167,7 @@ TEST(Report, SvgWithMarkupInEveryNameIsValidXml) {
 
 TEST(Report, RecordsRoundTripThroughTheSchema) {
   // What the trainer writes is what the report reads, field by field.
-  train::StepRecord step;
+  metrics::StepRecord step;
   step.step = 7;
   step.loss = 2.5;
   step.lr = 1e-3;
@@ -175,7 +176,7 @@ TEST(Report, RecordsRoundTripThroughTheSchema) {
   step.plan = "1 pipeline: [pp1 tp1 m8]";
   step.rates = {1.0, 3.0};
   step.injected = {1.0, 3.0};
-  train::ReplanRecord replan;
+  metrics::ReplanRecord replan;
   replan.switched = true;
   replan.step = 7;
   replan.rates = {1.0, 3.0};
@@ -187,20 +188,20 @@ TEST(Report, RecordsRoundTripThroughTheSchema) {
   replan.horizon_steps = 50;
   replan.bytes_moved = 4096;
   replan.migration_s = 0.1;
-  const train::EvalRecord eval{7, 2.25};
+  const metrics::EvalRecord eval{7, 2.25};
   std::string text;
-  for (const train::MetricsRecord& record : {train::MetricsRecord(step), {eval}, {replan}}) {
-    text += train::to_json(record).dump() + "\n";
+  for (const metrics::MetricsRecord& record : {metrics::MetricsRecord(step), {eval}, {replan}}) {
+    text += metrics::to_json(record).dump() + "\n";
   }
   const Report r = parse_metrics(text, "m.jsonl");
   ASSERT_EQ(r.steps.size(), 1u);
   ASSERT_EQ(r.evals.size(), 1u);
   ASSERT_EQ(r.replans.size(), 1u);
-  EXPECT_EQ(train::to_json(train::StepRecord(r.steps[0])), train::to_json(step));
-  EXPECT_EQ(train::to_json(train::EvalRecord(r.evals[0])), train::to_json(eval));
-  EXPECT_EQ(train::to_json(train::ReplanRecord(r.replans[0])), train::to_json(replan));
+  EXPECT_EQ(metrics::to_json(metrics::StepRecord(r.steps[0])), metrics::to_json(step));
+  EXPECT_EQ(metrics::to_json(metrics::EvalRecord(r.evals[0])), metrics::to_json(eval));
+  EXPECT_EQ(metrics::to_json(metrics::ReplanRecord(r.replans[0])), metrics::to_json(replan));
   EXPECT_TRUE(std::isnan(r.steps[0].grad_norm));  // never set: not written, read back unknown
-  EXPECT_FALSE(train::to_json(step).contains("grad_norm"));
+  EXPECT_FALSE(metrics::to_json(step).contains("grad_norm"));
 }
 
 TEST(Report, EmptyReportStillRenders) {

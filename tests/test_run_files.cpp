@@ -18,8 +18,8 @@
 #include "common/json.h"
 #include "model/parameters.h"
 #include "test_util.h"
-#include "train/checkpoint.h"
-#include "train/metrics.h"
+#include "checkpoint/checkpoint.h"
+#include "metrics/metrics.h"
 #include "train/run_directory.h"
 
 using namespace malleus;
@@ -40,8 +40,8 @@ std::vector<std::string> entries(const fs::path& dir) {
   return names;
 }
 
-train::Checkpoint tiny_checkpoint(bool with_optimizer) {
-  train::Checkpoint c;
+checkpoint::Checkpoint tiny_checkpoint(bool with_optimizer) {
+  checkpoint::Checkpoint c;
   c.model = model::load_model_config("tiny");
   const auto size = static_cast<size_t>(model::ParameterLayout(c.model).total_size());
   c.train_config = Json{{"note", "test"}};
@@ -87,12 +87,12 @@ TEST(FullDisk, CheckpointSaveReportsNoSpaceAndKeepsTheOldOne) {
   // Room for parameters only (the tiny model's 35k floats, 140 KB), not for the Adam moments too.
   SmallFilesystem small(dir / "mnt", 256 * 1024);
   MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
-  train::save_checkpoint(small / "step_00000002", tiny_checkpoint(false));
+  checkpoint::save_checkpoint(small / "step_00000002", tiny_checkpoint(false));
   const std::string message =
-      error_of([&] { train::save_checkpoint(small / "step_00000003", tiny_checkpoint(true)); });
+      error_of([&] { checkpoint::save_checkpoint(small / "step_00000003", tiny_checkpoint(true)); });
   EXPECT_TRUE(contains(message, "No space left on device")) << message;
   EXPECT_EQ(entries(small / ""), std::vector<std::string>{"step_00000002"});
-  EXPECT_EQ(train::load_checkpoint(small / "step_00000002", false).step, 3);
+  EXPECT_EQ(checkpoint::load_checkpoint(small / "step_00000002", false).step, 3);
 }
 
 TEST(FullDisk, MetricsLinesAreWholeOrAbsent) {
@@ -100,13 +100,13 @@ TEST(FullDisk, MetricsLinesAreWholeOrAbsent) {
   SmallFilesystem small(dir / "mnt", 16 * 1024);
   MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   const fs::path path = small / "metrics.jsonl";
-  train::StepRecord record;
+  metrics::StepRecord record;
   record.step = 1;
   record.plan = std::string(300, 'x');
   size_t written = 0;
   std::string message;
   {
-    train::MetricsLog log(path);
+    metrics::MetricsLog log(path);
     for (; written < 1000 && message.empty(); ++written) {
       message = error_of([&] { log.write(record); });
     }
@@ -119,7 +119,7 @@ TEST(FullDisk, MetricsLinesAreWholeOrAbsent) {
   // With room again, a later run appends after the whole lines.
   fs::resize_file(path, 0);
   {
-    train::MetricsLog log(path);
+    metrics::MetricsLog log(path);
     log.write(record);
   }
   expect_whole_lines(path, 1);
@@ -131,8 +131,8 @@ TEST(Metrics, TornLastLineIsRemovedWithAWarning) {
   write_file_atomic(path, "{\"step\": 1}\n{\"step\": 2}\n{\"step\": 3, \"lo");
   ::testing::internal::CaptureStderr();
   {
-    train::MetricsLog log(path);
-    log.write(train::EvalRecord{3, 1.5});
+    metrics::MetricsLog log(path);
+    log.write(metrics::EvalRecord{3, 1.5});
   }
   const std::string warning = ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(
@@ -141,11 +141,11 @@ TEST(Metrics, TornLastLineIsRemovedWithAWarning) {
   EXPECT_EQ(read_file(path), "{\"step\": 1}\n{\"step\": 2}\n{\"step\":3,\"val_loss\":1.5}\n");
   // A file that is nothing but a torn line becomes empty; a whole file is left alone.
   write_file_atomic(path, "{\"st");
-  { train::MetricsLog log(path); }
+  { metrics::MetricsLog log(path); }
   EXPECT_EQ(read_file(path), "");
   write_file_atomic(path, "{}\n");
   ::testing::internal::CaptureStderr();
-  { train::MetricsLog log(path); }
+  { metrics::MetricsLog log(path); }
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(read_file(path), "{}\n");
 }

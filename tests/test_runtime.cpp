@@ -259,8 +259,8 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
     {
       train::Trainer trainer(a, malleus::testing::parallel_test_model(), world);
       for (int s = 0; s < 5; ++s) straight.losses.push_back(trainer.train_step().loss);
-      const train::Checkpoint c = trainer.snapshot();
-      if (world.rank() == 0) train::save_checkpoint(dir / "ckpt", c);
+      const checkpoint::Checkpoint c = trainer.snapshot();
+      if (world.rank() == 0) checkpoint::save_checkpoint(dir / "ckpt", c);
       for (int s = 5; s < 10; ++s) straight.losses.push_back(trainer.train_step().loss);
       straight.params = trainer.snapshot().params;
     }
@@ -335,7 +335,7 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
     run.losses.push_back(stats.loss);
     if (stats.replan && stats.replan->switched) ++replans;
     if (stats.replan && world.rank() == 0) {
-      std::printf("  step %d: %s\n", s + 1, train::to_json(*stats.replan).dump().c_str());
+      std::printf("  step %d: %s\n", s + 1, metrics::to_json(*stats.replan).dump().c_str());
     }
     plans.insert(trainer.engine().plan().summary());
   }
@@ -625,7 +625,7 @@ TEST(Runtime, MemoryCheckCountsWhatTheRuntimeHolds) {
         ASSERT_EQ(trainer.run(), 0) << what;
       }
       const fs::path file = fs::path(config.out_dir) / "checkpoints" / "step_00000001" /
-                            train::shard_file_name(world.rank());
+                            checkpoint::shard_file_name(world.rank());
       const int64_t written = fs::exists(file) ? int64_t(fs::file_size(file)) : 0;
       EXPECT_EQ(written, counted.checkpoint_copy) << what << " rank " << world.rank();
       std::printf("  %s rank %d: engine %lld bytes, checkpoint copy %lld\n", what.c_str(),

@@ -9,8 +9,8 @@
 #include "comm/communicator.h"
 #include "layout/layout.h"
 #include "test_util.h"
-#include "train/checkpoint.h"
-#include "train/checkpoint_writer.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 #include "train_config_samples.h"
@@ -76,11 +76,11 @@ TEST(Training, ResumeIsBitExact) {
   std::vector<double> straight_losses;
   for (int s = 0; s < 10; ++s) {
     straight_losses.push_back(straight.train_step().loss);
-    if (s == 4) train::save_checkpoint(dir / "ckpt5", straight.snapshot());
+    if (s == 4) checkpoint::save_checkpoint(dir / "ckpt5", straight.snapshot());
   }
 
   train::Trainer resumed(config, model, world());
-  resumed.restore(train::load_checkpoint(dir / "ckpt5"));
+  resumed.restore(checkpoint::load_checkpoint(dir / "ckpt5"));
   EXPECT_EQ(resumed.step(), 5);
   EXPECT_EQ(resumed.consumed_samples(), 5 * config.global_batch_size);
   for (int s = 5; s < 10; ++s) {
@@ -104,12 +104,12 @@ TEST(Training, AsynchronousCheckpointHoldsTheStateOfItsStep) {
   const auto model = model::load_model_config(config.model);
   train::Trainer straight(config, model, world());
   for (int s = 0; s < 5; ++s) straight.train_step();
-  const train::Checkpoint at5 = straight.snapshot();
+  const checkpoint::Checkpoint at5 = straight.snapshot();
 
   train::Trainer run(config, model, world());
   run.run();  // saves at step 5 (copied while step 6 runs) and at step 7
-  const train::Checkpoint saved =
-      train::load_checkpoint(dir / "run" / "checkpoints" / "step_00000005");
+  const checkpoint::Checkpoint saved =
+      checkpoint::load_checkpoint(dir / "run" / "checkpoints" / "step_00000005");
   EXPECT_EQ(saved.step, 5);
   EXPECT_EQ(saved.params, at5.params);
   EXPECT_EQ(saved.adam_m, at5.adam_m);
@@ -135,14 +135,14 @@ TEST(CheckpointWriter, BackgroundCopyIsTheStateAtBegin) {
   whole.replica_group = {0};
   const auto refinement = layout::common_refinement(model, {&whole});
   const layout::Blocks blocks = layout::local_blocks(full, full);
-  train::Checkpoint header;
+  checkpoint::Checkpoint header;
   header.model = model;
   header.train_config = Json::object();
-  train::CheckpointWriter writer(world());
+  checkpoint::CheckpointWriter writer(world());
   for (int64_t step = 1; step <= 3; ++step) {
     header.step = step;
     writer.begin(dir / "ckpt", header,
-                 train::saved_state(model, refinement, 0, full, p.data(), &blocks, m.data(),
+                 checkpoint::saved_state(model, refinement, 0, full, p.data(), &blocks, m.data(),
                                     v.data(), /*moments_split=*/false),
                  /*background=*/true, /*copy_in_background=*/true);
     writer.wait_for_copy();
@@ -156,8 +156,8 @@ TEST(CheckpointWriter, BackgroundCopyIsTheStateAtBegin) {
     writer.wait();
     ASSERT_TRUE(writer.last().has_value());
     EXPECT_GE(writer.last()->stall_s, 0.0);
-    const train::Checkpoint saved =
-        train::load_checkpoint(train::checkpoint_dir(dir / "ckpt", step));
+    const checkpoint::Checkpoint saved =
+        checkpoint::load_checkpoint(checkpoint::checkpoint_dir(dir / "ckpt", step));
     const float sign = step % 2 == 1 ? 1.0f : -1.0f;
     for (size_t i = 0; i < total; ++i) {
       ASSERT_EQ(saved.params[i], sign * p0[i]) << "step " << step << " element " << i;
@@ -213,7 +213,7 @@ TEST(Training, RunWritesMetricsAndCheckpoints) {
   }
   EXPECT_EQ(step_lines, 4);
   EXPECT_EQ(eval_lines, 2);
-  const auto latest = train::latest_checkpoint(dir / "run" / "checkpoints");
+  const auto latest = checkpoint::latest_checkpoint(dir / "run" / "checkpoints");
   ASSERT_TRUE(latest.has_value());
   EXPECT_EQ(latest->filename(), "step_00000004");
   EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / "step_00000002" / "manifest.json"));
@@ -267,7 +267,7 @@ TEST(MemoryCheck, DistributedOptimizerFitsWhatWholeMomentsDoNot) {
     const layout::Layout layout = layout::plan_layout(plan, model);
     const model::ParameterLayout full(model);
     int64_t owned = 0;
-    for (const auto& p : train::owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
+    for (const auto& p : checkpoint::owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
       owned += layout::piece_elements(full, p.piece);
     }
     const int64_t old_count = 16 * whole.held_elements + 12 * owned;

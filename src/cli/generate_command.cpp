@@ -7,12 +7,12 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "checkpoint/checkpoint.h"
 #include "cli/commands.h"
 #include "common/error.h"
 #include "model/config.h"
 #include "model/generation.h"
 #include "tokenizer/text_stream.h"
-#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace malleus::cli {
@@ -41,11 +41,11 @@ void run_generate(const GenerateArgs& args) {
         "the plan it was trained under)");
   check(args.checkpoint.empty() != args.untrained.empty(),
         "generate: give either --checkpoint or --untrained");
-  train::Checkpoint checkpoint;
+  checkpoint::Checkpoint checkpoint;
   std::filesystem::path dir;
   if (!args.checkpoint.empty()) {
-    dir = train::resolve_checkpoint(args.checkpoint);
-    checkpoint = train::load_checkpoint(dir, /*with_optimizer=*/false);
+    dir = checkpoint::resolve_checkpoint(args.checkpoint);
+    checkpoint = checkpoint::load_checkpoint(dir, /*with_optimizer=*/false);
   } else {
     // What training starts from: the same initialisation `train --seed` gives.
     dir = "untrained " + args.untrained;

@@ -4,10 +4,10 @@
 #include <memory>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
 #include "cli/commands.h"
 #include "common/error.h"
-#include "train/checkpoint.h"
-#include "train/import.h"
+#include "hf/import.h"
 
 namespace malleus::cli {
 
@@ -51,9 +51,9 @@ void add_import_command(CLI::App& app) {
     check_output(args->output, args->force);
     // Read and checked whole before anything is written; the checkpoint is then written beside
     // --output and renamed into place (save_checkpoint), so a failure leaves --output as it was.
-    const train::ImportResult result = train::import_hf(args->input);
+    const hf::ImportResult result = hf::import_hf(args->input);
     for (const auto& ignored : result.ignored) std::printf("ignored %s\n", ignored.c_str());
-    train::save_checkpoint(args->output, result.checkpoint);
+    checkpoint::save_checkpoint(args->output, result.checkpoint);
     const auto& model = result.checkpoint.model;
     std::printf("imported %s (%s weights, %lld parameters, %s) into %s\n", args->input.c_str(),
                 result.dtype.c_str(), static_cast<long long>(model.num_parameters()),

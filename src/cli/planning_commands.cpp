@@ -139,7 +139,8 @@ void run_plan(const SetupArgs& args, const std::string& strategy_name, const std
               r.prediction.iteration_time, simulated.iteration_time, gb / simulated.iteration_time);
   std::printf("  pipelines %.4f s, gradient sync %.4f s, optimizer %.4f s; peak memory %s%s\n",
               r.prediction.pipeline_time, r.prediction.grad_sync_time, r.prediction.optimizer_time,
-              format_bytes(max_memory(r.prediction)).c_str(), r.prediction.fits ? "" : " (does NOT fit)");
+              format_bytes(max_memory(r.prediction)).c_str(),
+              r.prediction.fits ? "" : " (does NOT fit)");
   std::printf("  planned in %.3f s%s%s\n", r.planning_seconds, r.note.empty() ? "" : "; ",
               r.note.c_str());
   std::printf("wrote %s\n", out.c_str());

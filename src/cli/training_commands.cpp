@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 
+#include "checkpoint/checkpoint.h"
 #include "cli/commands.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
@@ -14,12 +15,11 @@
 #include "common/json.h"
 #include "data/dataset.h"
 #include "data/prepare.h"
+#include "hf/export.h"
+#include "metrics/metrics.h"
 #include "model/config.h"
 #include "plan/plan.h"
 #include "runtime/engine.h"
-#include "train/checkpoint.h"
-#include "train/export.h"
-#include "train/metrics.h"
 #include "train/run_directory.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
@@ -123,11 +123,11 @@ void run_train(const TrainArgs& args) {
   const int stop_signal = with_mpi([&](comm::Communicator& world) -> int {
     // Installed before the long setup: a stop asked for meanwhile acts after the first step.
     train::StopSignals stop_signals;
-    std::optional<train::Checkpoint> checkpoint;
+    std::optional<checkpoint::Checkpoint> checkpoint;
     std::optional<fs::path> resumed_run;
     train::TrainConfig config;
     if (!args.resume.empty()) {
-      const train::CheckpointSource source = train::locate_checkpoint(args.resume);
+      const checkpoint::CheckpointSource source = checkpoint::locate_checkpoint(args.resume);
       checkpoint = train::load_checkpoint_on_root(source.checkpoint, world);
       const train::TrainConfig saved = train::TrainConfig::from_json(
           checkpoint->train_config, (source.checkpoint / "manifest.json").string());
@@ -191,8 +191,8 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
               int micro_batch, int seq_len, int threads) {
   with_mpi([&](comm::Communicator& world) {
     check(world.size() == 1, "eval runs on one rank");
-    const fs::path dir = train::resolve_checkpoint(checkpoint_path);
-    train::Checkpoint checkpoint = train::load_checkpoint(dir, /*with_optimizer=*/false);
+    const fs::path dir = checkpoint::resolve_checkpoint(checkpoint_path);
+    checkpoint::Checkpoint checkpoint = checkpoint::load_checkpoint(dir, /*with_optimizer=*/false);
     if (seq_len == 0) {
       seq_len = train::TrainConfig::from_json(checkpoint.train_config, dir.string()).seq_len;
     }
@@ -324,8 +324,8 @@ void add_training_commands(CLI::App& app) {
       ->required();
   export_cmd->add_option("--output", export_args->output, "Output directory")->required();
   export_cmd->callback([export_args] {
-    const fs::path dir = train::resolve_checkpoint(export_args->checkpoint);
-    train::export_hf(train::load_checkpoint(dir, /*with_optimizer=*/false), export_args->output);
+    const fs::path dir = checkpoint::resolve_checkpoint(export_args->checkpoint);
+    hf::export_hf(checkpoint::load_checkpoint(dir, /*with_optimizer=*/false), export_args->output);
     std::printf("exported %s to %s\n", dir.c_str(), export_args->output.c_str());
   });
 
@@ -336,9 +336,8 @@ void add_training_commands(CLI::App& app) {
     for (const auto& name : model::model_preset_names()) {
       const auto c = model::load_model_config(name);
       std::printf("%-12s %10s %7d %7d %6d %5d %7d %7d\n", name.c_str(),
-                  format_count(static_cast<double>(c.num_parameters())).c_str(),
-                  c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.ffn_hidden_size,
-                  c.vocab_size);
+                  format_count(static_cast<double>(c.num_parameters())).c_str(), c.num_layers,
+                  c.hidden_size, c.num_heads, c.num_kv_heads, c.ffn_hidden_size, c.vocab_size);
     }
   });
 }

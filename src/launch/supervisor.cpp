@@ -17,10 +17,10 @@
 #include <regex>
 #include <sstream>
 
+#include "checkpoint/checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
-#include "train/checkpoint.h"
-#include "train/metrics.h"
+#include "metrics/metrics.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
 #include "train/watchdog.h"
@@ -163,9 +163,9 @@ int64_t last_logged_step(const fs::path& metrics) {
   int64_t step = 0;
   while (std::getline(in, line)) {
     try {
-      const auto record = train::parse_record(Json::parse(line), metrics.string());
+      const auto record = metrics::parse_record(Json::parse(line), metrics.string());
       if (record) {
-        if (const auto* s = std::get_if<train::StepRecord>(&*record)) step = s->step;
+        if (const auto* s = std::get_if<metrics::StepRecord>(&*record)) step = s->step;
       }
     } catch (const std::exception&) {
       // a line this reader does not understand says nothing about progress
@@ -174,7 +174,7 @@ int64_t last_logged_step(const fs::path& metrics) {
   return step;
 }
 
-// The step of a checkpoint directory, from its name (train::checkpoint_dir: step_00000100).
+// The step of a checkpoint directory, from its name (checkpoint::checkpoint_dir: step_00000100).
 int64_t checkpoint_step(const fs::path& dir) {
   const std::string name = dir.filename().string();
   check(name.rfind("step_", 0) == 0, "unexpected checkpoint name " + dir.string());
@@ -436,7 +436,7 @@ class Supervisor {
               std::to_string(from) + " with malleus launch ... -- train --resume " +
               run_dir_.string() + " once devices are back)");
     ++restarts_;
-    train::RestartRecord record;
+    metrics::RestartRecord record;
     record.step = from;
     record.restart = restarts_;
     record.failed_at_step = failed_at_step;
@@ -456,7 +456,7 @@ class Supervisor {
 
   // The step of the latest complete checkpoint (Error when there is none).
   int64_t restart_step(const std::string& who, int64_t failed_at_step) const {
-    const auto latest = train::latest_checkpoint(run_dir_ / "checkpoints");
+    const auto latest = checkpoint::latest_checkpoint(run_dir_ / "checkpoints");
     check(latest.has_value(),
           "launch: " + who + " at step " + std::to_string(failed_at_step) +
               ", before the run's first checkpoint: nothing to restart from (checkpoint more "
@@ -464,8 +464,8 @@ class Supervisor {
     return checkpoint_step(*latest);
   }
 
-  void report_restart(const train::RestartRecord& record, const std::string& who) const {
-    train::MetricsLog(run_dir_ / "metrics.jsonl").write(record);
+  void report_restart(const metrics::RestartRecord& record, const std::string& who) const {
+    metrics::MetricsLog(run_dir_ / "metrics.jsonl").write(record);
     std::printf(
         "restart %lld at step %lld: %s; resuming from the checkpoint of step %lld on %lld "
         "rank%s (%lld step%s lost)\n",

@@ -618,8 +618,8 @@ void Timeline::draw_events() {
             << format_bytes(static_cast<double>(r.bytes_moved)) << " in "
             << format_duration(r.migration_s) << "; planning took " << format_duration(r.planning_s)
             << "\npredicted step time " << format_duration(r.predicted_old_s) << " → "
-            << format_duration(r.predicted_new_s) << " (gain " << format_duration(r.predicted_gain_s)
-            << ")";
+            << format_duration(r.predicted_new_s) << " (gain "
+            << format_duration(r.predicted_gain_s) << ")";
     svg_->begin_group({{"class", "replan"}}, tooltip.str());
     svg_->line(x, label.row < 0 ? throughput_.top : label_y(label.row) - 9, x, bottom,
                {{"class", "replan-line"}});
@@ -743,13 +743,13 @@ Report parse_metrics(const std::string& text, const std::string& source) {
     ++number;
     if (blank(line)) continue;
     const std::string where = source + ":" + std::to_string(number);
-    const auto record = train::parse_record(parse_json(line, where), where);
+    const auto record = metrics::parse_record(parse_json(line, where), where);
     if (!record) continue;  // a kind the timeline has nothing to draw for
-    if (const auto* step = std::get_if<train::StepRecord>(&*record)) {
+    if (const auto* step = std::get_if<metrics::StepRecord>(&*record)) {
       report.steps.push_back({*step, number});
-    } else if (const auto* eval = std::get_if<train::EvalRecord>(&*record)) {
+    } else if (const auto* eval = std::get_if<metrics::EvalRecord>(&*record)) {
       report.evals.push_back({*eval, number});
-    } else if (const auto* replan = std::get_if<train::ReplanRecord>(&*record)) {
+    } else if (const auto* replan = std::get_if<metrics::ReplanRecord>(&*record)) {
       (replan->switched ? report.replans : report.declined).push_back({*replan, number});
     }
   }

@@ -1,7 +1,7 @@
 // `malleus report`: reads a run's metrics.jsonl and draws what the straggler-tolerance loop did
 // (throughput, per-rank straggle rates, loss, re-plans) as one self-contained SVG, plus a short
 // text summary. Records are read through the metrics schema the trainer writes with
-// (train/metrics.h); the chart is drawn with the shared SVG writer (svg/svg.h).
+// (metrics/metrics.h); the chart is drawn with the shared SVG writer (svg/svg.h).
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "train/metrics.h"
+#include "metrics/metrics.h"
 
 namespace malleus::report {
 
@@ -19,9 +19,9 @@ struct Numbered : Record {
   size_t line = 0;
 };
 
-using StepRecord = Numbered<train::StepRecord>;
-using EvalRecord = Numbered<train::EvalRecord>;
-using ReplanRecord = Numbered<train::ReplanRecord>;
+using StepRecord = Numbered<metrics::StepRecord>;
+using EvalRecord = Numbered<metrics::EvalRecord>;
+using ReplanRecord = Numbered<metrics::ReplanRecord>;
 
 struct Report {
   std::string source;  // the file name, for titles and messages

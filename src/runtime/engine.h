@@ -144,7 +144,7 @@ class Engine {
   //
   // `before_update`, when given, runs just before the optimizer changes the parameters and
   // moments (the forward, backward and gradient sync have only read them): a checkpoint copying
-  // this state in the background waits there (train/checkpoint_writer.h). Moments lent out by
+  // this state in the background waits there (checkpoint/checkpoint_writer.h). Moments lent out by
   // local_state() stay until then.
   //
   // A step whose loss or gradient norm is not finite changes no parameter or moment.

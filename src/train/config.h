@@ -85,7 +85,7 @@ struct TrainConfig {
   int eval_samples = 64;     // validation sequences per evaluation (capped at the split's size)
   int64_t checkpoint_every = 100;  // steps; 0: only at the end
   // Write checkpoints in the background: the saving step waits only for the copy of each rank's
-  // pieces to host memory (train/checkpoint_writer.h).
+  // pieces to host memory (checkpoint/checkpoint_writer.h).
   bool async_checkpoints = true;
   // ZeRO-1: Adam moments and the update split among each parameter piece's holders
   // (runtime::EngineOptions::distributed_optimizer).

@@ -10,10 +10,12 @@
 #include <string>
 #include <system_error>
 
+#include "checkpoint/checkpoint.h"
 #include "common/error.h"
-#include "train/checkpoint.h"
 
 namespace malleus::train {
+
+using checkpoint::clean_stale_temporaries;
 
 namespace fs = std::filesystem;
 

@@ -15,12 +15,25 @@
 #include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
 #include "layout/optimizer_shard.h"
+#include "metrics/metrics.h"
 #include "plan/planner.h"
-#include "train/metrics.h"
 #include "train/stop_signal.h"
 #include "train/watchdog.h"
 
 namespace malleus::train {
+
+using checkpoint::Checkpoint;
+using checkpoint::CheckpointIndex;
+using checkpoint::load_checkpoint;
+using checkpoint::saved_state;
+using checkpoint::SavedKind;
+using checkpoint::SaveStats;
+using checkpoint::snapshot_elements;
+using checkpoint::StateTarget;
+using metrics::EvalRecord;
+using metrics::MetricsLog;
+using metrics::ReplanRecord;
+using metrics::StepRecord;
 
 namespace {
 
@@ -154,9 +167,9 @@ void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& p
               format_bytes(static_cast<double>(need.checkpoint_copy)) +
               " for its part of a checkpoint), but this machine has " +
               format_bytes(static_cast<double>(available_bytes)) + " available" +
-              (ranks_here > 1
-                   ? ", " + format_bytes(share) + " for each of its " + std::to_string(ranks_here) + " ranks"
-                   : "") +
+              (ranks_here > 1 ? ", " + format_bytes(share) + " for each of its " +
+                                    std::to_string(ranks_here) + " ranks"
+                              : "") +
               ": use more ranks, a plan that shards the model further, or a smaller model");
 }
 

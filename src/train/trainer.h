@@ -1,8 +1,9 @@
 // The training loop over any parallel plan: each step samples the global batch (the same
 // sequences whatever the plan), runs the runtime engine (1F1B, tensor and data parallelism,
 // gradient sync, clipping, AdamW), and on schedule evaluates, logs (rank 0) and checkpoints
-// (sharded: each rank writes the pieces it owns, in the background; train/checkpoint_writer.h).
-// Resuming from a checkpoint — under the same plan or another — continues exactly where it stopped.
+// (sharded: each rank writes the pieces it owns, in the background;
+// checkpoint/checkpoint_writer.h). Resuming from a checkpoint — under the same plan or another —
+// continues exactly where it stopped.
 #pragma once
 
 #include <cstdint>
@@ -10,26 +11,26 @@
 #include <optional>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "comm/communicator.h"
 #include "data/dataset.h"
 #include "elastic/controller.h"
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
+#include "metrics/metrics.h"
 #include "plan/plan.h"
 #include "runtime/core_lease.h"
 #include "runtime/engine.h"
-#include "train/checkpoint.h"
-#include "train/checkpoint_writer.h"
 #include "train/config.h"
-#include "train/metrics.h"
 #include "train/schedule.h"
 
 namespace malleus::train {
 
 // One step as train_step returns it: its metrics record (the plan and ETA are filled when it is
 // logged) and the controller's decision when it was asked.
-struct StepStats : StepRecord {
-  std::optional<ReplanRecord> replan;
+struct StepStats : metrics::StepRecord {
+  std::optional<metrics::ReplanRecord> replan;
 };
 
 // The "plan" value that asks for the planner's plan (malleus launch restarts with it, on however
@@ -58,9 +59,9 @@ class Trainer {
   // Collective: continues from a checkpoint whose buffers are read on rank 0 (other ranks may
   // pass a checkpoint without buffers; see load_checkpoint_on_root). Throws Error if the
   // checkpoint's tokenizer differs from the training data's.
-  void restore(const Checkpoint& checkpoint);
+  void restore(const checkpoint::Checkpoint& checkpoint);
   // Collective: the whole state, on rank 0 (other ranks get empty buffers).
-  Checkpoint snapshot();
+  checkpoint::Checkpoint snapshot();
 
   // One step. Its loss and gradient norm may be non-finite (then nothing was updated): run()
   // stops there.
@@ -102,7 +103,8 @@ class Trainer {
   int agreed_stop_signal();
   [[noreturn]] void stop_diverged(const StepStats& s);
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
-  void log_step(StepStats s, double eta, const std::string& plan_text, MetricsLog& metrics);
+  void log_step(StepStats s, double eta, const std::string& plan_text,
+                metrics::MetricsLog& metrics);
 
   TrainConfig config_;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;  // before model_config_: it fits it
@@ -122,15 +124,16 @@ class Trainer {
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
   int restarts_ = 0;
-  CheckpointWriter writer_;
+  checkpoint::CheckpointWriter writer_;
 };
 
 // Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and
 // sends its text). A single-file checkpoint's buffers are read on rank 0 only (restore scatters
 // them); a sharded checkpoint's on restore, by each rank for itself (Checkpoint::sharded). Throws
 // the same Error on every rank if the checkpoint is bad. Collective.
-Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
-                                   bool with_optimizer = true);
+checkpoint::Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir,
+                                               comm::Communicator& world,
+                                               bool with_optimizer = true);
 
 // The model state rank `rank` holds under `plan`, in bytes, as the engine and the checkpoint
 // writer allocate it (fp32), from the same functions they use: parameters and gradients of its

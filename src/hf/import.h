@@ -8,16 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "common/json.h"
 #include "model/config.h"
-#include "train/checkpoint.h"
 
-namespace malleus::train {
+namespace malleus::hf {
 
 struct ImportResult {
   // Step 0 with zeroed Adam moments (the state of a fresh optimizer), so `train --resume` on it
   // continues from the imported weights with a new optimizer and LR schedule.
-  Checkpoint checkpoint;
+  checkpoint::Checkpoint checkpoint;
   std::vector<std::string> ignored;  // config.json keys and tensors read but not needed
   std::string dtype;                 // of the weights as stored ("F32", "BF16", "F16", or mixed)
 };
@@ -32,4 +32,4 @@ model::ModelConfig model_config_from_hf(const Json& config, const std::string& s
 // Throws Error naming the file and tensor for missing or misshapen tensors and unknown extra ones.
 ImportResult import_hf(const std::filesystem::path& dir);
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

@@ -1,4 +1,4 @@
-#include "train/checkpoint_writer.h"
+#include "checkpoint/checkpoint_writer.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include "common/error.h"
 #include "common/json.h"
 
-namespace malleus::train {
+namespace malleus::checkpoint {
 
 namespace fs = std::filesystem;
 
@@ -174,4 +174,4 @@ void CheckpointWriter::commit() {
   last_ = stats;
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::checkpoint

@@ -1,15 +1,17 @@
-#include "train/export.h"
+#include "hf/export.h"
 
 #include <charconv>
 #include <system_error>
 
+#include "checkpoint/checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "hf/safetensors.h"
 #include "model/parameters.h"
-#include "train/checkpoint.h"
-#include "train/safetensors.h"
 
-namespace malleus::train {
+namespace malleus::hf {
+
+using checkpoint::Checkpoint;
 
 namespace {
 
@@ -108,4 +110,4 @@ void export_hf(const Checkpoint& checkpoint, const fs::path& out_dir) {
   }
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

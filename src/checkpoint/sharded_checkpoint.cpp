@@ -1,5 +1,5 @@
 // Sharded checkpoints (format version 4, and version 3 read): one file per rank holding the pieces
-// it owns, and the manifest that says where each piece lies (train/checkpoint.h describes the
+// it owns, and the manifest that says where each piece lies (checkpoint/checkpoint.h describes the
 // format).
 #include <fcntl.h>
 #include <signal.h>
@@ -16,14 +16,14 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_detail.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/host_pages.h"
-#include "train/checkpoint.h"
-#include "train/checkpoint_detail.h"
 
-namespace malleus::train {
+namespace malleus::checkpoint {
 
 using namespace detail;
 
@@ -640,4 +640,4 @@ int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* mome
   return bytes_read;
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::checkpoint

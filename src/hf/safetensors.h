@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace malleus::train {
+namespace malleus::hf {
 
 // A tensor to write: float32 data in row-major order.
 struct TensorRef {
@@ -32,4 +32,4 @@ struct SafetensorsTensor {
 // header, out-of-range offsets, a shape that disagrees with its bytes, or another dtype.
 std::map<std::string, SafetensorsTensor> read_safetensors(const std::filesystem::path& path);
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

@@ -1,7 +1,7 @@
 // Saving sharded checkpoints from a run on several ranks, synchronously or in the background.
 //
 // A save starts collectively: rank 0 makes the temporary directory every rank writes into, and
-// each rank copies the pieces it owns (train/checkpoint.h) out of its live state into host
+// each rank copies the pieces it owns (checkpoint/checkpoint.h) out of its live state into host
 // memory. That copy is all the training step waits for: a background thread then writes the
 // rank's file while training goes on. The copy itself can run in the background too (CheckFreq,
 // Mohan et al., FAST 2021): the parameters and moments change only at the optimizer's update, so
@@ -25,12 +25,12 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
 #include "layout/layout.h"
 #include "model/parameters.h"
-#include "train/checkpoint.h"
 
-namespace malleus::train {
+namespace malleus::checkpoint {
 
 // What one finished save took, as rank 0 saw it.
 struct SaveStats {
@@ -108,4 +108,4 @@ class CheckpointWriter {
   std::optional<SaveStats> last_;
 };
 
-}  // namespace malleus::train
+}  // namespace malleus::checkpoint

@@ -1,4 +1,4 @@
-#include "train/import.h"
+#include "hf/import.h"
 
 #include <algorithm>
 #include <set>
@@ -6,11 +6,14 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "hf/safetensors.h"
 #include "model/parameters.h"
 #include "train/config.h"
-#include "train/safetensors.h"
 
-namespace malleus::train {
+namespace malleus::hf {
+
+using checkpoint::Checkpoint;
+using train::TrainConfig;
 
 namespace {
 
@@ -211,4 +214,4 @@ ImportResult import_hf(const fs::path& dir) {
   return result;
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

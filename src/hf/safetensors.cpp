@@ -1,4 +1,4 @@
-#include "train/safetensors.h"
+#include "hf/safetensors.h"
 
 #include <bit>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "common/files.h"
 #include "common/json.h"
 
-namespace malleus::train {
+namespace malleus::hf {
 
 namespace {
 
@@ -168,4 +168,4 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
   return tensors;
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

@@ -14,7 +14,7 @@
 
 #include "common/json.h"
 
-namespace malleus::train {
+namespace malleus::metrics {
 
 // Numbers that are unknown are NaN: left out when written, and NaN when absent or null on reading
 // (nlohmann writes NaN and infinity as null).
@@ -109,4 +109,4 @@ class MetricsLog {
   int fd_ = -1;
 };
 
-}  // namespace malleus::train
+}  // namespace malleus::metrics

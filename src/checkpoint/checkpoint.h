@@ -28,7 +28,7 @@
 #include "model/parameters.h"
 #include "tokenizer/tokenizer.h"
 
-namespace malleus::train {
+namespace malleus::checkpoint {
 
 class CheckpointIndex;
 
@@ -110,7 +110,7 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // exactly the bytes it reads. (Version 3 stored every piece's parameters and both moments
 // together, by the parameters' owner; it is read as those two kinds.)
 //
-// Commit across ranks (train/checkpoint_writer.h): every rank writes its file into the same
+// Commit across ranks (checkpoint/checkpoint_writer.h): every rank writes its file into the same
 // temporary directory "<dir>.tmp.<pid of rank 0>"; once all report success, rank 0 writes
 // manifest.json last, renames the directory into place and only then updates `latest`. A rank
 // that dies while writing leaves only the temporary directory (removed by clean_stale_temporaries)
@@ -251,4 +251,4 @@ class CheckpointIndex {
   std::map<std::string, int64_t> file_bytes_;
 };
 
-}  // namespace malleus::train
+}  // namespace malleus::checkpoint

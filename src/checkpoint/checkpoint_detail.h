@@ -9,10 +9,10 @@
 #include <system_error>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "common/json.h"
-#include "train/checkpoint.h"
 
-namespace malleus::train::detail {
+namespace malleus::checkpoint::detail {
 
 namespace fs = std::filesystem;
 
@@ -81,4 +81,4 @@ std::string sealed_manifest_text(const Json& manifest, const std::string& where)
 // ("<dir>.old.<pid>", put back if the rename fails) and removed once the new one is in place.
 void move_into_place(const fs::path& tmp, const fs::path& dir, const std::string& where);
 
-}  // namespace malleus::train::detail
+}  // namespace malleus::checkpoint::detail

@@ -12,14 +12,16 @@
 #include "model/config.h"
 #include "tokenizer/tokenizer.h"
 
-namespace malleus::train {
-
+namespace malleus::checkpoint {
 struct Checkpoint;
+}
+
+namespace malleus::hf {
 
 // Writes <out_dir>/model.safetensors, config.json and the tokenizer files (each atomically). The
 // output is a function of the checkpoint's model config, parameters and tokenizer alone, so
 // export → import → export gives the same bytes.
-void export_hf(const Checkpoint& checkpoint, const std::filesystem::path& out_dir);
+void export_hf(const checkpoint::Checkpoint& checkpoint, const std::filesystem::path& out_dir);
 
 // LlamaConfig fields for `config`.
 Json hf_config_json(const model::ModelConfig& config);
@@ -28,4 +30,4 @@ Json hf_config_json(const model::ModelConfig& config);
 Json hf_tokenizer_config_json(const tokenizer::Tokenizer& tokenizer,
                               const model::ModelConfig& config);
 
-}  // namespace malleus::train
+}  // namespace malleus::hf

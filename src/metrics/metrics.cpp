@@ -1,4 +1,4 @@
-#include "train/metrics.h"
+#include "metrics/metrics.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 
 #include "common/error.h"
 
-namespace malleus::train {
+namespace malleus::metrics {
 
 namespace {
 
@@ -295,4 +295,4 @@ void MetricsLog::write(const MetricsRecord& record) {
   }
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::metrics

@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -12,13 +12,13 @@
 #include <string>
 #include <system_error>
 
+#include "checkpoint/checkpoint_detail.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "model/parameters.h"
-#include "train/checkpoint_detail.h"
 
-namespace malleus::train {
+namespace malleus::checkpoint {
 
 namespace {
 
@@ -440,4 +440,4 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   return dir;
 }
 
-}  // namespace malleus::train
+}  // namespace malleus::checkpoint
