@@ -2,14 +2,15 @@
 # Set up, build (warnings are errors) and run the whole test suite.
 #
 # Tests that judge elapsed time on a shared machine (the straggler timing tests, the watchdog's
-# stopped-rank test and the slow-link tests on the multi-host bed, named below) can read another
-# job's load as a straggler or a hang. Where only such tests failed, they run once more on their
-# own and must pass then; any other failure fails at once. Both runs' output stays in the log.
+# stopped-rank test, the slow-link tests on the multi-host bed and malleus.torch's straggler
+# test, named below) can read another job's load as a straggler or a hang. Where only such tests
+# failed, they run once more on their own and must pass then; any other failure fails at once.
+# Both runs' output stays in the log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh -DMALLEUS_WERROR=ON
-timing_tests='^(SlowStragglerTiming\.|RecoverySlow\.StoppedRank|link_straggler_)'
+timing_tests='^(SlowStragglerTiming\.|RecoverySlow\.StoppedRank|link_straggler_|python_torch_straggler_timing)'
 if ctest --test-dir build --output-on-failure --timeout 900 -j "$(nproc)"; then
   exit 0
 fi

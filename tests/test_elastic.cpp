@@ -297,6 +297,45 @@ TEST(Controller, DecidesWithTheSharedSwitchRule) {
   EXPECT_NE(late.verdict.reason.find("does not pay"), std::string::npos);
 }
 
+TEST(Controller, DecidesOverAnyTransportTheSameWay) {
+  // decide() with a broadcast of the caller's (the Python package's torch.distributed): rank 0
+  // proposes, the text it broadcasts is the plan every rank switches to, and the rates planned
+  // for are remembered as with MPI.
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 2),
+                             plan::BatchConfig{8, 1, 128});
+  elastic::ControllerOptions options;
+  options.strategy = "data-parallel";
+  elastic::Controller root(cost, options), other(cost, options);
+  const auto current = plan::uniform_plan(model, 2, 1, 1, 8, 1, 2);
+  const std::vector<double> rates = {1.0, 3.0};
+  std::string sent;
+  int calls = 0;
+  const elastic::Decision d = root.decide(
+      true,
+      [&](const std::string& text) {
+        ++calls;
+        sent = text;
+        return text;
+      },
+      current, rates, 3, 10, 90);
+  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;
+  EXPECT_EQ(calls, 1);
+  ASSERT_FALSE(sent.empty());
+  EXPECT_EQ(sent[0], '0');  // not on hold
+  EXPECT_EQ(Json::parse(sent.substr(1)), d.plan->to_json());
+  const elastic::Decision o = other.decide(
+      false, [&](const std::string& text) { return text.empty() ? sent : std::string("wrong"); },
+      current, rates, 3, 10, 90);
+  ASSERT_TRUE(o.plan.has_value());
+  EXPECT_EQ(o.plan->to_json(), d.plan->to_json());
+  // The rates planned for are remembered: the same rates do not ask again.
+  const elastic::Decision again = root.decide(
+      true, [&](const std::string&) -> std::string { throw Error("not called"); }, *d.plan, rates,
+      3, 11, 89);
+  EXPECT_FALSE(again.asked);
+}
+
 TEST(SwitchRule, GainOverTheHorizonAgainstTheSwitchCost) {
   replan::SwitchQuestion q{2.0, 1.5, 10.0, 30, false};
   EXPECT_TRUE(replan::weigh_switch(q).take);  // 0.5 s × 30 steps > 10 s

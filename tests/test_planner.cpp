@@ -3,6 +3,7 @@
 // the tie-break toward the running plan.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -453,6 +454,34 @@ TEST(Planner, BaselinesBehaveAsDocumented) {
   for (int r : drop.plan.idle_ranks()) EXPECT_NE(r, 0);
   const auto idle = drop.plan.idle_ranks();
   EXPECT_NE(std::find(idle.begin(), idle.end(), 5), idle.end());
+}
+
+// data-parallel (malleus.torch's): a replica per device, micro-batches by rates, down to none for a
+// replica too slow to help, even again when healthy; never a restart.
+TEST(Planner, DataParallelSplitsMicroBatchesByRatesDownToNone) {
+  const auto model = model::load_model_config("demo");
+  const CostModel cost(model, small_cluster(1, 3), plan::BatchConfig{12, 1, 128});
+  const auto strategy = plan::make_strategy("data-parallel");
+  auto split = [&](const plan::Rates& rates) {
+    const plan::PlanResult r = strategy->plan(cost, {rates, {}, std::nullopt});
+    EXPECT_FALSE(r.restart);
+    std::vector<int> m(3, 0);
+    for (const auto& p : r.plan.pipelines) {
+      EXPECT_EQ(p.stages.size(), 1u);
+      EXPECT_EQ(p.stages[0].tp(), 1);
+      m[static_cast<size_t>(p.stages[0].ranks[0])] = p.micro_batches;
+    }
+    return m;
+  };
+  EXPECT_EQ(split({1, 1, 1}), (std::vector<int>{4, 4, 4}));
+  const auto slow = split({1, 1, 3});
+  EXPECT_LT(slow[2], slow[0]);
+  EXPECT_EQ(slow[0] + slow[1] + slow[2], 12);
+  EXPECT_EQ(split({1, 1, 100}), (std::vector<int>{6, 6, 0}));
+  EXPECT_EQ(split({1, 1, kInf}), (std::vector<int>{6, 6, 0}));
+  // Not among the strategies the simulator holds side by side.
+  const auto names = plan::strategy_names();
+  EXPECT_EQ(std::find(names.begin(), names.end(), "data-parallel"), names.end());
 }
 
 // With one node's link ten times slower, the planner moves the gradient sync (every parameter)

@@ -94,26 +94,40 @@ bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
 Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
                             const std::vector<double>& rates, int monitored_steps, int64_t step,
                             int64_t remaining_steps, const std::vector<double>& link_rates) {
-  if (world.rank() == 0) account(current, rates);
+  const auto broadcast = [&world](const std::string& root_text) {
+    std::string text = root_text;
+    int64_t length = static_cast<int64_t>(text.size());
+    world.broadcast(&length, sizeof length, 0);
+    text.resize(static_cast<size_t>(length));
+    world.broadcast(text.data(), text.size(), 0);
+    return text;
+  };
+  return decide(world.rank() == 0, broadcast, current, rates, monitored_steps, step,
+                remaining_steps, link_rates);
+}
+
+Decision Controller::decide(bool root, const BroadcastText& broadcast, const plan::Plan& current,
+                            const std::vector<double>& rates, int monitored_steps, int64_t step,
+                            int64_t remaining_steps, const std::vector<double>& link_rates) {
+  if (root) account(current, rates);
   if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
   const std::vector<double> links = planning_link_rates_;
 
   Decision decision;
-  std::string plan_text;  // the plan to switch to, if any
-  if (world.rank() == 0) {
+  // Whether rank 0 is on hold (every rank then asks again soon): '1' or '0', then the plan.
+  std::string text;
+  if (root) {
     decision = decide_on_root(current, rates, step, remaining_steps, links);
-    if (decision.plan) plan_text = decision.plan->to_json().dump();
+    text.push_back(holding() ? '1' : '0');
+    if (decision.plan) text.append(decision.plan->to_json().dump());
   }
-  // The plan's length and whether rank 0 is on hold (every rank then asks again soon).
-  int64_t header[2] = {static_cast<int64_t>(plan_text.size()), holding() ? 1 : 0};
-  world.broadcast(header, sizeof header, 0);
-  plan_text.resize(static_cast<size_t>(header[0]));
-  world.broadcast(plan_text.data(), plan_text.size(), 0);
-  asked(rates, links, header[1] != 0);
+  text = broadcast(text);
+  check(!text.empty(), "controller: the broadcast of rank 0's decision brought nothing");
+  asked(rates, links, text[0] == '1');
 
   decision.asked = true;
-  if (world.rank() != 0 && !plan_text.empty()) {
-    decision.plan = plan::Plan::from_json(Json::parse(plan_text), cost_.model(), "re-plan");
+  if (!root && text.size() > 1) {
+    decision.plan = plan::Plan::from_json(Json::parse(text.substr(1)), cost_.model(), "re-plan");
   }
   return decision;
 }

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -80,6 +81,13 @@ class Controller {
 
   // Collective: asks the planner on rank 0 when trigger() fires, and broadcasts its plan.
   Decision decide(comm::Communicator& world, const plan::Plan& current,
+                  const std::vector<double>& rates, int monitored_steps, int64_t step,
+                  int64_t remaining_steps, const std::vector<double>& link_rates = {});
+  // The same decision over another transport (the Python package's torch.distributed):
+  // `broadcast` is called on every rank when trigger() fires, with rank 0's plan text on rank 0
+  // (empty elsewhere) and returns rank 0's text on every rank; `root` says whether this is rank 0.
+  using BroadcastText = std::function<std::string(const std::string& root_text)>;
+  Decision decide(bool root, const BroadcastText& broadcast, const plan::Plan& current,
                   const std::vector<double>& rates, int monitored_steps, int64_t step,
                   int64_t remaining_steps, const std::vector<double>& link_rates = {});
   // Called once per step (decide() calls it): whether to ask the planner. Compute rates: when one

@@ -144,7 +144,8 @@ Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rat
   if (uneven.micro_batches) {
     std::vector<double> first, period;
     for (const auto& e : evals) first.push_back(e.first), period.push_back(e.period);
-    m = assign_micro_batches(M, first, period, to_int(evals.size()) > M);
+    m = assign_micro_batches(M, first, period,
+                             uneven.allow_zero_micro_batches || to_int(evals.size()) > M);
   } else {
     m = even_shares(M, to_int(evals.size()));
   }
@@ -197,6 +198,24 @@ class UnevenStrategy : public Strategy {
   UnevenAssignment uneven_;
 };
 
+// Data parallelism alone: every device a replica of the whole model, micro-batches by rates, a
+// replica too slow to help given none (it keeps its copy of the model, so it rejoins without a
+// restart when it heals, and so does a replica of a gone device's peers).
+class DataParallelStrategy : public Strategy {
+ public:
+  std::string name() const override { return "data-parallel"; }
+  PlanResult plan(const CostModel& cost, const PlanRequest& req) const override {
+    const auto start = Clock::now();
+    const int devices = cost.cluster().num_devices();
+    const Rates rates = full_rates(req.rates, devices);
+    const BaseLayout base = base_layout(cost, Shape{devices, 1, 1}, rates);
+    return finish(
+        name(), cost,
+        uneven_plan(cost, base, rates, {.micro_batches = true, .allow_zero_micro_batches = true}),
+        rates, start);
+  }
+};
+
 class DropSlowStrategy : public Strategy {
  public:
   explicit DropSlowStrategy(double threshold) : threshold_(threshold) {}
@@ -229,6 +248,9 @@ std::unique_ptr<Strategy> make_drop_slow_strategy(double threshold) {
 }
 std::unique_ptr<Strategy> make_uneven_strategy(UnevenAssignment uneven) {
   return std::make_unique<UnevenStrategy>(uneven);
+}
+std::unique_ptr<Strategy> make_data_parallel_strategy() {
+  return std::make_unique<DataParallelStrategy>();
 }
 
 }  // namespace detail

@@ -132,12 +132,13 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, PlannerOptions 
   if (name == "drop-slow") return detail::make_drop_slow_strategy(options.straggler_threshold);
   if (name == "uneven-microbatches") return detail::make_uneven_strategy({.micro_batches = true});
   if (name == "uneven-layers") return detail::make_uneven_strategy({.layers = true});
+  if (name == "data-parallel") return detail::make_data_parallel_strategy();
   std::string names;
   for (const auto& n : strategy_names()) {
     names += ' ';
     names += n;
   }
-  throw Error("unknown strategy \"" + name + "\" (one of:" + names + ")");
+  throw Error("unknown strategy \"" + name + "\" (one of:" + names + " data-parallel)");
 }
 
 std::vector<std::string> strategy_names() {

@@ -77,7 +77,10 @@ class Strategy {
 };
 
 std::unique_ptr<Strategy> make_strategy(const std::string& name, PlannerOptions options = {});
-// "malleus", "uniform", "drop-slow", "uneven-microbatches", "uneven-layers".
+// "malleus", "uniform", "drop-slow", "uneven-microbatches", "uneven-layers": the strategies the
+// simulator and the experiments hold side by side. make_strategy also makes "data-parallel", for
+// a framework that only replicates the model (the Python package's malleus.torch): one replica
+// per device, micro-batches by rates, down to none for a replica too slow to help.
 std::vector<std::string> strategy_names();
 
 // ---- exact sub-problems (exposed for tests) --------------------------------------------------

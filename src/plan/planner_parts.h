@@ -115,6 +115,9 @@ BaseLayout base_layout(const CostModel& cost, const Shape& shape, const Rates& r
 struct UnevenAssignment {
   bool layers = false;         // layers per stage
   bool micro_batches = false;  // micro-batches per pipeline
+  // A pipeline may be given no micro-batches (its ranks then idle) whenever that is fastest (a
+  // hopeless replica); otherwise only when there are more pipelines than micro-batches.
+  bool allow_zero_micro_batches = false;
 };
 // A plan from a base layout with layers and micro-batches even or assigned by rates.
 Plan uneven_plan(const CostModel& cost, const BaseLayout& base, const Rates& rates,
@@ -125,6 +128,7 @@ UniformChoice drop_slow_choice(const CostModel& cost, const Rates& rates, double
 std::unique_ptr<Strategy> make_uniform_strategy();
 std::unique_ptr<Strategy> make_drop_slow_strategy(double threshold);
 std::unique_ptr<Strategy> make_uneven_strategy(UnevenAssignment uneven);
+std::unique_ptr<Strategy> make_data_parallel_strategy();
 // Ours (search.cpp).
 std::unique_ptr<Strategy> make_malleus_strategy(PlannerOptions options);
 

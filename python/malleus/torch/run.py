@@ -1,0 +1,97 @@
+"""Starts a script on N local processes for torch.distributed, as torchrun does on one host
+(Debian's torchrun does not start): MASTER_ADDR, MASTER_PORT (a free port), RANK, LOCAL_RANK and
+WORLD_SIZE in each process's environment; ``--cores`` pins rank r to the r-th core of a list.
+
+    python3 -m malleus.torch.run --nproc 2 [--cores 0,1] script.py [args...]
+
+Exits with the first non-zero exit status of a rank (the other ranks are then stopped).
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(argv: Sequence[str], nproc: int, cores: Optional[Sequence[int]] = None,
+          env: Optional[dict] = None, port: Optional[int] = None) -> List[subprocess.Popen]:
+    """Starts ``argv`` on ``nproc`` ranks; returns the processes (rank order)."""
+    if nproc < 1:
+        raise ValueError(f"malleus.torch.run: --nproc must be at least 1, got {nproc}")
+    port = port or free_port()
+    procs = []
+    for rank in range(nproc):
+        e = dict(os.environ if env is None else env)
+        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                 LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+        pin = None
+        if cores:
+            core = cores[rank % len(cores)]
+            pin = (lambda c: lambda: os.sched_setaffinity(0, {c}))(core)
+        procs.append(subprocess.Popen(list(argv), env=e, preexec_fn=pin))
+    return procs
+
+
+def wait(procs: List[subprocess.Popen], timeout: Optional[float] = None) -> int:
+    """Waits for every rank; on the first failure (or the timeout) stops the others. Returns the
+    first non-zero exit status, or 0."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    status = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        late = deadline is not None and time.monotonic() > deadline
+        if failed or late:
+            status = failed[0] if failed else 124
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if status == 0 and p.returncode:
+            status = p.returncode
+    return status
+
+
+def launch(argv: Sequence[str], nproc: int, cores: Optional[Sequence[int]] = None,
+           env: Optional[dict] = None, timeout: Optional[float] = None) -> int:
+    return wait(start(argv, nproc, cores, env), timeout)
+
+
+def main(args=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m malleus.torch.run",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, required=True, help="processes (ranks)")
+    parser.add_argument("--cores", default="",
+                        help="comma-separated cores; rank r runs on the r-th (mod the list)")
+    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    a = parser.parse_args(args)
+    try:
+        cores = [int(c) for c in a.cores.split(",")] if a.cores else None
+    except ValueError:
+        parser.error(f"--cores must be comma-separated core numbers, got {a.cores!r}")
+    if a.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {a.nproc}")
+    return launch([sys.executable, a.script] + a.args, a.nproc, cores)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

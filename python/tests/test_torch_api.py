@@ -1,0 +1,90 @@
+"""malleus.torch's arguments: what a caller gets wrong raises an exception that says what and
+why (in a one-process gloo group, no launcher needed)."""
+
+import os
+import sys
+import unittest
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import malleus  # noqa: E402
+import malleus.torch as mt  # noqa: E402
+import torch_common as tc  # noqa: E402
+from malleus.torch import run  # noqa: E402
+
+
+class Arguments(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(run.free_port()), RANK="0",
+                          WORLD_SIZE="1")
+        mt.init_from_env("gloo")
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def make(self, **kw):
+        model = tc.make_model()
+        args = dict(global_batch=16, micro_batch=2, seq_len=tc.SEQ)
+        args.update(kw)
+        return mt.DataParallel(model, tc.make_optimizer(model), **args)
+
+    def test_bad_construction(self):
+        model = tc.make_model()
+        with self.assertRaisesRegex(TypeError, "torch.nn.Module"):
+            mt.DataParallel("model", tc.make_optimizer(model), global_batch=4)
+        with self.assertRaisesRegex(TypeError, "torch.optim.Optimizer"):
+            mt.DataParallel(model, None, global_batch=4)
+        with self.assertRaisesRegex(ValueError, "global_batch must be a positive int, got 0"):
+            self.make(global_batch=0)
+        with self.assertRaisesRegex(ValueError, "not a multiple of micro_batch 3"):
+            self.make(micro_batch=3)
+        with self.assertRaisesRegex(ValueError, "bucket_mb must be positive"):
+            self.make(bucket_mb=0)
+        with self.assertRaisesRegex(malleus.Error, "no-such-model"):
+            self.make(model_config="no-such-model")
+        with self.assertRaisesRegex(ValueError, "seq_len"):
+            self.make(seq_len=0)
+
+    def test_bad_splits(self):
+        dp = self.make()
+        with self.assertRaisesRegex(ValueError, "1 non-negative ints"):
+            dp.set_split([4, 4])
+        with self.assertRaisesRegex(ValueError, "has 7 micro-batches, the global batch 8"):
+            dp.set_split([7])
+        with self.assertRaisesRegex(ValueError, "non-negative"):
+            dp.set_split([-8])
+        self.assertEqual(dp.split, [8])
+
+    def test_bad_step_arguments(self):
+        dp = self.make()
+        data = tc.batches(1)[0]
+        with self.assertRaisesRegex(TypeError, "data must be a callable"):
+            dp.step("tokens", tc.loss_sum)
+        with self.assertRaisesRegex(TypeError, r"loss_fn must return \(loss_sum, units\)"):
+            dp.step(data, lambda m, s: tc.loss_sum(m, s)[0])
+        with self.assertRaisesRegex(ValueError, "no loss units"):
+            dp.step(data, lambda m, s: (tc.loss_sum(m, s)[0] * 0, 0))
+        # A callable gets (first, count) of the global batch, in order.
+        seen = []
+
+        def take(first, count):
+            seen.append((first, count))
+            return tuple(t[first:first + count] for t in data)
+        r = dp.step(take, tc.loss_sum)
+        self.assertEqual(seen, [(k, 2) for k in range(0, 16, 2)])
+        self.assertEqual(r.split, [8])
+        self.assertGreater(r.loss, 0)
+
+    def test_split_of_plan_rejects_other_parallelism(self):
+        pp = malleus.uniform_plan("demo", 1, 1, 2, 8, 1, 2)
+        with self.assertRaisesRegex(ValueError, "not a data-parallel plan"):
+            mt.split_of_plan(pp, 2)
+        self.assertEqual(mt.split_of_plan(mt.plan_of_split([3, 0, 5], 1, 4), 3), [3, 0, 5])
+
+
+if __name__ == "__main__":
+    unittest.main()

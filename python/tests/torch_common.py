@@ -1,0 +1,76 @@
+"""What the malleus.torch tests share: a small decoder-ish language model, its data, the loss
+(summed over counted tokens, with some targets ignored so that micro-batches count different
+numbers of tokens), and a single-process reference run on the whole global batch."""
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ, WIDTH = 37, 12, 32
+GLOBAL_BATCH, MICRO_BATCH = 16, 2          # 8 micro-batches of 2 sequences
+IGNORE = -100
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, width=WIDTH, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width),
+                                torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+            for _ in range(layers))
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        # A causal mixing of positions, so that a sequence is more than independent tokens.
+        x = torch.cumsum(x, dim=1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def make_model(seed=0, width=WIDTH, layers=2):
+    torch.manual_seed(seed)
+    return TinyLM(width, layers)
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batches(steps, seed=1):
+    """Per step (inputs, targets) of the global batch; about a fifth of the targets ignored."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        targets = tokens[:, 1:].clone()
+        targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE
+        out.append((tokens[:, :-1].contiguous(), targets))
+    return out
+
+
+def loss_sum(model, samples):
+    """(loss summed over counted tokens, their number): malleus.torch's loss_fn."""
+    inputs, targets = samples
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, int((targets != IGNORE).sum())
+
+
+def reference_run(steps):
+    """One process, the whole global batch in one forward, the mean over its counted tokens:
+    (losses, final parameters)."""
+    model = make_model()
+    opt = make_optimizer(model)
+    losses = []
+    for inputs, targets in batches(steps):
+        opt.zero_grad()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                               ignore_index=IGNORE)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, [p.detach().clone() for p in model.parameters()]
