@@ -321,6 +321,12 @@ Decision Controller::propose(const plan::Plan& current, const std::vector<double
   plan::PlanRequest request;
   request.rates = d.rates;
   request.current = current;
+  // From the running plan when only a few devices moved since it was planned and the links did
+  // not (the planner falls back to its full search when more than plan::kIncrementalDevices did).
+  if (effective(planned_link_rates_) == d.link_rates ||
+      (planned_link_rates_.empty() && d.link_rates.empty())) {
+    request.previous_rates = effective(planned_rates_);
+  }
   plan::PlanResult result;
   try {
     result = strategy_->plan(cost, request);
@@ -330,6 +336,7 @@ Decision Controller::propose(const plan::Plan& current, const std::vector<double
   }
   d.new_plan = result.plan.summary();
   d.planning_s = result.planning_seconds;
+  d.incremental = result.incremental;
   const replan::MigrationEstimate migration =
       replan::estimate_migration(cost, current, result.plan);
   d.question.current_step_s = cost.predict(current, d.rates).iteration_time;

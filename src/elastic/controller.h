@@ -1,7 +1,9 @@
 // The controller: when the monitored rates have moved, ask the planner for a plan for the new
-// rates and switch only if replan::weigh_switch says the predicted time saved over a horizon beats
-// the predicted cost of moving the state (the rule the simulator applies too). The decision is
-// made on rank 0 and its plan broadcast, so every rank acts on the same one.
+// rates — incrementally from the running plan when at most plan::kIncrementalDevices devices moved
+// since it was planned and the links did not, the full search otherwise — and switch only if
+// replan::weigh_switch says the predicted time saved over a horizon beats the predicted cost of
+// moving the state (the rule the simulator applies too). The decision is made on rank 0 and its
+// plan broadcast, so every rank acts on the same one.
 //
 // Holding still: load that moves between ranks faster than a re-plan pays back makes every switch
 // a loss (the plan fits where the load was). So rank 0 keeps its own record of each switch: the
@@ -72,6 +74,7 @@ struct Decision {
   replan::SwitchVerdict verdict;  // its reason also says why no plan was found
   double planning_s = std::numeric_limits<double>::quiet_NaN();
   bool held = false;  // on hold, a plan the rule (or the mean rates) would take was declined
+  bool incremental = false;  // the planner re-planned from the running plan (few rates moved)
 };
 
 class Controller {

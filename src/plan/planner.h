@@ -29,7 +29,12 @@ struct PlanRequest {
   Rates rates;                  // one per device; missing devices count as 1
   Shape base;                   // the baselines' shape; empty: the best uniform shape when healthy
   std::optional<Plan> current;  // the plan running now: ties are broken toward it
+  // The rates `current` was planned for. Given, and at most kIncrementalDevices devices' rates
+  // differ from them, ours re-plans incrementally from `current` (PlanResult::incremental);
+  // otherwise it runs the full search.
+  std::optional<Rates> previous_rates{};
 };
+inline constexpr int kIncrementalDevices = 8;
 
 // Where a planner's time went: a named phase and its wall time.
 struct PlanningPhase {
@@ -43,6 +48,7 @@ struct PlanResult {
   Prediction prediction;              // the cost model's
   double planning_seconds = 0;        // wall time of plan()
   std::vector<PlanningPhase> phases;  // ours: planning_seconds by phase
+  bool incremental = false;           // ours: re-planned from the running plan (previous_rates)
   bool restart = false;               // applying it means stopping and restarting the job
   std::string note;
 };

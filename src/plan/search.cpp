@@ -95,6 +95,29 @@ std::vector<RegionOption> region_options(std::vector<int> devices, int t, const 
   return out;
 }
 
+// Whether two plans are the same: pipelines, micro-batches, stages (layers, ranks, shares,
+// recomputation).
+bool same_plan(const Plan& a, const Plan& b) {
+  if (a.world_size != b.world_size || a.micro_batch_size != b.micro_batch_size ||
+      a.pipelines.size() != b.pipelines.size()) {
+    return false;
+  }
+  for (size_t p = 0; p < a.pipelines.size(); ++p) {
+    const Pipeline &x = a.pipelines[p], &y = b.pipelines[p];
+    if (x.micro_batches != y.micro_batches || x.stages.size() != y.stages.size()) return false;
+    for (size_t j = 0; j < x.stages.size(); ++j) {
+      const Stage &s = x.stages[j], &t = y.stages[j];
+      if (s.layer_begin != t.layer_begin || s.layer_end != t.layer_end || s.ranks != t.ranks ||
+          s.heads != t.heads || s.ffn != t.ffn || s.vocab != t.vocab ||
+          s.recompute.mode != t.recompute.mode || s.recompute.layers != t.recompute.layers ||
+          s.recompute_ahead != t.recompute_ahead) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 struct Candidate {
   Plan plan;
   double score = kInf;    // the cost model's iteration time (+inf when it does not fit)
@@ -168,6 +191,8 @@ class BaseSearch {
     }
   }
 
+  static constexpr int kMoveRounds = 8;  // group moves (each followed by a descent), at most
+
   // Runs the descent and appends its best `keep` states to `out`.
   void run(std::vector<Candidate>& out, int keep, bool move_groups = true) {
     double current = objective(nullptr);
@@ -176,9 +201,10 @@ class BaseSearch {
       if (!descend(current)) break;
     }
     if (move_groups) {
-      for (int round = 0; round < 4 && move_group(current); ++round) {
+      for (int round = 0; round < kMoveRounds && move_group(current); ++round) {
         descend(current);
       }
+      if (dissolve(current)) descend(current);
     }
     std::sort(found_.begin(), found_.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -231,17 +257,27 @@ class BaseSearch {
     return improved;
   }
 
-  // Pipelines worth moving groups between: those with a straggler or with groups moved, and one
-  // of the others (alike, as a rule).
+  // Pipelines worth moving groups between: those searched with a straggler or with groups moved
+  // (at most kMovers: the slowest and the fastest per micro-batch), and one of the others (alike,
+  // as a rule).
   std::vector<size_t> movers() const {
-    std::vector<size_t> out;
-    bool untouched = false;
+    constexpr size_t kMovers = 16;
+    std::vector<size_t> touched;
+    std::optional<size_t> untouched;
     for (size_t p = 0; p < space_.size(); ++p) {
-      const bool touched = !moves_[p].empty() || space_[p].straggling();
-      if (touched || !untouched) out.push_back(p);
-      untouched = untouched || !touched;
+      if (!moves_[p].empty() || (!space_[p].fixed && space_[p].straggling())) {
+        touched.push_back(p);
+      } else if (!untouched) {
+        untouched = p;
+      }
     }
-    return out;
+    if (touched.size() > kMovers) {
+      std::stable_sort(touched.begin(), touched.end(),
+                       [&](size_t a, size_t b) { return evals_[a]->period > evals_[b]->period; });
+      touched.erase(touched.begin() + kMovers / 2, touched.end() - kMovers / 2);
+    }
+    if (untouched) touched.push_back(*untouched);
+    return touched;
   }
 
   // The groups of pipeline p that can move: in healthy regions, not given yet; the first and the
@@ -293,6 +329,51 @@ class BaseSearch {
     current = best;
     record(best);
     return true;
+  }
+
+  // The compound move no single one reaches: a pipeline with a straggler gives every healthy
+  // group it has to the others, one each (those with the fewest stages first), and runs no more.
+  // Tried for each such pipeline; the best is kept when it lowers the time.
+  bool dissolve(double& current) {
+    std::vector<size_t> order(space_.size());
+    for (size_t p = 0; p < order.size(); ++p) order[p] = p;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return stage_count(a) != stage_count(b) ? stage_count(a) < stage_count(b)
+                                              : evals_[a]->period < evals_[b]->period;
+    });
+    double best = current * (1 - 1e-9);
+    std::optional<size_t> best_from;
+    for (size_t from = 0; from < space_.size(); ++from) {
+      if (space_[from].fixed || !space_[from].straggling()) continue;
+      const auto applied = give_away(from, order);
+      const double value = objective(nullptr);
+      if (value < best) best = value, best_from = from;
+      for (auto it = applied.rbegin(); it != applied.rend(); ++it) undo_move(from, *it, false);
+    }
+    if (!best_from) return false;
+    give_away(*best_from, order);
+    current = best;
+    record(best);
+    return true;
+  }
+
+  // Moves every healthy group of `from` to the next pipeline of `order`; returns the receivers.
+  std::vector<size_t> give_away(size_t from, const std::vector<size_t>& order) {
+    std::vector<size_t> receivers;
+    size_t next = 0;
+    for (size_t r = 0; r < space_[from].regions.size(); ++r) {
+      if (!space_[from].healthy[r]) continue;
+      const RegionOption& o = space_[from].regions[r][static_cast<size_t>(choice_[from][r])];
+      for (const auto& g : o.groups) {
+        const auto& given = moves_[from].given;
+        if (std::find(given.begin(), given.end(), g) != given.end()) continue;
+        while (next < order.size() && order[next] == from) ++next;
+        if (next == order.size()) return receivers;
+        apply_move(from, order[next], g, false);
+        receivers.push_back(order[next++]);
+      }
+    }
+    return receivers;
   }
 
   void apply_move(size_t from, size_t to, const std::vector<int>& group, bool front) {
@@ -388,13 +469,24 @@ class MalleusSearch {
   PlanResult run() {
     const auto start = Clock::now();
     PhaseClock clock;
-    const std::vector<Base> bases = enumerate_bases();
-    clock.lap("bases");
-    search(bases);
-    clock.lap("search");
-    add_baselines();
+    std::optional<std::vector<int>> changed = changed_devices();
+    if (changed) {
+      BaseSearch(cost_, evaluate_, rates_, incremental_space(*changed))
+          .run(candidates_, 3, options_.move_groups);
+      clock.lap("incremental");
+      if (candidates_.empty()) changed.reset();  // nothing fits near the running plan
+    }
+    size_t bases = 0;
+    if (!changed) {
+      const std::vector<Base> all = enumerate_bases();
+      bases = all.size();
+      clock.lap("bases");
+      search(all);
+      clock.lap("search");
+      add_baselines();
+      clock.lap("baselines");
+    }
     add_current();
-    clock.lap("baselines");
     check(!candidates_.empty(), "malleus: no plan fits the devices that are left");
     score();
     clock.lap("score");
@@ -403,9 +495,13 @@ class MalleusSearch {
     PlanResult r = finish("malleus", cost_, choose(pool).plan, rates_, start);
     clock.lap("finish");
     r.phases = clock.phases();
-    r.note = std::to_string(candidates_.size()) + " candidates from " +
-             std::to_string(bases.size()) + " bases; " + std::to_string(evaluate_.evaluations()) +
-             " pipelines evaluated, " + std::to_string(evaluate_.reused()) + " reused";
+    r.incremental = changed.has_value();
+    r.note = (changed ? "incremental from the running plan (" + std::to_string(changed->size()) +
+                            " devices changed): "
+                      : std::string()) +
+             std::to_string(candidates_.size()) + " candidates from " + std::to_string(bases) +
+             " bases; " + std::to_string(evaluate_.evaluations()) + " pipelines evaluated, " +
+             std::to_string(evaluate_.reused()) + " reused";
     return r;
   }
 
@@ -515,6 +611,164 @@ class MalleusSearch {
     if (!dropped.plan.pipelines.empty()) add_refined(std::move(dropped.plan));
   }
 
+  // ---- the incremental re-plan ----------------------------------------------------------------
+
+  // The devices whose rate differs from the rates the running plan was made for, when the request
+  // gives those and at most kIncrementalDevices changed; nullopt: the full search.
+  std::optional<std::vector<int>> changed_devices() const {
+    if (!request_.current || !request_.previous_rates) return std::nullopt;
+    const Plan& current = *request_.current;
+    const int N = cost_.cluster().num_devices();
+    if (current.world_size != N || current.global_batch() != cost_.batch().global_batch) {
+      return std::nullopt;
+    }
+    const Rates before = full_rates(*request_.previous_rates, N);
+    std::vector<int> changed;
+    for (size_t d = 0; d < before.size(); ++d) {
+      if (before[d] != rates_[d]) changed.push_back(to_int(d));
+    }
+    if (to_int(changed.size()) > kIncrementalDevices) return std::nullopt;
+    return changed;
+  }
+
+  // The running plan's pipelines as a search space: the ones that hold a changed device (or, for
+  // a changed idle device, the pipeline with most ranks on its node, which may take it in) are
+  // searched region by region from their current groups; the rest stay as they are, layers
+  // included, and only their micro-batches (which move no state) and group moves can change.
+  std::vector<PipelineSpace> incremental_space(const std::vector<int>& changed) const {
+    const Plan& current = *request_.current;
+    const ClusterSpec& c = cost_.cluster();
+    const int P = to_int(current.pipelines.size());
+    std::vector<int> owner(static_cast<size_t>(c.num_devices()), -1);
+    for (int p = 0; p < P; ++p) {
+      for (const auto& s : current.pipelines[static_cast<size_t>(p)].stages) {
+        for (int r : s.ranks) owner[static_cast<size_t>(r)] = p;
+      }
+    }
+    std::vector<bool> searched(static_cast<size_t>(P), false);
+    std::map<std::pair<int, int>, std::vector<int>> taken_in;  // (pipeline, node) → idle devices
+    for (int d : changed) {
+      if (owner[static_cast<size_t>(d)] >= 0) {
+        searched[static_cast<size_t>(owner[static_cast<size_t>(d)])] = true;
+        continue;
+      }
+      const int node = c.node_of(d);
+      std::map<int, int> on_node;
+      for (int r = node * c.devices_per_node; r < (node + 1) * c.devices_per_node; ++r) {
+        if (owner[static_cast<size_t>(r)] >= 0) ++on_node[owner[static_cast<size_t>(r)]];
+      }
+      if (on_node.empty()) continue;  // a whole idle node stays idle
+      const auto most = std::max_element(on_node.begin(), on_node.end(),
+                                         [](auto a, auto b) { return a.second < b.second; });
+      searched[static_cast<size_t>(most->first)] = true;
+      taken_in[{most->first, node}].push_back(d);
+    }
+    std::vector<PipelineSpace> space;
+    for (int p = 0; p < P; ++p) {
+      const Pipeline& pipe = current.pipelines[static_cast<size_t>(p)];
+      space.push_back(searched[static_cast<size_t>(p)] ? searched_pipeline(pipe, p, taken_in)
+                                                       : kept_pipeline(pipe, P));
+    }
+    return space;
+  }
+
+  // Stages of a pipeline in runs on one node: its regions.
+  std::vector<std::vector<const Stage*>> node_runs(const Pipeline& pipe) const {
+    std::vector<std::vector<const Stage*>> runs;
+    int last = -1;
+    for (const auto& s : pipe.stages) {
+      const int node = cost_.cluster().node_of(s.ranks[0]);
+      if (runs.empty() || node != last) runs.emplace_back();
+      runs.back().push_back(&s);
+      last = node;
+    }
+    return runs;
+  }
+
+  // A pipeline searched near its current groups: per region, its groups as they are (shares
+  // balanced where a member straggles), then region_options over its devices and the idle
+  // devices it takes in.
+  PipelineSpace searched_pipeline(
+      const Pipeline& pipe, int p,
+      const std::map<std::pair<int, int>, std::vector<int>>& taken_in) const {
+    PipelineSpace out;
+    for (const auto& run : node_runs(pipe)) {
+      std::vector<int> devices;
+      RegionOption now;
+      int widest = 1;
+      bool usable = true;
+      for (const Stage* s : run) {
+        devices.insert(devices.end(), s->ranks.begin(), s->ranks.end());
+        now.groups.push_back(s->ranks);
+        widest = std::max(widest, s->tp());
+        usable = usable && !uses_gone(s->ranks, rates_);
+      }
+      const auto in = taken_in.find({p, cost_.cluster().node_of(run[0]->ranks[0])});
+      if (in != taken_in.end()) devices.insert(devices.end(), in->second.begin(), in->second.end());
+      int t = 1;
+      while (t * 2 <= widest) t *= 2;
+      now.balance = !all_healthy(devices, rates_);
+      std::vector<RegionOption> options;
+      if (usable) options.push_back(now);
+      for (auto& o : region_options(devices, t, rates_)) {
+        if (std::find(options.begin(), options.end(), o) == options.end()) options.push_back(o);
+      }
+      out.regions.push_back(std::move(options));
+      out.healthy.push_back(all_healthy(devices, rates_));
+    }
+    return out;
+  }
+
+  // A pipeline kept as it is: its regions' only option is its groups (should a group move), and
+  // its evaluation keeps its layers.
+  PipelineSpace kept_pipeline(const Pipeline& pipe, int pipelines) const {
+    PipelineSpace out;
+    for (const auto& run : node_runs(pipe)) {
+      RegionOption o;
+      o.balance = false;
+      std::vector<int> devices;
+      for (const Stage* s : run) {
+        o.groups.push_back(s->ranks);
+        devices.insert(devices.end(), s->ranks.begin(), s->ranks.end());
+      }
+      out.regions.push_back({o});
+      out.healthy.push_back(all_healthy(devices, rates_));
+    }
+    out.fixed = kept_eval(pipe, pipelines);
+    return out;
+  }
+
+  // The time coefficients of a pipeline with its stages and layers as they are.
+  PipelineEval kept_eval(const Pipeline& pipe, int pipelines) const {
+    PipelineEval e;
+    const int S = to_int(pipe.stages.size());
+    std::vector<StagePrediction> preds;
+    for (int j = 0; j < S; ++j) {
+      const Stage& s = pipe.stages[static_cast<size_t>(j)];
+      const GroupCost g = cost_.group_cost(s, rates_);
+      if (g.gone) return e;
+      CostModel::StageQuery q;
+      q.layers = s.num_layers();
+      q.first = j == 0;
+      q.last = j == S - 1;
+      q.in_flight = S - j;
+      q.planned = s.recompute;
+      q.pipelines = pipelines;
+      q.timing = s.recompute_ahead ? RecomputeTiming::kAhead : RecomputeTiming::kInBackward;
+      StagePrediction sp;
+      sp.cost = cost_.stage_cost(g, q);
+      if (!sp.cost.fits) return e;
+      if (j + 1 < S) sp.p2p_next = cost_.p2p_time(s, pipe.stages[static_cast<size_t>(j + 1)]);
+      preds.push_back(sp);
+    }
+    const PipelinePrediction pp = CostModel::pipeline_time(std::move(preds), 1);
+    e.feasible = true;
+    e.first = pp.first_micro_batch;
+    e.period = pp.period;
+    e.stages = pipe.stages;
+    return e;
+  }
+
   // The running plan, when it can still run here: keeping it is always an option.
   bool current_is_usable() const {
     if (!request_.current) return false;
@@ -559,25 +813,41 @@ class MalleusSearch {
   // Bytes switching from the running plan to `plan` moves (0 without a running plan).
   double moved_bytes(const Plan& plan) const {
     if (!request_.current) return 0;
+    if (same_plan(plan, *request_.current)) return 0;
     if (options_.migration && request_.current->world_size == plan.world_size) {
       return options_.migration(*request_.current, plan);
     }
-    return plan.to_json() == request_.current->to_json() ? 0.0 : 1.0;
+    return 1.0;
   }
 
   // Among the candidates within the tie tolerance of the best, the one that moves least, then the
-  // fastest.
+  // fastest. The running plan moves nothing and wins a tie outright; a single distinct plan needs
+  // no comparison. Otherwise the migration estimate (the layout algebra's, a second or more per
+  // plan at 4,096 devices) is asked for the kMigrationEstimates best-scored distinct plans.
+  static constexpr size_t kMigrationEstimates = 2;
   const Candidate& choose(const std::vector<Candidate*>& pool) const {
     double best = kInf;
     for (const Candidate* cand : pool) best = std::min(best, cand->refined);
-    const Candidate* chosen = nullptr;
-    double chosen_moved = kInf;
+    std::vector<const Candidate*> tied;  // distinct plans, the fastest of equal ones
     for (const Candidate* cand : pool) {
       if (cand->refined > best * (1 + options_.tie_tolerance)) continue;
-      const double moved = moved_bytes(cand->plan);
-      if (!chosen || moved < chosen_moved ||
-          (moved == chosen_moved && cand->refined < chosen->refined)) {
-        chosen = cand;
+      auto same = std::find_if(tied.begin(), tied.end(),
+                               [&](const Candidate* t) { return same_plan(t->plan, cand->plan); });
+      if (same == tied.end()) {
+        tied.push_back(cand);
+      } else if (cand->refined < (*same)->refined) {
+        *same = cand;
+      }
+    }
+    for (const Candidate* cand : tied) {
+      if (request_.current && same_plan(cand->plan, *request_.current)) return *cand;
+    }
+    const Candidate* chosen = tied.front();
+    double chosen_moved = kInf;
+    for (size_t i = 0; i < tied.size() && tied.size() > 1 && i < kMigrationEstimates; ++i) {
+      const double moved = moved_bytes(tied[i]->plan);
+      if (moved < chosen_moved || (moved == chosen_moved && tied[i]->refined < chosen->refined)) {
+        chosen = tied[i];
         chosen_moved = moved;
       }
     }
