@@ -34,7 +34,7 @@ Json tiny_json() {
 TEST(ModelConfig, PresetsMatchTheirFilesAndValidate) {
   const auto names = model::model_preset_names();
   for (const char* expected :
-       {"tiny", "demo", "llama-7b", "llama-32b", "llama-70b", "llama-110b"}) {
+       {"tiny", "demo", "llama-7b", "llama-32b", "llama-70b", "llama-110b", "llama-405b"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
   }
   for (const auto& name : names) {
@@ -50,6 +50,9 @@ TEST(ModelConfig, ParameterCountsOfRealShapes) {
   EXPECT_EQ(model::load_model_config("llama-70b").num_parameters(), 68976648192);
   EXPECT_NEAR(static_cast<double>(model::load_model_config("llama-110b").num_parameters()), 1.1e11,
               0.02e11);
+  // Llama 3.1 405B's shape (126 layers, hidden 16384, 128 heads, 8 KV heads, FFN 53248,
+  // vocabulary 128256, untied embeddings): its published count.
+  EXPECT_EQ(model::load_model_config("llama-405b").num_parameters(), 405853388800);
 }
 
 TEST(ModelConfig, LayoutCoversEveryParameterOnce) {

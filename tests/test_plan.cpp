@@ -20,7 +20,8 @@ using malleus::testing::error_of;
 
 TEST(Cluster, PresetsMatchTheirFilesAndValidate) {
   const auto names = plan::cluster_preset_names();
-  for (const char* expected : {"a800-4x8", "a800-8x8", "a800-128x8", "h100-8x8", "cpu-local"}) {
+  for (const char* expected :
+       {"a800-4x8", "a800-8x8", "a800-128x8", "h100-8x8", "h100-2048x8", "cpu-local"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
   }
   for (const auto& name : names) {
