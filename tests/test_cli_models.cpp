@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <regex>
 
 #include "common/files.h"
@@ -98,6 +99,25 @@ TEST(CliModels, SentencePieceTrainGenerateExportImportResume) {
   for (const auto& entry : fs::directory_iterator(dir.path())) {  // no temporary left beside it
     EXPECT_NE(entry.path().filename().string().rfind("imported.", 0), 0u) << entry.path();
   }
+  // A NaN weight (the first element of the first tensor's data): refused naming the tensor,
+  // and nothing is written, not even with --force onto the good checkpoint.
+  fs::create_directories(dir / "hfnan");
+  for (const auto& entry : fs::directory_iterator(dir / "hf")) {
+    fs::copy_file(entry.path(), dir / "hfnan" / entry.path().filename());
+  }
+  std::string weights = read_file(dir / "hf" / "model.safetensors");
+  uint64_t header = 0;
+  for (int i = 7; i >= 0; --i) header = header << 8 | static_cast<unsigned char>(weights[i]);
+  const float nan = std::nanf("");
+  std::memcpy(weights.data() + 8 + header, &nan, sizeof nan);
+  write_file_atomic(dir / "hfnan" / "model.safetensors", weights);
+  expect_error(run_malleus("import --input " + d + "/hfnan --output " + d + "/nan"),
+               {"model.safetensors: tensor \"", "holds NaN at index [0, 0]"});
+  EXPECT_FALSE(fs::exists(dir / "nan"));
+  const std::string before = read_file(dir / "imported" / "manifest.json");
+  expect_error(run_malleus("import --input " + d + "/hfnan --output " + d + "/imported --force"),
+               {"holds NaN"});
+  EXPECT_EQ(read_file(dir / "imported" / "manifest.json"), before);
   r = run_malleus("export --checkpoint " + d + "/imported --output " + d + "/hf2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* file :

@@ -222,6 +222,48 @@ TEST(Safetensors, RefusesMalformedHeaders) {
   EXPECT_TRUE(tensors.at("z").data.empty());
 }
 
+// The format's own rules, which its reader enforces: the tensors' data tile the data exactly (no
+// overlap, no gap, no trailing bytes), a header of at most 100 MB that begins with '{', and
+// metadata of strings. Each refusal names the file and, where one is to blame, the tensor.
+TEST(Safetensors, FollowsTheFormatStrictly) {
+  TempDir tmp;
+  const fs::path path = tmp.path() / "strict.safetensors";
+  const std::string data(24, '\0');  // six floats
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+           "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})",
+       {"tensor \"b\"", "[8, 24] overlap tensor \"a\"'s [0, 16]"}},
+      {R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
+           "b": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}})",
+       {"overlap"}},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}})",
+       {"tensor \"b\"", "leave bytes [8, 16) before it to no tensor"}},
+      {R"({"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})",
+       {"tensor \"b\"", "bytes [0, 8)"}},
+      {R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+       {"8 bytes after the last tensor's data (tensor \"a\" ends at 16)"}},
+      {R"({"__metadata__": {"format": "pt"}})",
+       {"24 bytes after the header, which names no tensor"}},
+      {R"({"__metadata__": {"format": 1}, "a": {"dtype": "F32", "shape": [6],
+           "data_offsets": [0, 24]}})",
+       {"__metadata__ \"format\" is 1, not a string"}},
+      {R"( {"a": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}})", {"begin with '{'"}},
+  };
+  for (const auto& [header, expected] : cases) {
+    write_file_atomic(path, safetensors_bytes(header, data));
+    const std::string message = error_of([&] { read_safetensors(path); });
+    EXPECT_CONTAINS(message, path.string());
+    for (const auto& part : expected) EXPECT_CONTAINS(message, part);
+  }
+  // A header length over the format's 100 MB limit is refused before anything is read.
+  std::string big(8, '\0');
+  const uint64_t length = 100'000'001;
+  for (size_t i = 0; i < 8; ++i) big[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  write_file_atomic(path, big + std::string(64, ' '));
+  EXPECT_CONTAINS(error_of([&] { read_safetensors(path); }), "exceeds the format's limit");
+}
+
 // Half-precision weights (as most Hugging Face models are stored) are read exactly into float.
 TEST(Safetensors, ReadsBf16AndF16Exactly) {
   TempDir tmp;

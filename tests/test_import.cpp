@@ -3,6 +3,7 @@
 // model cannot represent give errors naming the key (or tensor) and its value.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "checkpoint/checkpoint.h"
@@ -228,4 +229,25 @@ TEST(Import, UnsupportedOrMissingWeightsAreNamed) {
   expect_error([&] { hf::import_hf(dir / "hf"); }, {"tokenizer.model"});
   fs::remove(dir / "hf" / "model.safetensors");
   expect_error([&] { hf::import_hf(dir / "hf"); }, {"model.safetensors"});
+}
+
+// NaN or infinite weights are refused, naming the file, the tensor and the first bad element by its
+// index in the tensor's shape (they imported without a word before: issue 27).
+TEST(Import, NonFiniteWeightsAreRefusedNamingTheTensorAndIndex) {
+  ScratchDir dir;
+  checkpoint::Checkpoint c = sentencepiece_checkpoint();
+  const Json config = hf::hf_config_json(c.model);
+  const model::ParameterLayout layout(c.model);
+  const auto& spec = layout.tensors()[2];  // a [rows, columns] weight of layer 0
+  ASSERT_EQ(spec.shape.size(), 2u);
+  const int64_t columns = spec.shape[1];
+  c.params[static_cast<size_t>(spec.offset + 2 * columns + 5)] = std::nanf("");
+  c.params[static_cast<size_t>(spec.offset + 3 * columns)] = INFINITY;
+  write_hf(dir / "hf", config, tensor_refs(c));
+  expect_error([&] { hf::import_hf(dir / "hf"); },
+               {(dir / "hf" / "model.safetensors").string(), "tensor \"" + spec.name + "\"",
+                "holds NaN at index [2, 5]", "the first of 2 non-finite"});
+  c.params[static_cast<size_t>(spec.offset + 2 * columns + 5)] = 0.5f;
+  write_hf(dir / "hf", config, tensor_refs(c));
+  expect_error([&] { hf::import_hf(dir / "hf"); }, {"holds +inf at index [3, 0]"});
 }

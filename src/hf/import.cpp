@@ -1,6 +1,7 @@
 #include "hf/import.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <system_error>
 
@@ -120,6 +121,32 @@ model::ModelConfig model_config_from_hf(const Json& config, const std::string& s
   return c;
 }
 
+namespace {
+
+// NaN or infinite weights would train to NaN (and evaluate to a loss of nan): refused, naming the
+// first such element by its index in the tensor's shape.
+void check_finite(const SafetensorsTensor& tensor, const std::string& source) {
+  const auto bad = std::find_if(tensor.data.begin(), tensor.data.end(),
+                                [](float x) { return !std::isfinite(x); });
+  if (bad == tensor.data.end()) return;
+  auto flat = static_cast<int64_t>(bad - tensor.data.begin());
+  std::vector<int64_t> index(tensor.shape.size());
+  for (size_t d = tensor.shape.size(); d-- > 0;) {
+    index[d] = tensor.shape[d] > 0 ? flat % tensor.shape[d] : 0;
+    flat = tensor.shape[d] > 0 ? flat / tensor.shape[d] : 0;
+  }
+  throw Error(source + " holds " +
+              (std::isnan(*bad) ? "NaN"
+               : *bad > 0       ? "+inf"
+                                : "-inf") +
+              " at index " + shape_text(index) + " (the first of " +
+              std::to_string(std::count_if(tensor.data.begin(), tensor.data.end(),
+                                           [](float x) { return !std::isfinite(x); })) +
+              " non-finite weights): a model with such weights cannot be trained or evaluated");
+}
+
+}  // namespace
+
 ImportResult import_hf(const fs::path& dir) {
   const std::string where = "import " + dir.string();
   std::error_code ec;
@@ -179,6 +206,7 @@ ImportResult import_hf(const fs::path& dir) {
     check(it->second.shape == spec.shape,
           file_of[spec.name] + ": tensor \"" + spec.name + "\" has shape " +
               shape_text(it->second.shape) + ", but config.json implies " + shape_text(spec.shape));
+    check_finite(it->second, file_of[spec.name] + ": tensor \"" + spec.name + "\"");
     std::copy(it->second.data.begin(), it->second.data.end(),
               checkpoint.params.begin() + spec.offset);
     dtypes.insert(it->second.dtype);

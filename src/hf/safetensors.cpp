@@ -1,9 +1,11 @@
 #include "hf/safetensors.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <fstream>
 #include <system_error>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -18,6 +20,8 @@ static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; a big-endian host needs byte swapping");
 
 constexpr size_t kLengthBytes = 8;
+// The format's reader refuses longer headers (safetensors' MAX_HEADER_SIZE).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 float bf16_to_float(uint16_t bits) {
   return std::bit_cast<float>(uint32_t{bits} << 16);
@@ -86,6 +90,56 @@ void write_safetensors(const fs::path& path, const std::vector<TensorRef>& tenso
   file.commit();
 }
 
+namespace {
+
+// The bytes [begin, end) of the data that a tensor's data_offsets name.
+struct Extent {
+  uint64_t begin = 0, end = 0;
+  std::string name;
+};
+
+// The format's rule: the tensors' data, in offset order, tile the data exactly: the first begins
+// at 0, each begins where the one before ends (no gap, no overlap), the last ends at its end (no
+// trailing bytes).
+void check_extents(std::vector<Extent> extents, uint64_t data_size, const std::string& where) {
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  const auto range = [](const Extent& e) {
+    std::string text = "[";
+    text += std::to_string(e.begin);
+    text += ", ";
+    text += std::to_string(e.end);
+    text += "]";
+    return text;
+  };
+  uint64_t expected = 0;
+  const Extent* previous = nullptr;
+  for (const Extent& e : extents) {
+    std::string tensor = where;
+    tensor += ": tensor \"" + e.name + "\": data_offsets " + range(e);
+    if (e.begin < expected) {
+      tensor += " overlap tensor \"" + previous->name + "\"'s " + range(*previous);
+      throw Error(tensor + " (the format forbids it)");
+    }
+    check(e.begin == expected, tensor + " leave bytes [" + std::to_string(expected) + ", " +
+                                   std::to_string(e.begin) +
+                                   ") before it to no tensor (the data must be contiguous)");
+    expected = e.end;
+    previous = &e;
+  }
+  if (expected == data_size) return;
+  std::string last = "the header, which names no tensor";
+  if (previous != nullptr) {
+    last = "the last tensor's data (tensor \"" + previous->name + "\" ends at ";
+    last += std::to_string(expected) + ")";
+  }
+  throw Error(where + ": " + std::to_string(data_size - expected) + " bytes after " + last +
+              ": the data must end where the last tensor ends");
+}
+
+}  // namespace
+
 std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) {
   const std::string where = path.string();
   std::error_code ec;
@@ -102,6 +156,9 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
   check(in.good(), where + ": cannot read the header length");
   uint64_t header_size = 0;
   for (size_t i = 0; i < kLengthBytes; ++i) header_size |= uint64_t{length[i]} << (8 * i);
+  check(header_size <= kMaxHeaderBytes, where + ": header length " + std::to_string(header_size) +
+                                            " exceeds the format's limit of " +
+                                            std::to_string(kMaxHeaderBytes) + " bytes");
   check(header_size <= file_size - kLengthBytes,
         where + ": header length " + std::to_string(header_size) +
             " is beyond the end of the file (" + std::to_string(file_size) + " bytes)");
@@ -110,10 +167,20 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
   check(in.good(), where + ": cannot read the header");
   const Json header = parse_json(text, where + " (safetensors header)");
   check(header.is_object(), where + ": the safetensors header is not a JSON object");
+  check(text.starts_with('{'), where + ": the safetensors header must begin with '{'");
+  if (header.contains("__metadata__")) {
+    const Json& metadata = header["__metadata__"];
+    check(metadata.is_object(), where + ": __metadata__ must be an object of strings");
+    for (const auto& [key, value] : metadata.items()) {
+      check(value.is_string(),
+            where + ": __metadata__ \"" + key + "\" is " + value.dump() + ", not a string");
+    }
+  }
 
   const uint64_t data_start = kLengthBytes + header_size;
   const uint64_t data_size = file_size - data_start;
   std::map<std::string, SafetensorsTensor> tensors;
+  std::vector<Extent> extents;
   std::vector<char> raw;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") continue;
@@ -164,7 +231,9 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
       }
     }
     tensors.emplace(name, std::move(tensor));
+    extents.push_back({offsets[0], offsets[1], name});
   }
+  check_extents(std::move(extents), data_size, where);
   return tensors;
 }
 
