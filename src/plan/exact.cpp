@@ -213,6 +213,104 @@ std::vector<int> assign_layers(int layers,
   return counts;
 }
 
+namespace {
+
+// The next finishing times of pipelines that have m_i micro-batches: pipeline i's k-th next one
+// is T_i(m_i + k + 1) = first_i + (m_i + k)·period_i (first_i alone for the first).
+class NextFinishTimes {
+ public:
+  NextFinishTimes(const std::vector<double>& first, const std::vector<double>& period,
+                  const std::vector<int>& m, long long left)
+      : first_(first), period_(period), m_(m), left_(left), order_(first.size()) {
+    // Pipelines with the same coefficients count alike: most of a large cluster's are.
+    for (size_t i = 0; i < order_.size(); ++i) order_[i] = i;
+    std::sort(order_.begin(), order_.end(), [&](size_t a, size_t b) {
+      return first[a] != first[b] ? first[a] < first[b] : period[a] < period[b];
+    });
+    for (size_t i : order_) {
+      if (!kinds_.empty() && alike(kinds_.back().first, i)) {
+        ++kinds_.back().second;
+      } else {
+        kinds_.emplace_back(i, 1);
+      }
+    }
+  }
+
+  // T_i(k + 1): finishing with k + 1 micro-batches.
+  double value(size_t i, long long k) const {
+    return k == 0 ? first_[i] : first_[i] + static_cast<double>(k) * period_[i];
+  }
+
+  // Gives every pipeline its next finishing times up to the largest bound (found by bisection)
+  // below which there are at most `left` of them: all of them are among the `left` smallest.
+  void take_below_bound(std::vector<int>& m) const {
+    double lo = 0, hi = 0;
+    bool any = false;
+    for (size_t i = 0; i < first_.size(); ++i) {
+      if (!std::isfinite(first_[i])) continue;
+      lo = any ? std::min(lo, value(i, m_[i])) : value(i, m_[i]);
+      any = true;
+    }
+    if (!any || left_ <= 0 || counted(lo) > left_) return;
+    // hi: a bound with more than `left` values, or the largest finite value when none has.
+    hi = lo;
+    for (double step = std::max(1e-300, std::abs(lo)); counted(hi) <= left_ && std::isfinite(hi);
+         step *= 2) {
+      hi = lo + step;
+    }
+    for (int iter = 0; iter < 200 && std::isfinite(hi) && lo < hi; ++iter) {
+      const double mid = lo + (hi - lo) / 2;
+      if (mid <= lo || mid >= hi) break;
+      (counted(mid) <= left_ ? lo : hi) = mid;
+    }
+    std::vector<int> add(kinds_.size());
+    for (size_t k = 0; k < kinds_.size(); ++k) {
+      add[k] = static_cast<int>(count(kinds_[k].first, lo));
+    }
+    size_t k = 0;
+    for (size_t i : order_) {
+      if (!alike(i, kinds_[k].first)) ++k;
+      m[i] += add[k];
+    }
+  }
+
+ private:
+  bool alike(size_t a, size_t b) const {
+    return first_[a] == first_[b] && period_[a] == period_[b];
+  }
+
+  // Pipeline i's next finishing times at most `bound`.
+  long long count(size_t i, double bound) const {
+    if (!(first_[i] <= bound)) return 0;
+    const long long k0 = m_[i];
+    if (!(period_[i] > 0) || !std::isfinite(period_[i])) return value(i, k0) <= bound ? 1 : 0;
+    // Values k = 0..c−1, as the comparisons value(k) ≤ bound say (not the division's rounding).
+    long long c = std::min(static_cast<long long>(std::floor((bound - first_[i]) / period_[i])) + 1,
+                           left_ + k0 + 1);
+    while (c > 0 && value(i, c - 1) > bound) --c;
+    while (c <= left_ + k0 && value(i, c) <= bound) ++c;
+    return std::max(0LL, c - k0);
+  }
+
+  // All pipelines' next finishing times at most `bound` (counting stops past `left`).
+  long long counted(double bound) const {
+    long long sum = 0;
+    for (size_t k = 0; k < kinds_.size() && sum <= left_; ++k) {
+      sum += kinds_[k].second * count(kinds_[k].first, bound);
+    }
+    return sum;
+  }
+
+  const std::vector<double>& first_;
+  const std::vector<double>& period_;
+  const std::vector<int>& m_;
+  long long left_;
+  std::vector<size_t> order_;
+  std::vector<std::pair<size_t, long long>> kinds_;  // a pipeline of each kind, how many
+};
+
+}  // namespace
+
 std::vector<int> assign_micro_batches(int total, const std::vector<double>& first,
                                       const std::vector<double>& period, bool allow_zero) {
   const size_t n = first.size();
@@ -221,91 +319,22 @@ std::vector<int> assign_micro_batches(int total, const std::vector<double>& firs
                                               " micro-batches for " + std::to_string(n) +
                                               " pipelines");
   std::vector<int> m(n, allow_zero ? 0 : 1);
-  const long long left = total - (allow_zero ? 0 : to_int(n));
-  // The optimum takes the `left` smallest of all next finishing times T_i(k) (k > m_i). Most of
-  // them at once: below a bound T found by bisection, pipeline i's count of values ≤ T is closed
-  // form, and every value ≤ T is among the smallest while their count stays ≤ left. The last few
-  // (ties at the bound; at most about one per pipeline) go one at a time, greedily on the next
-  // finishing time with a heap, as the exact rule does for all of them.
-  auto value = [&](size_t i, long long k) {  // T_i(k + 1): finishing with k + 1 micro-batches
-    return k == 0 ? first[i] : first[i] + static_cast<double>(k) * period[i];
-  };
-  // Values of pipeline i at most `bound`, beyond its m_i.
-  auto count = [&](size_t i, double bound) -> long long {
-    if (!(first[i] <= bound)) return 0;
-    const long long k0 = m[i];
-    if (!(period[i] > 0) || !std::isfinite(period[i])) return value(i, k0) <= bound ? 1 : 0;
-    // Values k = 0..c−1, as the comparisons value(k) ≤ bound say (not the division's rounding).
-    long long c = std::min(static_cast<long long>(std::floor((bound - first[i]) / period[i])) + 1,
-                           left + k0 + 1);
-    while (c > 0 && value(i, c - 1) > bound) --c;
-    while (c <= left + k0 && value(i, c) <= bound) ++c;
-    return std::max(0LL, c - k0);
-  };
-  // Pipelines with the same coefficients count alike: most of a large cluster's are.
-  std::vector<size_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return first[a] != first[b] ? first[a] < first[b] : period[a] < period[b];
-  });
-  std::vector<std::pair<size_t, long long>> kinds;  // a pipeline of each kind, how many
-  for (size_t i : order) {
-    if (!kinds.empty() && first[kinds.back().first] == first[i] &&
-        period[kinds.back().first] == period[i]) {
-      ++kinds.back().second;
-    } else {
-      kinds.emplace_back(i, 1);
-    }
-  }
-  auto counted = [&](double bound) {
-    long long sum = 0;
-    for (size_t k = 0; k < kinds.size() && sum <= left; ++k) {
-      sum += kinds[k].second * count(kinds[k].first, bound);
-    }
-    return sum;
-  };
-  double lo = 0, hi = 0;
-  bool any = false;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(first[i])) continue;
-    const double v = value(i, m[i]);
-    lo = any ? std::min(lo, v) : v;
-    any = true;
-  }
-  if (any && left > 0 && counted(lo) <= left) {
-    // hi: a bound with more than `left` values, or the largest finite value when none has.
-    hi = lo;
-    for (double step = std::max(1e-300, std::abs(lo)); counted(hi) <= left && std::isfinite(hi);
-         step *= 2) {
-      hi = lo + step;
-    }
-    for (int iter = 0; iter < 200 && std::isfinite(hi) && lo < hi; ++iter) {
-      const double mid = lo + (hi - lo) / 2;
-      if (mid <= lo || mid >= hi) break;
-      (counted(mid) <= left ? lo : hi) = mid;
-    }
-    std::vector<int> add(kinds.size());
-    for (size_t k = 0; k < kinds.size(); ++k) {
-      add[k] = static_cast<int>(count(kinds[k].first, lo));
-    }
-    size_t k = 0;
-    for (size_t pos = 0; pos < n; ++pos) {
-      const size_t i = order[pos];
-      if (first[i] != first[kinds[k].first] || period[i] != period[kinds[k].first]) ++k;
-      m[i] += add[k];
-    }
-  }
+  // The optimum takes the `left` smallest of all next finishing times. Most of them at once
+  // (NextFinishTimes::take_below_bound); the last few (ties at the bound; at most about one per
+  // pipeline) one at a time, greedily on the next finishing time with a heap, as the exact rule
+  // does for all of them.
+  const NextFinishTimes times(first, period, m, total - (allow_zero ? 0 : to_int(n)));
+  times.take_below_bound(m);
   long long rest = total;
   for (int x : m) rest -= x;
   using Item = std::pair<double, size_t>;
   std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;
-  auto next = [&](size_t i) { return value(i, m[i]); };
-  for (size_t i = 0; i < n; ++i) heap.emplace(next(i), i);
+  for (size_t i = 0; i < n; ++i) heap.emplace(times.value(i, m[i]), i);
   for (; rest > 0; --rest) {
     const size_t i = heap.top().second;
     heap.pop();
     ++m[i];
-    heap.emplace(next(i), i);
+    heap.emplace(times.value(i, m[i]), i);
   }
   return m;
 }
