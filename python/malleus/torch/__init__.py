@@ -156,6 +156,7 @@ class DataParallel:
         self.steps = 0
         self._split = self._even_split()
         self._probe = None
+        self._make_buckets()
         # Replicas start equal: rank 0's parameters and buffers everywhere.
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
@@ -207,21 +208,21 @@ class DataParallel:
         split = list(self._split)
         first = sum(split[:self.rank]) * self.micro_batch
         mine = split[self.rank]
-        self.optimizer.zero_grad()
+        self._zero_gradients()
         loss_sum, units, seconds = self._compute(data, loss_fn, first, mine)
         flops = mine * self.flops_per_micro_batch if mine else \
             _PROBE_REPEATS * 2.0 * _PROBE_SIZE ** 3
-        # Every rank's (seconds, FLOPs), the loss sum and the units: one small all-reduce.
-        stats = torch.zeros(2 + 2 * self.world_size, dtype=torch.float64, device=self.comm_device)
+        # Every rank's (seconds, FLOPs), the loss sum and the units travel with the gradients.
+        stats = [0.0] * self._stats_len
         stats[0], stats[1] = loss_sum, units
         stats[2 + 2 * self.rank], stats[3 + 2 * self.rank] = seconds, flops
-        dist.all_reduce(stats, group=self.group)
-        stats = stats.cpu().tolist()
+        stats = self._reduce(stats)
         total_units = int(round(stats[1]))
         if total_units <= 0:
             raise ValueError("malleus.torch: the global batch has no loss units (loss_fn "
                              "returned 0 units on every rank)")
-        self._reduce_gradients(total_units)
+        for _, flat, n in self._buckets:
+            flat[:n].div_(total_units)
         self.optimizer.step()
         self.steps += 1
         compute_s = stats[2::2]
@@ -280,35 +281,70 @@ class DataParallel:
         for _ in range(_PROBE_REPEATS):
             torch.mm(a, b, out=c)
 
-    def _reduce_gradients(self, total_units):
-        """Sums every gradient over the ranks in buckets (one all-reduce each, all in flight
-        at once) and divides by the global batch's loss units."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets, current, size, key = [], [], 0, None
-        for p in params:
-            k = (p.grad.dtype, p.grad.device)
-            nbytes = p.grad.numel() * p.grad.element_size()
+    def _make_buckets(self):
+        """Flat gradient buckets of at most ``bucket_mb`` (one dtype and device each), every
+        parameter's gradient a view into one, so that the reduction neither gathers nor scatters;
+        the step's figures (loss, units, each rank's time and FLOPs) ride at the end of the last
+        fp32 bucket, or in a small fp64 one of their own."""
+        self._stats_len = 2 + 2 * self.world_size
+        groups, current, size, key = [], [], 0, None
+        for p in self.module.parameters():
+            if not p.requires_grad:
+                continue
+            k = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
             if current and (k != key or size + nbytes > self.bucket_bytes):
-                buckets.append(current)
+                groups.append(current)
                 current, size = [], 0
             current.append(p)
             size += nbytes
             key = k
         if current:
-            buckets.append(current)
-        flat = [torch.cat([p.grad.reshape(-1) for p in b]) for b in buckets]
-        works = [dist.all_reduce(f, group=self.group, async_op=True) for f in flat]
-        for b, f, w in zip(buckets, flat, works):
-            w.wait()
-            f.div_(total_units)
+            groups.append(current)
+        last_fp32 = max((i for i, g in enumerate(groups) if g[0].dtype == torch.float32),
+                        default=None)
+        self._buckets, self._views = [], []
+        for i, params in enumerate(groups):
+            n = sum(p.numel() for p in params)
+            extra = self._stats_len if i == last_fp32 else 0
+            flat = torch.zeros(n + extra, dtype=params[0].dtype, device=params[0].device)
             offset = 0
-            for p in b:
-                n = p.grad.numel()
-                p.grad.copy_(f[offset:offset + n].view_as(p.grad))
-                offset += n
+            for p in params:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                p.grad = view
+                self._views.append((p, view))
+                offset += p.numel()
+            self._buckets.append((params, flat, n))
+        self._stats_bucket = self._buckets[last_fp32][1] if last_fp32 is not None else None
+
+    def _zero_gradients(self):
+        for _, flat, _ in self._buckets:
+            flat.zero_()
+        for p, view in self._views:
+            p.grad = view  # what the caller or the optimizer may have replaced or dropped
+
+    def _reduce(self, stats):
+        """Sums every gradient and the step's figures over the ranks: one all-reduce per bucket,
+        all in flight at once. Returns the summed figures."""
+        for p, view in self._views:  # autograd accumulates into the views; a replaced gradient
+            if p.grad is None:        # is copied back
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+        separate = None
+        if self._stats_bucket is not None:
+            self._stats_bucket[-self._stats_len:] = torch.tensor(stats, dtype=torch.float32)
+        else:
+            separate = torch.tensor(stats, dtype=torch.float64, device=self.comm_device)
+        works = [dist.all_reduce(flat, group=self.group, async_op=True)
+                 for _, flat, _ in self._buckets]
+        if separate is not None:
+            works.append(dist.all_reduce(separate, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+        summed = separate if separate is not None else self._stats_bucket[-self._stats_len:]
+        return summed.double().cpu().tolist()
 
     def _broadcast_text(self, text: str) -> str:
         data = text.encode()
