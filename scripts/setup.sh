@@ -13,7 +13,7 @@ packages=(
   python3 python3-numpy  # the independent Hugging Face reference used by the export test
   python3-dev pybind11-dev  # the Python package (python/): the pybind11 module over the libraries
   python3-torch  # malleus.torch, its tests, example and benchmark (Debian's PyTorch, CPU)
-  python3-setuptools python3-pip python3-wheel  # pip install --no-build-isolation . (offline)
+  python3-setuptools python3-pip python3-wheel python3-venv  # pip install --no-build-isolation .
   clang-format
   cpulimit  # slows a rank from outside malleus in straggler experiments (scripts/slow_rank.sh)
   iproute2  # network namespaces, veth links and tc shaping of the multi-host test bed (scripts/hosts.sh)
