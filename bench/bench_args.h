@@ -9,6 +9,26 @@
 
 namespace malleus::bench {
 
+// Takes `--name VALUE` (or `--name=VALUE`) out of argv, wherever it is, so the positional
+// arguments keep their places; returns VALUE, or "" when the option is not given.
+inline std::string take_option(int& argc, char** argv, const std::string& name) {
+  std::string value;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == name) {
+      check(i + 1 < argc, name + " needs a value");
+      value = argv[++i];
+    } else if (arg.rfind(name + "=", 0) == 0) {
+      value = arg.substr(name.size() + 1);
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  return value;
+}
+
 // argv[index] as a positive integer, or `fallback` when it is not given.
 inline int positive_arg(int argc, char** argv, int index, int fallback) {
   if (argc <= index) return fallback;

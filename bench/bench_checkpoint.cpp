@@ -1,4 +1,4 @@
-// Checkpoint I/O against the disk it runs on, in one run (scripts/bench_checkpoint.sh):
+// Checkpoint I/O against the disk it runs on, in one run (bench/bench_checkpoint.sh):
 //
 // - the disk's own sequential speed: every rank writes (and fsyncs) a plain file as large as its
 //   part of a save, all at once, then reads one as large as its part of a load with the page

@@ -15,8 +15,11 @@
 // core back and polls gently. Every exchange then also waits for the partner's turn. The same
 // pairs are measured a second time that way (each rank holds its lease between exchanges, as it
 // does while computing between two collectives): the figures a cluster file of such a machine
-// needs (`turns` in the output; scripts/bench_bed.sh fits configs/clusters/cpu-bed-2x2-turns.json's
+// needs (`turns` in the output; bench/bench_bed.sh fits configs/clusters/cpu-bed-2x2-turns.json's
 // links to its pair all-reduces).
+//
+// Usage: bench_comm [--json FILE]: with --json, rank 0 also writes every table's figures to FILE
+// for programs to read (bench/bench_bed.sh).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,8 +28,11 @@
 
 #include <mpi.h>
 
+#include "bench_args.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
+#include "common/files.h"
+#include "common/json.h"
 #include "common/stats.h"
 #include "runtime/core_lease.h"
 
@@ -53,9 +59,10 @@ std::string processor_name() {
   return std::string(name, static_cast<size_t>(length));
 }
 
-// Times every rank's pair with rank `me xor distance`; rank 0 prints its pair's figures. With a
-// core lease, each exchange is waited for as the runtime waits while ranks take turns on cores.
-void measure_pairs(const comm::Communicator& world, int distance, runtime::CoreLease* lease) {
+// Times every rank's pair with rank `me xor distance`; rank 0 prints its pair's figures and
+// returns them (null elsewhere). With a core lease, each exchange is waited for as the runtime
+// waits while ranks take turns on cores.
+Json measure_pairs(const comm::Communicator& world, int distance, runtime::CoreLease* lease) {
   const int me = world.rank(), peer = me ^ distance;
   comm::Communicator pair = world.subgroup({std::min(me, peer), std::max(me, peer)});
   // Whether rank 0's pair shares a host: the higher rank of each pair sends the lower its name.
@@ -69,6 +76,10 @@ void measure_pairs(const comm::Communicator& world, int distance, runtime::CoreL
                 same_host ? "inside one host" : "across hosts",
                 lease ? ", turns (ranks of a core take turns, as the runtime runs them)" : "");
   }
+  Json figures = {{"distance", distance},
+                  {"same_host", same_host},
+                  {"turns", lease != nullptr},
+                  {"sizes", Json::array()}};
   std::vector<double> sizes, one_ways;
   for (size_t floats : {size_t(256), size_t(1) << 16, size_t(1) << 20}) {
     std::vector<float> data(floats, 1.0f);
@@ -100,13 +111,20 @@ void measure_pairs(const comm::Communicator& world, int distance, runtime::CoreL
     if (me == 0) {
       std::printf("  %8zu bytes: pair all-reduce %8.1f us, one-way message %8.1f us\n",
                   floats * sizeof(float), all_reduce * 1e6, one_way * 1e6);
+      figures["sizes"].push_back({{"bytes", floats * sizeof(float)},
+                                  {"all_reduce_us", all_reduce * 1e6},
+                                  {"one_way_us", one_way * 1e6}});
     }
   }
   if (me == 0) {
     const double bandwidth = (sizes.back() - sizes.front()) / (one_ways.back() - one_ways.front());
     std::printf("  one-way fit: latency %.1f us, bandwidth %.3f GB/s\n", one_ways.front() * 1e6,
                 bandwidth / 1e9);
+    figures["one_way_fit"] = {{"latency_us", one_ways.front() * 1e6},
+                              {"bandwidth_gbs", bandwidth / 1e9}};
+    return figures;
   }
+  return nullptr;
 }
 
 }  // namespace
@@ -114,18 +132,29 @@ void measure_pairs(const comm::Communicator& world, int distance, runtime::CoreL
 int main(int argc, char** argv) {
   comm::MpiSession session(&argc, &argv);
   comm::Communicator world = comm::Communicator::world();
+  std::string json_path;
+  try {
+    json_path = bench::take_option(argc, argv, "--json");
+  } catch (const Error& e) {
+    if (world.rank() == 0) std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
   if (world.size() < 2 || world.size() % 2 != 0) {
     if (world.rank() == 0) std::fprintf(stderr, "run with an even number of ranks\n");
     return 1;
   }
   const bool across = world.size() >= 4 && (world.size() & (world.size() - 1)) == 0;
-  measure_pairs(world, 1, nullptr);
-  if (across) measure_pairs(world, world.size() / 2, nullptr);
+  Json pairs = Json::array();
+  pairs.push_back(measure_pairs(world, 1, nullptr));
+  if (across) pairs.push_back(measure_pairs(world, world.size() / 2, nullptr));
   const runtime::CoreSharing sharing = runtime::CoreSharing::detect(world, 1);
   if (sharing.lease) {
     if (world.rank() == 0) std::printf("cores: %s\n", sharing.summary.c_str());
-    measure_pairs(world, 1, sharing.lease.get());
-    if (across) measure_pairs(world, world.size() / 2, sharing.lease.get());
+    pairs.push_back(measure_pairs(world, 1, sharing.lease.get()));
+    if (across) pairs.push_back(measure_pairs(world, world.size() / 2, sharing.lease.get()));
+  }
+  if (world.rank() == 0 && !json_path.empty()) {
+    write_file_atomic(json_path, Json{{"pairs", pairs}}.dump(2) + "\n");
   }
   return 0;
 }

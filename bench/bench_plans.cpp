@@ -11,7 +11,9 @@
 // come and go, and the fastest step is the best estimate of the plan's cost on its own.
 //
 // Usage: mpirun -np 4 bench_plans [rounds] [steps_per_round] [model] [threads_per_rank]
-// (scripts/bench_plans.sh sets up mpirun). Prints a markdown table on rank 0.
+//                                  [--json FILE]
+// (bench/bench_plans.sh sets up mpirun). Prints markdown tables on rank 0; with --json, also
+// writes the same figures, unrounded, to FILE for programs to read (bench/bench_bed.sh).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -106,6 +108,7 @@ void broadcast_string(comm::Communicator& world, std::string& text) {
 }
 
 void run(comm::Communicator& world, int argc, char** argv) {
+  const std::string json_path = bench::take_option(argc, argv, "--json");
   check(world.size() == kWorld,
         "bench_plans runs on exactly 4 ranks (mpirun -np 4), not " + std::to_string(world.size()));
   const int rounds = bench::positive_arg(argc, argv, 1, 5);
@@ -180,7 +183,7 @@ void run(comm::Communicator& world, int argc, char** argv) {
   // Per step, besides its wall time, every rank's phases as the runtime measures them: its
   // compute (the monitor's elapsed time of its compute sections, StepRecord::compute_s) and its
   // time inside tensor-parallel collectives (waiting for the partner included), to hold against
-  // the cost model's terms (scripts/bench_bed.sh).
+  // the cost model's terms (bench/bench_bed.sh).
   struct Sample {
     double wall_s, loss;
     std::vector<double> compute_s, tp_wait_s;
@@ -286,6 +289,32 @@ void run(comm::Communicator& world, int argc, char** argv) {
                   tp_text.c_str(), rate_text.c_str());
     }
     std::fflush(stdout);
+    if (!json_path.empty()) {
+      Json out = {{"model", model.name},
+                  {"tokens_per_step", base.tokens_per_step()},
+                  {"steps", base.steps},
+                  {"load_average_before", load_before},
+                  {"load_average_after", load_after},
+                  {"plans", Json::array()}};
+      for (size_t i = 0; i < plans.size(); ++i) {
+        const Summary t = summarize(times[i]);
+        Json plan = {{"name", plans[i].name},
+                     {"summary", trainers[i]->engine().plan().summary()},
+                     {"step_s", {{"median", t.median}, {"min", t.min}, {"max", t.max}}},
+                     {"loss", last_loss[i]},
+                     {"ranks", Json::array()}};
+        for (size_t k = 0; k < ranks; ++k) {
+          const double c = compute[i][k].empty() ? 0 : median(compute[i][k]);
+          const double w = tp_wait[i][k].empty() ? 0 : median(tp_wait[i][k]);
+          plan["ranks"].push_back(
+              {{"compute_s", c},
+               {"tp_s", w},
+               {"gflops", flops[i][k] > 0 && c > 0 ? Json(flops[i][k] / c / 1e9) : Json()}});
+        }
+        out["plans"].push_back(std::move(plan));
+      }
+      write_file_atomic(json_path, out.dump(2) + "\n");
+    }
   }
   trainers.clear();
   world.barrier();

@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Summarises the moving-load benchmark (scripts/bench_moving_load.sh): in each round, the time
+#!/usr/bin/python3
+"""Summarises the moving-load benchmark (bench/bench_moving_load.sh): in each round, the time
 of training with live re-planning against keeping the plan (--no-replan) under the same load
 moving between the ranks.
 

@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Summary of scripts/bench_recompute.sh: per mode, the median step time (steps after the first,
+#!/usr/bin/python3
+"""Summary of bench/bench_recompute.sh: per mode, the median step time (steps after the first,
 over all runs; all of them when runs have one step) with min-max, and per rank the peak memory the runtime measured (largest over the
 steps and runs) against the cost model's prediction. For modes "X-shifted", a second table: per
 round of runs, the shifted run's median step time over mode X's of the same round (side by side),

@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Summarises the straggler benchmark (scripts/bench_straggler.sh): for each run of a scenario, the
+#!/usr/bin/python3
+"""Summarises the straggler benchmark (bench/bench_straggler.sh): for each run of a scenario, the
 metrics of training with live re-planning and of the uniform baseline (--no-replan) under the
 same slowdown.
 

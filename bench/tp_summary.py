@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Summary of scripts/bench_tp.sh: per micro-batch size, the median step time (steps after the
+#!/usr/bin/python3
+"""Summary of bench/bench_tp.sh: per micro-batch size, the median step time (steps after the
 first, over all runs) without and with sub-pipelined tensor parallelism, with min-max, the
 median of the per-run ratios (runs alternate off / on, so each pair ran side by side), the
 median per-rank compute time the runtime measured (its timed sections less the time inside TP

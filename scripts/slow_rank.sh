@@ -19,7 +19,7 @@
 #                       the machine has no writable cpu controller
 #            moving:MS  one busy process that starts on RANK's CPUs and moves to the next rank's
 #                       (in ranks.json's order, round) every MS milliseconds: load that moves
-#                       between the ranks (the moving-load benchmark, scripts/bench_moving_load.sh)
+#                       between the ranks (the moving-load benchmark, bench/bench_moving_load.sh)
 # Prints one line when the slowdown starts and one when it ends. Whatever it started is stopped
 # when it ends, is interrupted, or the run goes away; every busy process also carries its own
 # time limit, so nothing outlives a killed script for long.

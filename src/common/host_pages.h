@@ -6,7 +6,7 @@
 // - pages are zero and taken only when first touched, and ranges can be given back
 //   (MADV_DONTNEED), which a live migration needs to hold its memory under the bucket bound;
 // - with 4 KiB pages, first touch and the kernel's copies into and out of the buffer (read(),
-//   write()) pay per page. On the 2-core test VM (scripts/bench_checkpoint.sh's figures in
+//   write()) pay per page. On the 2-core test VM (bench/bench_checkpoint.sh's figures in
 //   docs/performance.md) a first touch ran at about 0.3 GB/s with 4 KiB pages and 9.8 GB/s with
 //   huge pages, and a read() from the page cache into a 635 MB buffer at 1.1–1.4 GB/s against
 //   12–14 GB/s. Fewer TLB misses help the kernels on bare metal too.

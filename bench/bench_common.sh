@@ -1,8 +1,8 @@
 # shellcheck shell=bash
-# The preamble the benchmark scripts (scripts/bench_*.sh) share, as small functions. Source it
+# The preamble the benchmark scripts (bench/bench_*.sh) share, as small functions. Source it
 # from the repository root, after `set -euo pipefail` and the `cd` there:
 #   cd "$(dirname "$0")/.."
-#   source scripts/bench_common.sh
+#   source bench/bench_common.sh
 # It defines functions only: nothing runs, and no shell option changes, until a script calls one.
 
 # bench_require_malleus: build/malleus, built with scripts/build.sh unless it is there.

@@ -13,7 +13,7 @@
 #             treats ranks as independent devices; ranks sharing a core are not, and here its
 #             plan loads core 1 (two healthy ranks with large shares) far more than core 0
 #
-# Usage: scripts/bench_straggler.sh [scenarios, comma-separated (injected,external,two,two-shared)]
+# Usage: bench/bench_straggler.sh [scenarios, comma-separated (injected,external,two,two-shared)]
 #                                   [runs (3)] [steps (100)]
 # At least 5 steps (the slowdown starts at step steps / 5, and steps count from 1); the healthy
 # throughput, the ideal and its fractions need 20 or more (the summary takes healthy figures past
@@ -21,8 +21,8 @@
 # Results go to runs/bench-straggler/<scenario>/run<i>/{replan,uniform} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 scenarios=${1:-injected,external,two,two-shared}
 runs=${2:-3}
 steps=${3:-100}
@@ -82,7 +82,7 @@ for scenario in "${chosen[@]}"; do
     external) world=2 slowed=1:busy ;;
   esac
   echo "== $scenario: summary"
-  python3 bench/straggler_summary.py "$from" "$to" "$world" "$slowed" "${dirs[@]}"
+  /usr/bin/python3 bench/straggler_summary.py "$from" "$to" "$world" "$slowed" "${dirs[@]}"
   build/malleus report "${dirs[0]}/replan" --output "$out/$scenario-timeline.svg" > /dev/null
   echo "timeline of run 1: $out/$scenario-timeline.svg"
 done

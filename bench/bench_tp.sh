@@ -7,14 +7,14 @@
 # after the first), the median of the paired ratios, and the cost model's prediction for the
 # same plan (`malleus simulate --plan [--tp-subpipeline]` on the cpu-core cluster).
 #
-# Usage: scripts/bench_tp.sh [runs (5)] [steps (4)] [seq_len (512)]
+# Usage: bench/bench_tp.sh [runs (5)] [steps (4)] [seq_len (512)]
 # (With 1 step the summary counts that step, warm-up included, and says so.)
 # Run it when no other benchmark runs (its timings are the figures). Results go to
 # runs/bench-tp (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 runs=${1:-5}
 steps=${2:-4}
 seq=${3:-512}
@@ -39,7 +39,7 @@ JSON
     [[ $mode == on ]] && sim_flag=(--tp-subpipeline)
     build/malleus simulate --cluster configs/clusters/cpu-core.json "${shape[@]}" \
       --plan "$dir/plan.json" --json "${sim_flag[@]}" |
-      python3 -c 'import json,sys; print(json.load(sys.stdin)["predicted_iteration_s"])' \
+      /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["predicted_iteration_s"])' \
         > "$dir/$mode.predicted"
     mkdir -p "$dir/$mode"
   done
@@ -56,4 +56,4 @@ JSON
   done
 done
 echo "load average after: $(bench_load_average)"
-python3 bench/tp_summary.py "$out" 1 2
+/usr/bin/python3 bench/tp_summary.py "$out" 1 2

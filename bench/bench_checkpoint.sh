@@ -3,12 +3,12 @@
 # (bench/bench_checkpoint.cpp): sharded save and load throughput next to the disk's sequential
 # write and read, and the step stall of an asynchronous save next to a synchronous one. Prints a
 # markdown table (docs/performance.md quotes it). Needs ~6 GB of memory and ~3 GB of disk in DIR.
-#   scripts/bench_checkpoint.sh [build-dir] [ranks] [rounds] [dir]
+#   bench/bench_checkpoint.sh [build-dir] [ranks] [rounds] [dir]
 # (default: build, 2 ranks, 3 rounds, ./bench-checkpoint, removed afterwards).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 build="${1:-build}"
 ranks="${2:-2}"
 rounds="${3:-3}"

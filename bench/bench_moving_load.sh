@@ -8,12 +8,12 @@
 # Target: re-planning takes at most 1.02x the time of keeping the plan in the median round and
 # never more than 1.05x.
 #
-# Usage: scripts/bench_moving_load.sh [rounds (5)] [steps (72)] [period ms (2500)] [from (8)]
+# Usage: bench/bench_moving_load.sh [rounds (5)] [steps (72)] [period ms (2500)] [from (8)]
 # Results go to runs/bench-moving-load/round<i>/{replan,keep} (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 rounds=${1:-5}
 steps=${2:-72}
 period=${3:-2500}

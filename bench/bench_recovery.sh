@@ -13,12 +13,12 @@
 #   100m  99 M parameters (hidden 768, 14 layers, 12 heads, FFN 2048, byte vocabulary), seq 64,
 #         global batch 4, a checkpoint every 3 steps, killed after step 4
 #
-# Usage: scripts/bench_recovery.sh [models, comma-separated (demo,100m)] [runs (3)]
+# Usage: bench/bench_recovery.sh [models, comma-separated (demo,100m)] [runs (3)]
 # Results go to runs/bench-recovery/<model>/run<i>/ (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 models=${1:-demo,100m}
 runs=${2:-3}
 bench_ready_to_train
@@ -29,7 +29,7 @@ echo "load average before: $(bench_load_average)"
 job=""
 trap '[[ -n $job ]] && kill $job 2> /dev/null; true' EXIT
 
-# run MODEL DIR: one run; prints "recovery ended restart steps_lost".
+# run MODEL DIR: one run; prints its figures as a JSON line (bench/recovery_summary.py run).
 run() {
   local model=$1 dir=$2 flags kill_after
   case $model in
@@ -46,8 +46,7 @@ run() {
   timeout 1200 build/malleus launch --np 2 --mpirun-args="--bind-to core --map-by core" -- \
     train "${flags[@]}" --micro-batch 1 --threads 1 --val-data "" --eval-every 0 --no-replan \
     --warmup-steps 2 --out "$dir/run" 2>&1 |
-    python3 -u -c 'import sys, time
-for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' > "$dir/out.log" &
+    /usr/bin/python3 -u bench/recovery_summary.py stamp > "$dir/out.log" &
   job=$!
   local step_line
   step_line=$(printf 'step %5d/' "$kill_after")
@@ -62,42 +61,16 @@ for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' >
   kill -KILL "$victim"
   wait $job
   job=""
-  python3 - "$dir" "$killed_at" << 'EOF'
-import json, sys
-dir, killed_at = sys.argv[1], float(sys.argv[2])
-restart = None
-for line in open(f"{dir}/run/metrics.jsonl"):
-    record = json.loads(line)
-    if record.get("event") == "restart":
-        restart = record
-assert restart is not None, "no restart recorded"
-first = None
-seen_restart = False
-for line in open(f"{dir}/out.log"):
-    at, _, text = line.partition(" ")
-    seen_restart |= text.startswith("restart 1 ")
-    if seen_restart and text.startswith("step "):
-        first = float(at)
-        break
-assert first is not None, "no step after the restart"
-print(f"{first - killed_at:.2f} {restart['failed_at'] - killed_at:.2f} "
-      f"{first - restart['failed_at']:.2f} {restart['steps_lost']}")
-EOF
+  /usr/bin/python3 bench/recovery_summary.py run "$dir" "$killed_at"
 }
 
 for model in ${models//,/ }; do
   results=()
   for ((i = 1; i <= runs; i++)); do
     result=$(run "$model" "$out/$model/run$i")
-    echo "$model run $i: recovery ended restart steps_lost = $result"
+    echo "$model run $i: $result"
     results+=("$result")
   done
-  printf '%s\n' "${results[@]}" | python3 -c '
-import statistics, sys
-rows = [list(map(float, line.split())) for line in sys.stdin]
-names = ["recovery (s)", "ended (s)", "restart (s)", "steps lost"]
-print(sys.argv[1] + ": " + "; ".join(
-    f"{name} {statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f})"
-    for name, c in zip(names, zip(*rows))) + f" over {len(rows)} runs")' "$model"
+  printf '%s\n' "${results[@]}" | /usr/bin/python3 bench/recovery_summary.py summary "$model"
 done
 echo "load average after: $(bench_load_average)"

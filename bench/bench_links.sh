@@ -13,7 +13,7 @@
 # time for the slowed cluster (`malleus plan` with --link-rates '{"1": 10}' on the bed's cluster
 # file, configs/clusters/cpu-bed-HOSTSxRANKS.json): what the healthy run would do if it lost only
 # what the best plan for the slow link must lose.
-#   scripts/bench_links.sh [runs] [steps] [shape-at]   (default 3 30 8; about 15 min on 2 cores)
+#   bench/bench_links.sh [runs] [steps] [shape-at]   (default 3 30 8; about 15 min on 2 cores)
 # Environment: BENCH_HOSTS, BENCH_RANKS (hosts and ranks per host: 2 and 2, or 3 and 1 with the
 # cpu-bed-3x1 cluster), BENCH_GLOBAL_BATCH (default 16, 12 with 3 ranks: whole micro-batches for
 # every rank), MALLEUS_BINARY (the malleus to run; default build/malleus, built first).
@@ -21,8 +21,8 @@
 # when no other benchmark runs (its timings are the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 runs=${1:-3} steps=${2:-30} shape_at=${3:-8}
 rate=268mbit slowdown=10
 host_count=${BENCH_HOSTS:-2} ranks=${BENCH_RANKS:-2}
@@ -87,60 +87,15 @@ done
 "$malleus" plan --strategy uniform --base "dp$np,tp1,pp1" --cluster "$cluster" --model demo \
   --global-batch "$global_batch" --micro-batch 1 --seq-len 128 --out "$scratch/uniform.json" \
   > /dev/null
-healthy_uniform=$("$malleus" simulate --plan "$scratch/uniform.json" --cluster "$cluster" \
-  --model demo --global-batch "$global_batch" --micro-batch 1 --seq-len 128 --json |
-  python3 -c 'import json, sys; print(json.load(sys.stdin)["predicted_iteration_s"])')
+"$malleus" simulate --plan "$scratch/uniform.json" --cluster "$cluster" --model demo \
+  --global-batch "$global_batch" --micro-batch 1 --seq-len 128 --json > "$scratch/uniform-healthy.json"
 "$malleus" plan --strategy malleus --cluster "$cluster" --link-rates "{\"1\": $slowdown}" \
   --model demo --global-batch "$global_batch" --micro-batch 1 --seq-len 128 \
   --out "$scratch/best.json" > /dev/null
-best_slowed=$("$malleus" simulate --plan "$scratch/best.json" --cluster "$cluster" \
+"$malleus" simulate --plan "$scratch/best.json" --cluster "$cluster" \
   --link-rates "{\"1\": $slowdown}" --model demo --global-batch "$global_batch" --micro-batch 1 \
-  --seq-len 128 --json |
-  python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["predicted_iteration_s"])')
+  --seq-len 128 --json > "$scratch/best-slowed.json"
 
-python3 - "$scratch" "$runs" "$shape_at" "$healthy_uniform" "$best_slowed" "$np" << 'EOF'
-import json, statistics, sys
-scratch, runs, shape_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-healthy_uniform, best_slowed, np = float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
-def read(name):
-    steps, decisions = {}, []
-    for line in open(f"{scratch}/{name}/metrics.jsonl"):
-        r = json.loads(line)
-        if r.get("event") in ("replan", "replan_declined"):
-            decisions.append(r)
-        elif "step_time_s" in r:
-            steps[r["step"]] = r
-    return steps, decisions
-def tokens_per_s(steps, first, last):
-    chosen = [steps[s] for s in range(first, last + 1)]
-    return sum(s["tokens_per_s"] * s["step_time_s"] for s in chosen) / sum(
-        s["step_time_s"] for s in chosen)
-arms = ["uniform", "compute-only", "link-aware"]
-healthy, after, notes = [], {a: [] for a in arms}, {a: [] for a in arms}
-for arm in arms:
-    for i in range(1, runs + 1):
-        steps, decisions = read(f"{arm}-{i}")
-        last = max(steps)
-        healthy.append(tokens_per_s(steps, 3, shape_at))
-        after[arm].append(tokens_per_s(steps, shape_at + 1, last))
-        switched = [d for d in decisions if d["event"] == "replan" and d["step"] > shape_at]
-        links = steps[last].get("link_rates", [])
-        notes[arm].append(f"links at the end {[round(x, 1) for x in links]}; " + (
-            "; ".join(f"step {d['step']}: {d['new_plan']}" for d in switched) or "no switch"))
-ideal = statistics.median(healthy) * healthy_uniform / best_slowed
-print(f"healthy dp{np} (steps 3-{shape_at}, median of {len(healthy)} runs): "
-      f"{statistics.median(healthy):.0f} tokens/s")
-print(f"cost model: healthy dp{np} {healthy_uniform:.3f} s/step, best plan with host 1's link 10x "
-      f"slower {best_slowed:.3f} s/step -> ideal {ideal:.0f} tokens/s")
-print()
-print("| running | tokens/s after the throttle (median of %d) | runs | fraction of ideal |" % runs)
-print("|---|---:|---|---:|")
-for arm in arms:
-    m = statistics.median(after[arm])
-    print(f"| {arm} | {m:.0f} | {', '.join(f'{x:.0f}' for x in after[arm])} | {m / ideal:.2f} |")
-print()
-for arm in arms:
-    for i, n in enumerate(notes[arm], 1):
-        print(f"{arm} {i}: {n}")
-EOF
+/usr/bin/python3 bench/links_summary.py "$scratch" "$runs" "$shape_at" "$scratch/uniform-healthy.json" \
+  "$scratch/best-slowed.json" "$np"
 echo "(load average $(bench_load_average))"

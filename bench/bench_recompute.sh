@@ -11,14 +11,14 @@
 # --json`, with --shifted-recompute for the shifted rows), and per round the shifted run's step
 # time over the unshifted one's of the same mode.
 #
-# Usage: scripts/bench_recompute.sh [runs (3)] [steps (1)] [seq_len (1024)]
+# Usage: bench/bench_recompute.sh [runs (3)] [steps (1)] [seq_len (1024)]
 # (one step per run: 24 minutes at sequence 1024 on the loaded 2-core machine, 30–60 s a step;
 # a run's first step was not slower than the next ones there.)
 # Results go to runs/bench-recompute (BENCH_OUT overrides); the table to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=scripts/bench_common.sh
-source scripts/bench_common.sh
+# shellcheck source=bench/bench_common.sh
+source bench/bench_common.sh
 runs=${1:-3}
 steps=${2:-1}
 seq=${3:-1024}
@@ -45,10 +45,10 @@ plan full full
 # run and the fully recomputing run need on their fullest rank, so the plain plan does not fit.
 predicted() {  # predicted() PLAN [FLAGS]: the cost model's bytes per rank, one line
   build/malleus simulate --cluster "$out/cluster.json" "${shape[@]}" --plan "$@" --json |
-    python3 -c 'import json,sys; print(" ".join(str(d["memory_gib"] * 2**30) for d in json.load(sys.stdin)["devices"]))'
+    /usr/bin/python3 -c 'import json,sys; print(" ".join(str(d["memory_gib"] * 2**30) for d in json.load(sys.stdin)["devices"]))'
 }
 sed -e 's/"memory_gib": [0-9.]*/"memory_gib": 1000/' configs/clusters/cpu-core.json > "$out/cluster.json"
-budget=$(python3 -c 'import sys; a = max(map(float, sys.argv[1].split())); b = max(map(float, sys.argv[2].split())); print((a + b) / 2 / 2**30)' \
+budget=$(/usr/bin/python3 -c 'import sys; a = max(map(float, sys.argv[1].split())); b = max(map(float, sys.argv[2].split())); print((a + b) / 2 / 2**30)' \
   "$(predicted "$out/none.json")" "$(predicted "$out/full.json")")
 sed -i -e "s/\"memory_gib\": [0-9.]*/\"memory_gib\": $budget/" -e 's/"usable_memory_fraction": [0-9.]*/"usable_memory_fraction": 1/' "$out/cluster.json"
 build/malleus plan --cluster "$out/cluster.json" "${shape[@]}" --strategy uniform --base dp1,tp1,pp2 \
@@ -83,4 +83,4 @@ for i in $(seq "$runs"); do
   done
 done
 echo "load average after: $(bench_load_average)"
-python3 bench/recompute_summary.py "$out" "${modes[@]}"
+/usr/bin/python3 bench/recompute_summary.py "$out" "${modes[@]}"
