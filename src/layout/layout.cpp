@@ -81,15 +81,23 @@ const Holder* find_holder(const std::vector<Holder>& holders, int rank) {
   return nullptr;
 }
 
-std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
-                                            const std::vector<const Layout*>& layouts) {
-  check(!layouts.empty(), "common refinement of no layouts");
-  const model::ParameterLayout full(model);
+namespace {
+
+// A holder of part of a full tensor in one layout: [begin, end) along its split axis.
+struct Span {
+  int64_t begin, end;
+  Holder holder;
+};
+using TensorSpans = std::vector<std::vector<Span>>;  // per layout
+
+// For every full tensor and layout: (rank, group, local tensor, [begin, end)) of each holder.
+std::vector<TensorSpans> holder_spans(const model::ModelConfig& model,
+                                      const model::ParameterLayout& full,
+                                      const std::vector<const Layout*>& layouts) {
   std::unordered_map<std::string, int> full_index;
   for (size_t i = 0; i < full.tensors().size(); ++i) {
     full_index[full.tensors()[i].name] = static_cast<int>(i);
   }
-
   // What a shard holds of each tensor. Ranks with the same shard (data-parallel replicas) share
   // one entry: building a rank's ParameterLayout is most of the cost for large plans.
   struct LocalSpan {
@@ -113,15 +121,7 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
     }
     return it->second;
   };
-
-  // For every full tensor and layout: (rank, group, local tensor, [begin, end)) of each holder.
-  struct Span {
-    int64_t begin, end;
-    Holder holder;
-  };
-  const size_t num_tensors = full.tensors().size();
-  std::vector<std::vector<std::vector<Span>>> spans(num_tensors,
-                                                    std::vector<std::vector<Span>>(layouts.size()));
+  std::vector<TensorSpans> spans(full.tensors().size(), TensorSpans(layouts.size()));
   for (size_t li = 0; li < layouts.size(); ++li) {
     const Layout& layout = *layouts[li];
     check(layout.world_size() == layouts[0]->world_size(),
@@ -135,41 +135,55 @@ std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
       }
     }
   }
+  return spans;
+}
 
-  std::vector<RefinedPiece> pieces;
-  for (size_t f = 0; f < num_tensors; ++f) {
-    std::vector<int64_t> cuts{0, axis_extent(full.tensors()[f])};
-    for (const auto& per_layout : spans[f]) {
-      for (const Span& s : per_layout) {
-        cuts.push_back(s.begin);
-        cuts.push_back(s.end);
-      }
-    }
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-      RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, 0, 1, {}};
-      piece.elements = piece_elements(full, piece.piece);
-      const model::TensorSpec& spec = full.tensors()[f];
-      if (spec.full_shape.size() > 1) {
-        piece.row_elements = spec.shard_axis == model::ShardAxis::kColumns
-                                 ? piece.piece.end - piece.piece.begin
-                                 : spec.full_shape[1];
-      }
-      bool held = false;
-      for (const auto& per_layout : spans[f]) {
-        std::vector<Holder> holders;
-        for (const Span& s : per_layout) {
-          if (s.begin <= piece.piece.begin && piece.piece.end <= s.end) holders.push_back(s.holder);
-        }
-        std::sort(holders.begin(), holders.end(),
-                  [](const Holder& a, const Holder& b) { return a.rank < b.rank; });
-        held = held || !holders.empty();
-        piece.holders.push_back(std::move(holders));
-      }
-      if (held) pieces.push_back(std::move(piece));
+// Full tensor `f` cut at every holder's bounds: the pieces some layout holds, with their holders
+// in each layout (by rank), onto `pieces`.
+void refine_tensor(const model::ParameterLayout& full, size_t f, const TensorSpans& spans,
+                   std::vector<RefinedPiece>* pieces) {
+  std::vector<int64_t> cuts{0, axis_extent(full.tensors()[f])};
+  for (const auto& per_layout : spans) {
+    for (const Span& s : per_layout) {
+      cuts.push_back(s.begin);
+      cuts.push_back(s.end);
     }
   }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    RefinedPiece piece{{static_cast<int>(f), cuts[c], cuts[c + 1]}, 0, 1, {}};
+    piece.elements = piece_elements(full, piece.piece);
+    const model::TensorSpec& spec = full.tensors()[f];
+    if (spec.full_shape.size() > 1) {
+      piece.row_elements = spec.shard_axis == model::ShardAxis::kColumns
+                               ? piece.piece.end - piece.piece.begin
+                               : spec.full_shape[1];
+    }
+    bool held = false;
+    for (const auto& per_layout : spans) {
+      std::vector<Holder> holders;
+      for (const Span& s : per_layout) {
+        if (s.begin <= piece.piece.begin && piece.piece.end <= s.end) holders.push_back(s.holder);
+      }
+      std::sort(holders.begin(), holders.end(),
+                [](const Holder& a, const Holder& b) { return a.rank < b.rank; });
+      held = held || !holders.empty();
+      piece.holders.push_back(std::move(holders));
+    }
+    if (held) pieces->push_back(std::move(piece));
+  }
+}
+
+}  // namespace
+
+std::vector<RefinedPiece> common_refinement(const model::ModelConfig& model,
+                                            const std::vector<const Layout*>& layouts) {
+  check(!layouts.empty(), "common refinement of no layouts");
+  const model::ParameterLayout full(model);
+  const std::vector<TensorSpans> spans = holder_spans(model, full, layouts);
+  std::vector<RefinedPiece> pieces;
+  for (size_t f = 0; f < spans.size(); ++f) refine_tensor(full, f, spans[f], &pieces);
   return pieces;
 }
 

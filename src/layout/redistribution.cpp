@@ -83,6 +83,86 @@ std::vector<std::vector<PieceMove>> buckets_of(const Transfer& t,
   return buckets;
 }
 
+// A transfer of this rank's, cut into buckets; round k moves every pair's k-th bucket.
+struct Active {
+  const Transfer* transfer;
+  std::vector<std::vector<PieceMove>> buckets;
+};
+
+int64_t elements_of(const RedistributionPlan& plan, const PieceMove& m) {
+  return plan.pieces[static_cast<size_t>(m.piece)].elements;
+}
+
+// The pieces this rank copies from its old layout into its new one, one at a time.
+template <typename T>
+void copy_locally(const RedistributionPlan& plan, int me, const LocalState<const T>& from,
+                  const LocalState<T>& to, size_t buffers) {
+  for (const Transfer& t : plan.local_copies) {
+    if (t.source != me) continue;
+    std::vector<T> scratch;
+    for (const PieceMove& m : t.moves) {
+      const Piece& piece = plan.pieces[static_cast<size_t>(m.piece)].piece;
+      scratch.resize(static_cast<size_t>(elements_of(plan, m)));
+      for (size_t b = 0; b < buffers; ++b) {
+        pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor), piece, scratch.data());
+        unpack_piece(scratch.data(), to.layout->tensor(m.destination_tensor), piece, to.buffers[b]);
+      }
+    }
+  }
+}
+
+// Round `round` of this rank's transfers: every pair's bucket of that round sent and received at
+// once, buffer after buffer. Returns the bytes received.
+template <typename T>
+int64_t move_round(const RedistributionPlan& plan, comm::Communicator& world,
+                   const std::vector<Active>& mine, size_t round, const LocalState<const T>& from,
+                   const LocalState<T>& to, size_t buffers) {
+  const int me = world.rank();
+  int64_t received = 0;
+  std::vector<std::vector<T>> messages;
+  std::vector<comm::Request> requests;
+  std::vector<std::pair<const Active*, size_t>> receives;
+  messages.reserve(mine.size());
+  for (const Active& a : mine) {
+    if (round >= a.buckets.size()) continue;
+    const auto& bucket = a.buckets[round];
+    int64_t size = 0;
+    for (const PieceMove& m : bucket) size += elements_of(plan, m);
+    messages.emplace_back(static_cast<size_t>(size) * buffers);
+    std::vector<T>& message = messages.back();
+    const int tag = static_cast<int>(round);
+    if (a.transfer->source == me) {
+      T* cursor = message.data();
+      for (size_t b = 0; b < buffers; ++b) {
+        for (const PieceMove& m : bucket) {
+          pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor),
+                     plan.pieces[static_cast<size_t>(m.piece)].piece, cursor);
+          cursor += elements_of(plan, m);
+        }
+      }
+      requests.push_back(
+          world.isend(message.data(), message.size() * sizeof(T), a.transfer->destination, tag));
+    } else {
+      requests.push_back(
+          world.irecv(message.data(), message.size() * sizeof(T), a.transfer->source, tag));
+      receives.emplace_back(&a, messages.size() - 1);
+      received += static_cast<int64_t>(message.size() * sizeof(T));
+    }
+  }
+  comm::Request::wait_all(requests);
+  for (const auto& [active, index] : receives) {
+    const T* cursor = messages[index].data();
+    for (size_t b = 0; b < buffers; ++b) {
+      for (const PieceMove& m : active->buckets[round]) {
+        unpack_piece(cursor, to.layout->tensor(m.destination_tensor),
+                     plan.pieces[static_cast<size_t>(m.piece)].piece, to.buffers[b]);
+        cursor += elements_of(plan, m);
+      }
+    }
+  }
+  return received;
+}
+
 }  // namespace
 
 template <typename T>
@@ -95,29 +175,7 @@ int64_t redistribute(const RedistributionPlan& plan, comm::Communicator& world,
             (to.buffers.empty() || to.buffers.size() == buffers),
         "redistribute: buffer lists differ in length");
   const int me = world.rank();
-  auto elements_of = [&](const PieceMove& m) {
-    return plan.pieces[static_cast<size_t>(m.piece)].elements;
-  };
-  int64_t received = 0;
-
-  for (const Transfer& t : plan.local_copies) {
-    if (t.source != me) continue;
-    std::vector<T> scratch;
-    for (const PieceMove& m : t.moves) {
-      const Piece& piece = plan.pieces[static_cast<size_t>(m.piece)].piece;
-      scratch.resize(static_cast<size_t>(elements_of(m)));
-      for (size_t b = 0; b < buffers; ++b) {
-        pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor), piece, scratch.data());
-        unpack_piece(scratch.data(), to.layout->tensor(m.destination_tensor), piece, to.buffers[b]);
-      }
-    }
-  }
-
-  // My transfers, cut into buckets; round k moves every pair's k-th bucket.
-  struct Active {
-    const Transfer* transfer;
-    std::vector<std::vector<PieceMove>> buckets;
-  };
+  copy_locally(plan, me, from, to, buffers);
   std::vector<Active> mine;
   size_t rounds = 0;
   for (const Transfer& t : plan.transfers) {
@@ -127,48 +185,9 @@ int64_t redistribute(const RedistributionPlan& plan, comm::Communicator& world,
   }
   // Every rank must agree on the number of rounds only pairwise: a pair's bucket count is
   // computed identically on both sides from the shared plan.
+  int64_t received = 0;
   for (size_t round = 0; round < rounds; ++round) {
-    std::vector<std::vector<T>> messages;
-    std::vector<comm::Request> requests;
-    std::vector<std::pair<const Active*, size_t>> receives;
-    messages.reserve(mine.size());
-    for (const Active& a : mine) {
-      if (round >= a.buckets.size()) continue;
-      const auto& bucket = a.buckets[round];
-      int64_t size = 0;
-      for (const PieceMove& m : bucket) size += elements_of(m);
-      messages.emplace_back(static_cast<size_t>(size) * buffers);
-      std::vector<T>& message = messages.back();
-      const int tag = static_cast<int>(round);
-      if (a.transfer->source == me) {
-        T* cursor = message.data();
-        for (size_t b = 0; b < buffers; ++b) {
-          for (const PieceMove& m : bucket) {
-            pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor),
-                       plan.pieces[static_cast<size_t>(m.piece)].piece, cursor);
-            cursor += elements_of(m);
-          }
-        }
-        requests.push_back(
-            world.isend(message.data(), message.size() * sizeof(T), a.transfer->destination, tag));
-      } else {
-        requests.push_back(
-            world.irecv(message.data(), message.size() * sizeof(T), a.transfer->source, tag));
-        receives.emplace_back(&a, messages.size() - 1);
-        received += static_cast<int64_t>(message.size() * sizeof(T));
-      }
-    }
-    comm::Request::wait_all(requests);
-    for (const auto& [active, index] : receives) {
-      const T* cursor = messages[index].data();
-      for (size_t b = 0; b < buffers; ++b) {
-        for (const PieceMove& m : active->buckets[round]) {
-          unpack_piece(cursor, to.layout->tensor(m.destination_tensor),
-                       plan.pieces[static_cast<size_t>(m.piece)].piece, to.buffers[b]);
-          cursor += elements_of(m);
-        }
-      }
-    }
+    received += move_round(plan, world, mine, round, from, to, buffers);
   }
   return received;
 }

@@ -379,6 +379,119 @@ void for_each_message(const std::vector<BandMove>& moves, const std::vector<int>
   }
 }
 
+// Runs the bands of a staged redistribution on this rank: packs its moves from `from`, unpacks
+// them into `to`, sends and receives the moves between ranks as one message per pair of ranks.
+template <typename T>
+class BandMover {
+ public:
+  BandMover(const StagedRedistribution& staged, comm::Communicator& world,
+            const std::vector<KindState<const T>>& from, const std::vector<KindState<T>>& to)
+      : staged_(staged), world_(world), from_(from), to_(to), me_(world.rank()) {}
+
+  // One band's moves; returns the bytes this rank received.
+  int64_t run(const Band& band) {
+    copy_locally(band);
+    std::vector<Incoming> incoming;
+    std::vector<comm::Request> requests;
+    const int64_t received = post_receives(band, &incoming, &requests);
+    send(band);
+    comm::Request::wait_all(requests);
+    for (const Incoming& in : incoming) {
+      const T* cursor = in.message.values.data();
+      for (size_t k = in.first; k < in.end; ++k) {
+        unpack(band.moves[k], cursor);
+        cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
+      }
+    }
+    return received;
+  }
+
+ private:
+  // A message from another rank: its moves [first, end) and their values.
+  struct Incoming {
+    size_t first, end;
+    Message<T> message;
+  };
+
+  size_t buffers_of(const BandMove& m) const {
+    return static_cast<size_t>(staged_.kind_buffers[static_cast<size_t>(m.kind)]);
+  }
+
+  // A move's values, buffer after buffer.
+  void pack(const BandMove& m, T* out) const {
+    const KindState<const T>& state = from_[static_cast<size_t>(m.kind)];
+    const model::TensorSpec view =
+        band_view((*state.blocks)[static_cast<size_t>(m.source_block)].spec, m);
+    for (size_t b = 0; b < buffers_of(m); ++b) {
+      pack_piece(state.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements));
+    }
+  }
+
+  void unpack(const BandMove& m, const T* in) const {
+    const KindState<T>& state = to_[static_cast<size_t>(m.kind)];
+    const model::TensorSpec view =
+        band_view((*state.blocks)[static_cast<size_t>(m.destination_block)].spec, m);
+    for (size_t b = 0; b < buffers_of(m); ++b) {
+      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, state.buffers[b]);
+    }
+  }
+
+  // Local copies, one piece at a time.
+  void copy_locally(const Band& band) const {
+    for (const BandMove& m : band.moves) {
+      if (m.source != me_ || m.destination != me_) continue;
+      Message<T> scratch(static_cast<size_t>(m.elements) * buffers_of(m));
+      pack(m, scratch.values.data());
+      unpack(m, scratch.values.data());
+    }
+  }
+
+  // Receives first (every rank posts its own before sending, so the sends always find them), one
+  // message per source holding all its pieces, buffer after buffer per piece. Returns its bytes.
+  int64_t post_receives(const Band& band, std::vector<Incoming>* incoming,
+                        std::vector<comm::Request>* requests) {
+    for_each_message(band.moves, staged_.kind_buffers,
+                     [&](size_t first, size_t end, size_t values) {
+                       const BandMove& m = band.moves[first];
+                       if (m.destination == me_ && m.source != me_) {
+                         incoming->push_back({first, end, Message<T>(values)});
+                       }
+                     });
+    int64_t received = 0;
+    for (Incoming& in : *incoming) {
+      requests->push_back(world_.irecv(in.message.values.data(),
+                                       in.message.values.size() * sizeof(T),
+                                       band.moves[in.first].source, 0));
+      received += static_cast<int64_t>(in.message.values.size() * sizeof(T));
+    }
+    return received;
+  }
+
+  // Sends one message at a time, so at most one is held.
+  void send(const Band& band) {
+    for_each_message(
+        band.moves, staged_.kind_buffers, [&](size_t first, size_t end, size_t values) {
+          const BandMove& m = band.moves[first];
+          if (m.source != me_ || m.destination == me_) return;
+          Message<T> message(values);
+          T* cursor = message.values.data();
+          for (size_t k = first; k < end; ++k) {
+            pack(band.moves[k], cursor);
+            cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
+          }
+          comm::Request sent = world_.isend(message.values.data(),
+                                            message.values.size() * sizeof(T), m.destination, 0);
+          sent.wait();
+        });
+  }
+
+  const StagedRedistribution& staged_;
+  comm::Communicator& world_;
+  const std::vector<KindState<const T>>& from_;
+  const std::vector<KindState<T>>& to_;
+  const int me_;
+};
+
 }  // namespace
 
 template <typename T>
@@ -395,81 +508,13 @@ int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicat
           "redistribute_staged: buffer lists differ in length from the plan's");
   }
   const int me = world.rank();
+  BandMover<T> mover(staged, world, from, to);
   int64_t received = 0;
-  auto buffers_of = [&](const BandMove& m) {
-    return static_cast<size_t>(staged.kind_buffers[static_cast<size_t>(m.kind)]);
-  };
-  // A move's values, buffer after buffer.
-  auto pack = [&](const BandMove& m, T* out) {
-    const KindState<const T>& state = from[static_cast<size_t>(m.kind)];
-    const model::TensorSpec view =
-        band_view((*state.blocks)[static_cast<size_t>(m.source_block)].spec, m);
-    for (size_t b = 0; b < buffers_of(m); ++b) {
-      pack_piece(state.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements));
-    }
-  };
-  auto unpack = [&](const BandMove& m, const T* in) {
-    const KindState<T>& state = to[static_cast<size_t>(m.kind)];
-    const model::TensorSpec view =
-        band_view((*state.blocks)[static_cast<size_t>(m.destination_block)].spec, m);
-    for (size_t b = 0; b < buffers_of(m); ++b) {
-      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, state.buffers[b]);
-    }
-  };
-
   for (const Band& band : staged.bands) {
     for (const BandRange& p : band.new_parts) {
       if (p.rank == me) memory.commit(p.kind, p.offset, p.count);
     }
-    // Local copies, one piece at a time.
-    for (const BandMove& m : band.moves) {
-      if (m.source != me || m.destination != me) continue;
-      Message<T> scratch(static_cast<size_t>(m.elements) * buffers_of(m));
-      pack(m, scratch.values.data());
-      unpack(m, scratch.values.data());
-    }
-    // Receives first (every rank posts its own before sending, so the sends below always find
-    // them), one message per source holding all its pieces, buffer after buffer per piece.
-    struct Incoming {
-      size_t first, end;  // its moves
-      Message<T> message;
-    };
-    std::vector<Incoming> incoming;
-    std::vector<comm::Request> requests;
-    for_each_message(band.moves, staged.kind_buffers, [&](size_t first, size_t end, size_t values) {
-      const BandMove& m = band.moves[first];
-      if (m.destination == me && m.source != me) {
-        incoming.push_back({first, end, Message<T>(values)});
-      }
-    });
-    for (Incoming& in : incoming) {
-      requests.push_back(world.irecv(in.message.values.data(), in.message.values.size() * sizeof(T),
-                                     band.moves[in.first].source, 0));
-      received += static_cast<int64_t>(in.message.values.size() * sizeof(T));
-    }
-    // Sends one message at a time, so at most one is held.
-    for_each_message(band.moves, staged.kind_buffers, [&](size_t first, size_t end, size_t values) {
-      const BandMove& m = band.moves[first];
-      if (m.source != me || m.destination == me) return;
-      Message<T> message(values);
-      T* cursor = message.values.data();
-      for (size_t k = first; k < end; ++k) {
-        pack(band.moves[k], cursor);
-        cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
-      }
-      comm::Request send =
-          world.isend(message.values.data(), message.values.size() * sizeof(T), m.destination, 0);
-      send.wait();
-    });
-    comm::Request::wait_all(requests);
-    for (const Incoming& in : incoming) {
-      const T* cursor = in.message.values.data();
-      for (size_t k = in.first; k < in.end; ++k) {
-        unpack(band.moves[k], cursor);
-        cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
-      }
-    }
-    incoming.clear();
+    received += mover.run(band);
     for (const BandRange& p : band.old_parts) {
       if (p.rank == me) memory.release(p.kind, p.offset, p.count);
     }
