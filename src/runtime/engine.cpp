@@ -538,6 +538,43 @@ double Engine::local_norm_squares() {
   return sum;
 }
 
+// Parameters and Adam moments from this engine's buffers into `next`'s, band by band: each band of
+// `next`'s state is booked as it arrives and each of this engine's is given back once sent.
+int64_t Engine::move_state(Engine& next, const layout::StagedRedistribution& staged,
+                           const std::vector<layout::StateKind>& kinds) {
+  const auto me = static_cast<size_t>(state_->rank());
+  std::vector<layout::KindState<const float>> from(kinds.size());
+  std::vector<layout::KindState<float>> to(kinds.size());
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    from[k].blocks = &kinds[k].from[me];
+    to[k].blocks = &kinds[k].to[me];
+  }
+  std::vector<std::vector<float*>> old_buffers(kinds.size());  // given back band by band
+  if (model_) {
+    old_buffers[0] = {model_->params()};
+    old_buffers[1] = {optimizer_->first_moment(), optimizer_->second_moment()};
+  }
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    from[k].buffers.assign(old_buffers[k].begin(), old_buffers[k].end());
+  }
+  if (next.model_) {
+    to[0].buffers = {next.model_->params()};
+    to[1].buffers = {next.optimizer_->first_moment(), next.optimizer_->second_moment()};
+  }
+  layout::StateMemory memory;
+  memory.commit = [&](int kind, int64_t offset, int64_t count) {
+    for (float* buffer : to[size_t(kind)].buffers) {
+      next.backend_->commit_range(buffer + offset, size_t(count));
+    }
+  };
+  memory.release = [&](int kind, int64_t offset, int64_t count) {
+    for (float* buffer : old_buffers[size_t(kind)]) {
+      backend_->decommit_range(buffer + offset, size_t(count));
+    }
+  };
+  return layout::redistribute_staged<float>(staged, state_->world(), from, to, memory);
+}
+
 std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
   const auto start = std::chrono::steady_clock::now();
   backend::MemoryLedger& ledger = backend::memory_ledger();
@@ -563,38 +600,7 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
       next->state_->layout(), next->distributed_optimizer_ ? &next->state_->grad_sync() : nullptr);
   const auto staged =
       layout::stage_redistribution(model_config_, moves, kinds, options_.migration_bucket_bytes);
-  const auto me = static_cast<size_t>(state_->rank());
-  std::vector<layout::KindState<const float>> from(kinds.size());
-  std::vector<layout::KindState<float>> to(kinds.size());
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    from[k].blocks = &kinds[k].from[me];
-    to[k].blocks = &kinds[k].to[me];
-  }
-  std::vector<std::vector<float*>> old_buffers(kinds.size());  // given back band by band
-  if (model_) {
-    old_buffers[0] = {model_->params()};
-    old_buffers[1] = {optimizer_->first_moment(), optimizer_->second_moment()};
-  }
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    from[k].buffers.assign(old_buffers[k].begin(), old_buffers[k].end());
-  }
-  if (next->model_) {
-    to[0].buffers = {next->model_->params()};
-    to[1].buffers = {next->optimizer_->first_moment(), next->optimizer_->second_moment()};
-  }
-  layout::StateMemory memory;
-  memory.commit = [&](int kind, int64_t offset, int64_t count) {
-    for (float* buffer : to[size_t(kind)].buffers) {
-      next->backend_->commit_range(buffer + offset, size_t(count));
-    }
-  };
-  memory.release = [&](int kind, int64_t offset, int64_t count) {
-    for (float* buffer : old_buffers[size_t(kind)]) {
-      backend_->decommit_range(buffer + offset, size_t(count));
-    }
-  };
-  const int64_t received =
-      layout::redistribute_staged<float>(staged, state_->world(), from, to, memory);
+  const int64_t received = move_state(*next, staged, kinds);
   const int64_t state_peak = ledger.peak_total(), state_after = ledger.current().total();
   next->set_steps_done(steps_done_);
   // This engine's memory goes before the new one books the rest of its own.

@@ -21,6 +21,11 @@
 #include "runtime/optimizer.h"
 #include "runtime/parallel_state.h"
 
+namespace malleus::layout {
+struct StagedRedistribution;
+struct StateKind;
+}  // namespace malleus::layout
+
 namespace malleus::runtime {
 
 struct EngineOptions {
@@ -212,6 +217,10 @@ class Engine {
   void exchange_figures(double loss_sum, int64_t global_tokens, StepResult* result);
   // The optimizer's update with the gradients scaled by `clip` (nothing on an idle rank).
   void update(float lr, float clip, double slowdown);
+  // Moves this engine's parameters and Adam moments into `next`'s as `staged` orders them,
+  // booking and giving back memory band by band; returns the bytes this rank received.
+  int64_t move_state(Engine& next, const layout::StagedRedistribution& staged,
+                     const std::vector<layout::StateKind>& kinds);
   // Sums gradients over the refinement groups.
   void sync_gradients();
   // On every host's leader (a no-op elsewhere): times the link probe with the other leaders;
