@@ -397,27 +397,10 @@ Checkpoint Trainer::snapshot() {
   return c;
 }
 
-StepStats Trainer::train_step() {
-  const auto start = Clock::now();
-  const int64_t first = consumed_samples_;
-  const runtime::SampleFn sample = [&](int index, int32_t* inputs, int32_t* targets) {
-    sampler_.sample(first + index, inputs, targets);
-  };
-  const double lr = schedule_.at(step_);
-  StepStats stats;
-  stats.injected = stragglers_.rates(world_.size(), step_ + 1);
-  // A save's copy still reading the state (a background copy, CheckpointWriter) holds the
-  // optimizer's update back until it is done.
-  std::function<void()> before_update;
-  if (writer_.copying()) before_update = [this] { writer_.wait_for_copy(); };
-  const runtime::StepResult r =
-      engine_->step(sample, static_cast<float>(lr), config_.grad_clip,
-                    stats.injected[static_cast<size_t>(world_.rank())], before_update);
-  consumed_samples_ += config_.global_batch_size;
-  ++step_;
-
-  // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
-  const auto loop_start = Clock::now();
+// Every rank's measurements of the step into `stats`: the monitors' rates, compute and link
+// times, peak memory by kind, the recomputation issued ahead.
+void Trainer::record_measurements(const runtime::StepResult& r, StepStats* out) {
+  StepStats& stats = *out;
   stats.rates =
       monitor_.observe(r.measurements, elastic::work_geometries(engine_->state().layout()));
   for (size_t i = 0; i < r.measurements.size(); i += 2)
@@ -450,28 +433,55 @@ StepStats Trainer::train_step() {
     for (size_t i = 0; i < r.link_measurements.size(); i += 2)
       stats.link_s.push_back(r.link_measurements[i]);
   }
-  if (controller_) {
-    // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
-    const std::vector<double> no_links;
-    controller_->note_step_rates(monitor_.step_rates());  // what its switches realised
-    const elastic::Decision decision = controller_->decide(
-        world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_,
-        config_.replan_links ? stats.link_rates : no_links);
-    if (decision.asked) stats.replan = replan_record(decision);
-    if (decision.plan) {
-      plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
-                     "re-plan");
-      runtime::MigrationStats migration;
-      engine_ = engine_->migrate(*decision.plan, &migration);
-      controller_->note_migration_seconds(migration.seconds);
-      monitor_.note_replan();
-      stats.replan->bytes_moved = migration.bytes_moved;
-      stats.replan->migration_s = migration.seconds;
-      stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
-      stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
-    }
-  }
+}
 
+// Asks the controller whether to re-plan on the rates just measured; migrates when it says so.
+void Trainer::replan_if_asked(StepStats* out) {
+  StepStats& stats = *out;
+  // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
+  const std::vector<double> no_links;
+  controller_->note_step_rates(monitor_.step_rates());  // what its switches realised
+  const elastic::Decision decision = controller_->decide(
+      world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_,
+      config_.replan_links ? stats.link_rates : no_links);
+  if (decision.asked) stats.replan = replan_record(decision);
+  if (decision.plan) {
+    plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
+                   "re-plan");
+    runtime::MigrationStats migration;
+    engine_ = engine_->migrate(*decision.plan, &migration);
+    controller_->note_migration_seconds(migration.seconds);
+    monitor_.note_replan();
+    stats.replan->bytes_moved = migration.bytes_moved;
+    stats.replan->migration_s = migration.seconds;
+    stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
+    stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
+  }
+}
+
+StepStats Trainer::train_step() {
+  const auto start = Clock::now();
+  const int64_t first = consumed_samples_;
+  const runtime::SampleFn sample = [&](int index, int32_t* inputs, int32_t* targets) {
+    sampler_.sample(first + index, inputs, targets);
+  };
+  const double lr = schedule_.at(step_);
+  StepStats stats;
+  stats.injected = stragglers_.rates(world_.size(), step_ + 1);
+  // A save's copy still reading the state (a background copy, CheckpointWriter) holds the
+  // optimizer's update back until it is done.
+  std::function<void()> before_update;
+  if (writer_.copying()) before_update = [this] { writer_.wait_for_copy(); };
+  const runtime::StepResult r =
+      engine_->step(sample, static_cast<float>(lr), config_.grad_clip,
+                    stats.injected[static_cast<size_t>(world_.rank())], before_update);
+  consumed_samples_ += config_.global_batch_size;
+  ++step_;
+
+  // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
+  const auto loop_start = Clock::now();
+  record_measurements(r, &stats);
+  if (controller_) replan_if_asked(&stats);
   stats.monitor_overhead_s = seconds_since(loop_start);
   stats.consumed_samples = consumed_samples_;
 
@@ -585,6 +595,48 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
   std::fflush(stdout);
 }
 
+// The run's header on stdout (model, data, plan, cores) and where each rank runs (ranks.json).
+void Trainer::announce(const std::filesystem::path& out, const std::string& plan_text) {
+  const auto& mc = model_config_;
+  std::printf(
+      "model %s: %s parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d)\n"
+      "data %s: %s tokens; global batch %d × %d tokens (micro-batches of %d)\n"
+      "plan on %d ranks × %d threads: %s\n"
+      "cores: %s\n",
+      mc.name.c_str(), format_count(static_cast<double>(mc.num_parameters())).c_str(),
+      mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.ffn_hidden_size,
+      mc.vocab_size, config_.train_data.c_str(),
+      format_count(static_cast<double>(train_data_.num_tokens())).c_str(),
+      config_.global_batch_size, config_.seq_len, config_.micro_batch_size, world_.size(),
+      engine_options_.threads, plan_text.c_str(), cores_.summary.c_str());
+  std::fflush(stdout);
+  // Where each rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
+  Json ranks = Json::array();
+  for (size_t r = 0; r < cores_.pids.size(); ++r) {
+    ranks.push_back({{"rank", r}, {"pid", cores_.pids[r]}, {"cpus", cores_.cpus[r]}});
+  }
+  write_file_atomic(out / "ranks.json", Json{{"ranks", ranks}}.dump(2) + "\n");
+}
+
+void Trainer::start_watchdog(const std::filesystem::path& out, std::optional<Watchdog>* watchdog) {
+  // Hang detection: only with several ranks (one rank waits for nobody). Rank 0 clears the
+  // previous run's heartbeats; the barrier keeps the others from writing theirs before rank 0
+  // has taken the run directory (run_directory.h) and cleared it.
+  if (is_root()) Watchdog::clear(out);
+  world_.barrier();
+  watchdog->emplace(
+      out, world_.rank(), world_.size(),
+      WatchdogOptions{.floor_s = config_.watchdog_floor_s, .multiple = config_.watchdog_multiple});
+  if (is_root()) {
+    std::printf(
+        "watchdog: a step, evaluation or checkpoint over max(%g s, %g × its median) ends the "
+        "job, naming the ranks that did not arrive (%s)\n",
+        static_cast<double>(config_.watchdog_floor_s),
+        static_cast<double>(config_.watchdog_multiple), hang_report_path(out).c_str());
+    std::fflush(stdout);
+  }
+}
+
 int Trainer::run() {
   const std::filesystem::path out(config_.out_dir);
   const auto checkpoints = out / "checkpoints";
@@ -594,47 +646,9 @@ int Trainer::run() {
   if (!config_.val_data.empty()) val_data.emplace(config_.val_data, model_config_.vocab_size);
   std::string plan_text = engine_->plan().summary();
 
-  if (is_root()) {
-    const auto& mc = model_config_;
-    std::printf(
-        "model %s: %s parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d)\n"
-        "data %s: %s tokens; global batch %d × %d tokens (micro-batches of %d)\n"
-        "plan on %d ranks × %d threads: %s\n"
-        "cores: %s\n",
-        mc.name.c_str(), format_count(static_cast<double>(mc.num_parameters())).c_str(),
-        mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.ffn_hidden_size,
-        mc.vocab_size, config_.train_data.c_str(),
-        format_count(static_cast<double>(train_data_.num_tokens())).c_str(),
-        config_.global_batch_size, config_.seq_len, config_.micro_batch_size, world_.size(),
-        engine_options_.threads, plan_text.c_str(), cores_.summary.c_str());
-    std::fflush(stdout);
-    // Where each rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
-    Json ranks = Json::array();
-    for (size_t r = 0; r < cores_.pids.size(); ++r) {
-      ranks.push_back({{"rank", r}, {"pid", cores_.pids[r]}, {"cpus", cores_.cpus[r]}});
-    }
-    write_file_atomic(out / "ranks.json", Json{{"ranks", ranks}}.dump(2) + "\n");
-  }
-
-  // Hang detection: only with several ranks (one rank waits for nobody). Rank 0 clears the
-  // previous run's heartbeats; the barrier keeps the others from writing theirs before rank 0
-  // has taken the run directory (run_directory.h) and cleared it.
+  if (is_root()) announce(out, plan_text);
   std::optional<Watchdog> watchdog;
-  if (config_.watchdog && world_.size() > 1) {
-    if (is_root()) Watchdog::clear(out);
-    world_.barrier();
-    watchdog.emplace(out, world_.rank(), world_.size(),
-                     WatchdogOptions{.floor_s = config_.watchdog_floor_s,
-                                     .multiple = config_.watchdog_multiple});
-    if (is_root()) {
-      std::printf(
-          "watchdog: a step, evaluation or checkpoint over max(%g s, %g × its median) ends the "
-          "job, naming the ranks that did not arrive (%s)\n",
-          static_cast<double>(config_.watchdog_floor_s),
-          static_cast<double>(config_.watchdog_multiple), hang_report_path(out).c_str());
-      std::fflush(stdout);
-    }
-  }
+  if (config_.watchdog && world_.size() > 1) start_watchdog(out, &watchdog);
   const auto watch = [&](const char* phase, int64_t step) {
     if (watchdog) watchdog->enter(phase, step);
   };

@@ -27,6 +27,8 @@
 
 namespace malleus::train {
 
+class Watchdog;
+
 // One step as train_step returns it: its metrics record (the plan and ETA are filled when it is
 // logged) and the controller's decision when it was asked.
 struct StepStats : metrics::StepRecord {
@@ -102,6 +104,14 @@ class Trainer {
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
   [[noreturn]] void stop_diverged(const StepStats& s);
+  // The step's measurements into `stats` (train_step, after the engine's step).
+  void record_measurements(const runtime::StepResult& result, StepStats* stats);
+  // The controller's decision on the rates just measured, and the migration it asks for.
+  void replan_if_asked(StepStats* stats);
+  // Rank 0's header of a run on stdout, and <out>/ranks.json.
+  void announce(const std::filesystem::path& out, const std::string& plan_text);
+  // Hang detection: only with several ranks (one rank waits for nobody). Collective.
+  void start_watchdog(const std::filesystem::path& out, std::optional<Watchdog>* watchdog);
   // The step line on stdout and its record (and any re-plan record) in the metrics file.
   void log_step(StepStats s, double eta, const std::string& plan_text,
                 metrics::MetricsLog& metrics);
