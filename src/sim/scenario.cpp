@@ -91,6 +91,134 @@ plan::Evaluator simulator_evaluator(const plan::CostModel& cost) {
   };
 }
 
+namespace {
+
+// One strategy's run through a scenario's events: its plan, the clock, the samples trained and
+// the timeline.
+class Replay {
+ public:
+  Replay(const Scenario& sc, const plan::CostModel& cost, const plan::PlannerOptions& options,
+         const std::string& name)
+      : sc_(sc),
+        cost_(cost),
+        name_(name),
+        strategy_(plan::make_strategy(name, options)),
+        rates_(static_cast<size_t>(sc.cluster.num_devices()), 1.0) {
+    run_.strategy = name;
+  }
+
+  // Plans for the healthy cluster; returns the plan's iteration time (infinite when none).
+  double start() {
+    try {
+      plan::PlanResult first = strategy_->plan(cost_, {rates_, sc_.base, std::nullopt});
+      current_ = first.plan;
+      iter_ = sim_time(*current_, rates_);
+    } catch (const Error& e) {
+      run_.error = e.what();
+    }
+    return iter_;
+  }
+
+  // Runs up to the event, notices it, and lets the strategy re-plan.
+  void on_event(const RateEvent& event) {
+    if (!current_) return;
+    advance(event.at_s, iter_, current_->summary());
+    rates_ = event.rates;
+    const double old_iter = sim_time(*current_, rates_);
+    // Noticing the change: a few iterations on the old plan, or a timeout if it hangs.
+    if (std::isfinite(old_iter)) {
+      advance(t_ + sc_.detect_iterations * old_iter, old_iter, "detecting");
+    } else {
+      const double stall = std::min(sc_.failure_timeout_s, sc_.horizon_s - t_);
+      run_.overhead_s += stall;
+      advance(t_ + stall, kInf, "device lost");
+    }
+    iter_ = old_iter;
+    try {
+      reconsider(event, old_iter);
+    } catch (const Error& e) {
+      run_.error = e.what();
+      current_.reset();
+      iter_ = kInf;
+    }
+    run_.steady_samples_per_s.push_back(std::isfinite(iter_) ? sc_.batch.global_batch / iter_
+                                                             : 0.0);
+  }
+
+  // Runs to the horizon.
+  StrategyRun finish() {
+    if (current_) advance(sc_.horizon_s, iter_, current_->summary());
+    while (run_.steady_samples_per_s.size() < sc_.events.size()) {
+      run_.steady_samples_per_s.push_back(0);
+    }
+    return std::move(run_);
+  }
+
+ private:
+  double sim_time(const plan::Plan& p, const plan::Rates& rates) const {
+    const SimResult r = simulate(cost_, p, rates);
+    return r.fits ? r.iteration_time : kInf;
+  }
+
+  // Trains at one iteration per `iteration` seconds until `until` (within the horizon).
+  void advance(double until, double iteration, const std::string& what) {
+    until = std::min(until, sc_.horizon_s);
+    if (until <= t_) return;
+    const double rate = std::isfinite(iteration) ? sc_.batch.global_batch / iteration : 0.0;
+    run_.samples += rate * (until - t_);
+    run_.timeline.push_back({t_, until, rate, what});
+    t_ = until;
+  }
+
+  // The strategy's plan for the new rates, and whether to switch to it (and at what cost).
+  void reconsider(const RateEvent& event, double old_iter) {
+    plan::PlanResult next = strategy_->plan(cost_, {rates_, sc_.base, *current_});
+    const bool same = next.plan.to_json() == current_->to_json();
+    const double new_iter = same ? old_iter : sim_time(next.plan, rates_);
+    const double planning = sc_.replan_s ? *sc_.replan_s : next.planning_seconds;
+    double switch_s = 0;  // keeping the plan costs nothing
+    std::string what;
+    if (!same && (next.restart || name_ == "drop-slow")) {
+      switch_s = sc_.cluster.restart_seconds;
+      what = "restart";
+    } else if (!same) {
+      switch_s = planning + replan::estimate_migration(cost_, *current_, next.plan).seconds +
+                 sc_.rebuild_s;
+      what = "re-plan + migration";
+    }
+    bool take = !same;
+    // Ours weighs the switch with the controller's rule; the horizon is the steps the old plan
+    // would run within decision_horizon_s.
+    if (name_ == "malleus") {
+      WeighedSwitch weighed;
+      weighed.at_s = event.at_s;
+      weighed.question = {old_iter, new_iter, switch_s, sc_.decision_horizon_s / old_iter, same};
+      weighed.verdict = replan::weigh_switch(weighed.question);
+      take = weighed.verdict.take;
+      run_.switches.push_back(std::move(weighed));
+    }
+    if (take) {
+      run_.overhead_s += std::min(switch_s, std::max(0.0, sc_.horizon_s - t_));
+      advance(t_ + switch_s, kInf, what);
+      current_ = next.plan;
+      iter_ = new_iter;
+      ++run_.replans;
+    }
+  }
+
+  const Scenario& sc_;
+  const plan::CostModel& cost_;
+  const std::string name_;
+  std::unique_ptr<plan::Strategy> strategy_;
+  StrategyRun run_;
+  double t_ = 0;
+  plan::Rates rates_;
+  std::optional<plan::Plan> current_;
+  double iter_ = kInf;
+};
+
+}  // namespace
+
 ScenarioResult run_scenario(const Scenario& sc) {
   ScenarioResult out;
   out.scenario = sc;
@@ -98,96 +226,14 @@ ScenarioResult run_scenario(const Scenario& sc) {
   cost.use_distributed_optimizer(sc.distributed_optimizer);
   const int N = sc.cluster.num_devices();
   const double GB = sc.batch.global_batch;
-  const plan::Rates healthy(static_cast<size_t>(N), 1.0);
   plan::PlannerOptions options = replan::with_migration_tie_break({}, cost);
   options.refine = simulator_evaluator(cost);
-  auto sim_time = [&](const plan::Plan& p, const plan::Rates& rates) {
-    const SimResult r = simulate(cost, p, rates);
-    return r.fits ? r.iteration_time : kInf;
-  };
   out.healthy_iteration_s = kInf;
   for (const auto& name : sc.strategies) {
-    auto strategy = plan::make_strategy(name, options);
-    StrategyRun run;
-    run.strategy = name;
-    double t = 0;
-    plan::Rates rates = healthy;
-    std::optional<plan::Plan> current;
-    double iter = kInf;
-    auto advance = [&](double until, double iteration, const std::string& what) {
-      until = std::min(until, sc.horizon_s);
-      if (until <= t) return;
-      const double rate = std::isfinite(iteration) ? GB / iteration : 0.0;
-      run.samples += rate * (until - t);
-      run.timeline.push_back({t, until, rate, what});
-      t = until;
-    };
-    try {
-      plan::PlanResult first = strategy->plan(cost, {healthy, sc.base, std::nullopt});
-      current = first.plan;
-      iter = sim_time(*current, rates);
-      out.healthy_iteration_s = std::min(out.healthy_iteration_s, iter);
-    } catch (const Error& e) {
-      run.error = e.what();
-    }
-    for (const RateEvent& event : sc.events) {
-      if (!current) break;
-      advance(event.at_s, iter, current->summary());
-      rates = event.rates;
-      const double old_iter = sim_time(*current, rates);
-      // Noticing the change: a few iterations on the old plan, or a timeout if it hangs.
-      if (std::isfinite(old_iter)) {
-        advance(t + sc.detect_iterations * old_iter, old_iter, "detecting");
-      } else {
-        const double stall = std::min(sc.failure_timeout_s, sc.horizon_s - t);
-        run.overhead_s += stall;
-        advance(t + stall, kInf, "device lost");
-      }
-      iter = old_iter;
-      try {
-        plan::PlanResult next = strategy->plan(cost, {rates, sc.base, *current});
-        const bool same = next.plan.to_json() == current->to_json();
-        const double new_iter = same ? old_iter : sim_time(next.plan, rates);
-        const double planning = sc.replan_s ? *sc.replan_s : next.planning_seconds;
-        double switch_s = 0;  // keeping the plan costs nothing
-        std::string what;
-        if (!same && (next.restart || name == "drop-slow")) {
-          switch_s = sc.cluster.restart_seconds;
-          what = "restart";
-        } else if (!same) {
-          switch_s = planning + replan::estimate_migration(cost, *current, next.plan).seconds +
-                     sc.rebuild_s;
-          what = "re-plan + migration";
-        }
-        bool take = !same;
-        // Ours weighs the switch with the controller's rule; the horizon is the steps the old
-        // plan would run within decision_horizon_s.
-        if (name == "malleus") {
-          WeighedSwitch weighed;
-          weighed.at_s = event.at_s;
-          weighed.question = {old_iter, new_iter, switch_s, sc.decision_horizon_s / old_iter, same};
-          weighed.verdict = replan::weigh_switch(weighed.question);
-          take = weighed.verdict.take;
-          run.switches.push_back(std::move(weighed));
-        }
-        if (take) {
-          run.overhead_s += std::min(switch_s, std::max(0.0, sc.horizon_s - t));
-          advance(t + switch_s, kInf, what);
-          current = next.plan;
-          iter = new_iter;
-          ++run.replans;
-        }
-      } catch (const Error& e) {
-        run.error = e.what();
-        current.reset();
-        iter = kInf;
-      }
-      run.steady_samples_per_s.push_back(std::isfinite(iter) ? GB / iter : 0.0);
-    }
-    if (current) advance(sc.horizon_s, iter, current->summary());
-    while (run.steady_samples_per_s.size() < sc.events.size())
-      run.steady_samples_per_s.push_back(0);
-    out.runs.push_back(std::move(run));
+    Replay replay(sc, cost, options, name);
+    out.healthy_iteration_s = std::min(out.healthy_iteration_s, replay.start());
+    for (const RateEvent& event : sc.events) replay.on_event(event);
+    out.runs.push_back(replay.finish());
   }
   // Ideal: the healthy iteration scaled by the cluster's remaining capacity.
   const double healthy_rate = std::isfinite(out.healthy_iteration_s) && out.healthy_iteration_s > 0
