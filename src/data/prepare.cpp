@@ -184,7 +184,11 @@ void for_each_document(const PrepareOptions& options, PrepareSummary& summary,
   }
 }
 
-PrepareSummary prepare_data(const PrepareOptions& options) {
+namespace {
+
+// The options' checks, before anything is read or written; returns the tokenizer to encode with
+// (the byte tokenizer unless one is given).
+std::shared_ptr<const tokenizer::Tokenizer> checked_encoder(const PrepareOptions& options) {
   check(!options.inputs.empty(), "prepare-data: no inputs given");
   check(!options.output_dir.empty(), "prepare-data: no output directory given");
   const double fraction = options.val_fraction;
@@ -200,7 +204,6 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
         "prepare-data: the " + encoder->describe() +
             " has more ids than shards can hold (uint16 tokens: at most 65536)");
 
-  PrepareSummary summary;
   // Checked before the output directory is touched.
   for (const auto& input : options.inputs) {
     std::error_code ec;
@@ -208,7 +211,32 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
     check(fs::exists(fs::status(input, ec)),
           "prepare-data input " + input + ": no such file or directory");
   }
+  return encoder;
+}
 
+// Each shard is replaced atomically, but the set of shards is not: a run that fails midway
+// leaves old and new shards side by side, and must be rerun. Removes the shards of `out_dir`
+// that this run did not write.
+void remove_stale_shards(const fs::path& out_dir, const std::vector<std::string>& shards) {
+  std::set<std::string> written;
+  for (const auto& shard : shards) written.insert(fs::path(shard).filename().string());
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    if (is_our_shard_name(name) && !written.contains(name)) {
+      std::error_code ec;
+      fs::remove(entry.path(), ec);
+      check(!ec, "prepare-data: cannot remove stale shard " + entry.path().string() + ": " +
+                     ec.message());
+    }
+  }
+}
+
+}  // namespace
+
+PrepareSummary prepare_data(const PrepareOptions& options) {
+  const std::shared_ptr<const tokenizer::Tokenizer> encoder = checked_encoder(options);
+  const double fraction = options.val_fraction;
+  PrepareSummary summary;
   const fs::path out_dir(options.output_dir);
   std::error_code ec;
   fs::create_directories(out_dir, ec);
@@ -258,18 +286,7 @@ PrepareSummary prepare_data(const PrepareOptions& options) {
 
   tokenizer::save_tokenizer(*encoder, out_dir);
 
-  // Each shard is replaced atomically, but the set of shards is not: a run that fails midway
-  // leaves old and new shards side by side, and must be rerun.
-  std::set<std::string> written;
-  for (const auto& shard : summary.shards) written.insert(fs::path(shard).filename().string());
-  for (const auto& entry : fs::directory_iterator(out_dir)) {
-    const std::string name = entry.path().filename().string();
-    if (is_our_shard_name(name) && !written.contains(name)) {
-      fs::remove(entry.path(), ec);
-      check(!ec, "prepare-data: cannot remove stale shard " + entry.path().string() + ": " +
-                     ec.message());
-    }
-  }
+  remove_stale_shards(out_dir, summary.shards);
   return summary;
 }
 
