@@ -70,78 +70,103 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
   const bool sharded =
       heads_ != config.num_heads || ffn_ != config.ffn_hidden_size || vocab_ != config.vocab_size;
   check(!sharded || tp != nullptr, "a tensor-parallel shard needs its group's collectives");
-  const size_t n = static_cast<size_t>(micro_batch) * seq_len;
-  const size_t c = config.hidden_size, f = ffn_, v = vocab_;
-  const size_t q = static_cast<size_t>(heads_) * config.head_dim();
-  const size_t kv = static_cast<size_t>(kv_heads_) * config.head_dim();
-  const size_t probs = static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len;
   const int blocks = shard.layer_end - shard.layer_begin;
   check(recompute.layers >= 0 && recompute.layers <= blocks,
         "recomputation of " + std::to_string(recompute.layers) + " layers on a shard of " +
             std::to_string(blocks));
   if (recompute.mode == RecomputeMode::kNone) recompute_.layers = 0;
-  using backend::MemoryKind;
-  // Activation slots hold what a micro-batch keeps from its forward until its backward; the
-  // backward scratch below is shared by every slot and block.
-  auto buf = [&](size_t count, MemoryKind kind = MemoryKind::kActivations) {
-    return backend::Buffer<T>(backend, count, kind);
-  };
+  const size_t n = static_cast<size_t>(micro_batch) * seq_len;
+  const Sizes z{n,
+                static_cast<size_t>(config.hidden_size),
+                static_cast<size_t>(ffn_),
+                static_cast<size_t>(vocab_),
+                static_cast<size_t>(heads_) * config.head_dim(),
+                static_cast<size_t>(kv_heads_) * config.head_dim(),
+                static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len,
+                blocks};
+  params_ = backend::Buffer<T>(backend, layout_.total_size(), backend::MemoryKind::kParameters);
+  grads_ = backend::Buffer<T>(backend, layout_.total_size(), backend::MemoryKind::kGradients);
+  for (int s = 0; s < slots; ++s) slots_.push_back(make_slot(shard, z));
+  allocate_scratch(shard, z);
+}
 
-  params_ = buf(layout_.total_size(), MemoryKind::kParameters);
-  grads_ = buf(layout_.total_size(), MemoryKind::kGradients);
-  for (int s = 0; s < slots; ++s) {
-    Slot slot;
-    if (shard.has_embedding)
-      slot.inputs = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
-    for (int b = 0; b <= blocks; ++b) slot.residual.push_back(buf(n * c));
-    for (int b = 0; b < blocks; ++b) {
-      BlockActivations a;
-      if (!recompute_.recomputes(b)) {
-        a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(probs), buf(n * q),
-             buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
-      } else if (recompute_.mode == RecomputeMode::kSelective) {
-        a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), {},        {},
-             buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
-      }  // full: the block keeps only its input, residual[b]
-      slot.blocks.push_back(std::move(a));
-    }
-    if (shard.has_head) {
-      slot.targets = backend::Buffer<T, int32_t>(backend, n, MemoryKind::kActivations);
-      slot.final_ln = buf(n * c);
-      slot.final_rstd = buf(n);
-      slot.logits = buf(n * v);
-      slot.losses = buf(n);
-      slot.row_max = buf(n);
-      slot.softmax_sums = buf(2 * n);  // sum_exp then target_logit: one all-reduce for both
-    }
-    slots_.push_back(std::move(slot));
+template <typename T>
+typename Transformer<T>::BlockActivations Transformer<T>::all_activations(const Sizes& z) {
+  auto buf = [&](size_t count) {
+    return backend::Buffer<T>(backend_, count, backend::MemoryKind::kActivations);
+  };
+  const size_t n = z.n, c = z.c, f = z.f, q = z.q, kv = z.kv;
+  return {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(z.probs), buf(n * q),
+          buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+}
+
+// Activation slots hold what a micro-batch keeps from its forward until its backward; the
+// backward scratch (allocate_scratch) is shared by every slot and block.
+template <typename T>
+typename Transformer<T>::Slot Transformer<T>::make_slot(const ShardSpec& shard, const Sizes& z) {
+  using backend::MemoryKind;
+  auto buf = [&](size_t count) {
+    return backend::Buffer<T>(backend_, count, MemoryKind::kActivations);
+  };
+  const size_t n = z.n, c = z.c, f = z.f, q = z.q, kv = z.kv;
+  Slot slot;
+  if (shard.has_embedding) {
+    slot.inputs = backend::Buffer<T, int32_t>(backend_, n, MemoryKind::kActivations);
   }
+  for (int b = 0; b <= z.blocks; ++b) slot.residual.push_back(buf(n * c));
+  for (int b = 0; b < z.blocks; ++b) {
+    BlockActivations a;
+    if (!recompute_.recomputes(b)) {
+      a = all_activations(z);
+    } else if (recompute_.mode == RecomputeMode::kSelective) {
+      a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), {},        {},
+           buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+    }  // full: the block keeps only its input, residual[b]
+    slot.blocks.push_back(std::move(a));
+  }
+  if (shard.has_head) {
+    slot.targets = backend::Buffer<T, int32_t>(backend_, n, MemoryKind::kActivations);
+    slot.final_ln = buf(n * c);
+    slot.final_rstd = buf(n);
+    slot.logits = buf(n * z.v);
+    slot.losses = buf(n);
+    slot.row_max = buf(n);
+    slot.softmax_sums = buf(2 * n);  // sum_exp then target_logit: one all-reduce for both
+  }
+  return slot;
+}
+
+template <typename T>
+void Transformer<T>::allocate_scratch(const ShardSpec& shard, const Sizes& z) {
   // What a recomputing block computes again lives here, once for all slots (and all blocks,
   // unless they are recomputed ahead).
-  const int scratch_blocks = recompute_.layers == 0 ? 0 : recompute_ahead ? recompute_.layers : 1;
+  const int scratch_blocks = recompute_.layers == 0 ? 0 : recompute_ahead_ ? recompute_.layers : 1;
   for (int b = 0; b < scratch_blocks; ++b) {
     BlockActivations a;
     if (recompute_.mode == RecomputeMode::kFull) {
-      a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(probs), buf(n * q),
-           buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+      a = all_activations(z);
     } else {
-      a.probs = buf(probs);
-      a.attn = buf(n * q);
+      a.probs = backend::Buffer<T>(backend_, z.probs, backend::MemoryKind::kActivations);
+      a.attn = backend::Buffer<T>(backend_, z.n * z.q, backend::MemoryKind::kActivations);
     }
     recomputed_.push_back(std::move(a));
   }
-  dres_ = buf(n * c, MemoryKind::kWorkspace);
-  dnorm_ = buf(n * c, MemoryKind::kWorkspace);
-  dnorm2_ = buf(n * c, MemoryKind::kWorkspace);
-  dtmp_ = buf(n * c, MemoryKind::kWorkspace);
-  dq_ = buf(n * q, MemoryKind::kWorkspace);
-  dk_ = buf(n * kv, MemoryKind::kWorkspace);
-  dv_ = buf(n * kv, MemoryKind::kWorkspace);
-  dattn_ = buf(n * q, MemoryKind::kWorkspace);
-  dgate_ = buf(n * f, MemoryKind::kWorkspace);
-  dup_ = buf(n * f, MemoryKind::kWorkspace);
-  dact_ = buf(n * f, MemoryKind::kWorkspace);
-  if (shard.has_head) dlogits_ = buf(n * v, MemoryKind::kWorkspace);
+  auto work = [&](size_t count) {
+    return backend::Buffer<T>(backend_, count, backend::MemoryKind::kWorkspace);
+  };
+  const size_t n = z.n, c = z.c, f = z.f, q = z.q, kv = z.kv;
+  dres_ = work(n * c);
+  dnorm_ = work(n * c);
+  dnorm2_ = work(n * c);
+  dtmp_ = work(n * c);
+  dq_ = work(n * q);
+  dk_ = work(n * kv);
+  dv_ = work(n * kv);
+  dattn_ = work(n * q);
+  dgate_ = work(n * f);
+  dup_ = work(n * f);
+  dact_ = work(n * f);
+  if (shard.has_head) dlogits_ = work(n * z.v);
 }
 
 template <typename T>

@@ -136,6 +136,19 @@ class Transformer {
     backend::Buffer<T> final_ln, final_rstd, logits, losses, row_max, softmax_sums;
   };
 
+  // Element counts of one micro-batch's activations on this shard: rows (tokens), hidden, FFN,
+  // vocabulary, query and key/value widths, attention probabilities; and its blocks.
+  struct Sizes {
+    size_t n, c, f, v, q, kv, probs;
+    int blocks;
+  };
+  // One activation slot's buffers: what a micro-batch keeps from its forward until its backward.
+  Slot make_slot(const ShardSpec& shard, const Sizes& z);
+  // A block's activations, all of them (kept, or recomputed in full).
+  BlockActivations all_activations(const Sizes& z);
+  // The recomputation scratch and the backward's workspace, shared by every slot.
+  void allocate_scratch(const ShardSpec& shard, const Sizes& z);
+
   // The positions one forward pass runs, and where its keys and values go: training runs whole
   // sequences from position 0 with k and v in the slot's activations; cached inference appends
   // positions [past, past + seq) of one sequence to the cache and attends over all of them.
