@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common/host_pages.h"
@@ -240,6 +241,15 @@ class CheckpointIndex {
     int64_t offset = 0;             // bytes into the file
     std::vector<std::string> xxh3;  // per buffer of its kind
   };
+  // The constructor's parts: one file's pieces from the manifest, and one kind's pieces of a
+  // tensor checked to tile it.
+  void read_file_entry(const std::string& file, const Json& entry,
+                       const std::unordered_map<std::string, int>& index,
+                       const model::ParameterLayout& full, size_t buffer_count,
+                       const std::string& source);
+  static void check_tiling(std::vector<StoredPiece>& pieces, const model::TensorSpec& spec,
+                           int kind, const std::string& source);
+
   std::filesystem::path dir_;
   std::string text_;
   int64_t version_ = 0;

@@ -241,6 +241,45 @@ void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
   move_into_place(tmp, dir, where);
 }
 
+namespace {
+
+void check_buffer_names(const std::vector<std::string>& buffers, const std::string& source) {
+  check(buffers.size() == 1 || buffers.size() == 3, source + ": \"buffers\" lists " +
+                                                        std::to_string(buffers.size()) +
+                                                        " buffers, expected 1 or 3");
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    check(buffers[b] == kBufferNames[b], source + ": buffer " + std::to_string(b) + " is \"" +
+                                             buffers[b] + "\", expected \"" + kBufferNames[b] +
+                                             "\"");
+  }
+}
+
+// The manifest's "tensors" checked against the model's: each tensor's index by name.
+std::unordered_map<std::string, int> tensor_index(const Json& tensors,
+                                                  const model::ParameterLayout& full,
+                                                  const std::string& source) {
+  check(tensors.is_array() && tensors.size() == full.tensors().size(),
+        source + ": \"tensors\" must list the model's " + std::to_string(full.tensors().size()) +
+            " tensors");
+  std::unordered_map<std::string, int> index;
+  for (size_t i = 0; i < full.tensors().size(); ++i) {
+    const auto& spec = full.tensors()[i];
+    JsonReader entry(tensors[i], source + " tensors[" + std::to_string(i) + "]");
+    const auto name = entry.required<std::string>("name");
+    const auto shape = entry.required<std::vector<int64_t>>("shape");
+    entry.finish();
+    check(name == spec.name && shape == spec.full_shape,
+          source + ": tensor " + std::to_string(i) + " is \"" + name + "\" " + shape_text(shape) +
+              ", but the model config expects \"" + spec.name + "\" " +
+              shape_text(spec.full_shape));
+    index[spec.name] = static_cast<int>(i);
+  }
+
+  return index;
+}
+
+}  // namespace
+
 CheckpointIndex::CheckpointIndex(const fs::path& dir)
     : CheckpointIndex(dir, [&] {
         const fs::path d = normalized(dir);
@@ -266,158 +305,146 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifes
   }
   const auto buffers = reader.required<std::vector<std::string>>("buffers");
   reader.finish();
-  check(buffers.size() == 1 || buffers.size() == 3, source + ": \"buffers\" lists " +
-                                                        std::to_string(buffers.size()) +
-                                                        " buffers, expected 1 or 3");
-  for (size_t b = 0; b < buffers.size(); ++b) {
-    check(buffers[b] == kBufferNames[b], source + ": buffer " + std::to_string(b) + " is \"" +
-                                             buffers[b] + "\", expected \"" + kBufferNames[b] +
-                                             "\"");
-  }
+  check_buffer_names(buffers, source);
   has_optimizer_ = buffers.size() == 3;
-
   const model::ParameterLayout full(header_.model);
-  check(tensors.is_array() && tensors.size() == full.tensors().size(),
-        source + ": \"tensors\" must list the model's " + std::to_string(full.tensors().size()) +
-            " tensors");
-  std::unordered_map<std::string, int> index;
-  for (size_t i = 0; i < full.tensors().size(); ++i) {
-    const auto& spec = full.tensors()[i];
-    JsonReader entry(tensors[i], source + " tensors[" + std::to_string(i) + "]");
-    const auto name = entry.required<std::string>("name");
-    const auto shape = entry.required<std::vector<int64_t>>("shape");
-    entry.finish();
-    check(name == spec.name && shape == spec.full_shape,
-          source + ": tensor " + std::to_string(i) + " is \"" + name + "\" " + shape_text(shape) +
-              ", but the model config expects \"" + spec.name + "\" " +
-              shape_text(spec.full_shape));
-    index[spec.name] = static_cast<int>(i);
-  }
-
+  const std::unordered_map<std::string, int> index = tensor_index(tensors, full, source);
   for (auto& kind : pieces_) kind.assign(full.tensors().size(), {});
   check(files.is_object() && !files.empty(), source + ": \"files\" must be a non-empty object");
   for (const auto& [file, entry_json] : files.items()) {
-    const std::string file_source = source + " files \"" + file + "\"";
-    check(file.size() == shard_file_name(0).size() && file.rfind("rank_", 0) == 0 &&
-              file.find('/') == std::string::npos,
-          file_source + ": not a shard file name (rank_NNNNN.bin)");
-    JsonReader entry(entry_json, file_source);
-    const auto bytes = entry.required<int64_t>("bytes");
-    const Json pieces = entry.required<Json>("pieces");
-    entry.finish();
-    check(pieces.is_array(), file_source + ": \"pieces\" must be an array");
-    int64_t offset = 0;
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      JsonReader p(pieces[i], file_source + " pieces[" + std::to_string(i) + "]");
-      StoredPiece stored;
-      stored.file = file;
-      // Version 3 stores every piece's parameters and both moments together; version 4 each
-      // kind as pieces of its own.
-      StateKind kind = StateKind::kParams;
-      if (version_ > kShardedVersion3) {
-        const auto state = p.required<std::string>("state");
-        check(state == kKindNames[0] || (state == kKindNames[1] && has_optimizer_),
-              p.source() + ": \"state\" is \"" + state + "\", expected \"params\"" +
-                  (has_optimizer_ ? " or \"moments\"" : " (the manifest lists no moments)"));
-        kind = state == kKindNames[0] ? StateKind::kParams : StateKind::kMoments;
-      }
-      const auto tensor = p.required<std::string>("tensor");
-      stored.part.part.begin = p.required<int64_t>("begin");
-      stored.part.part.end = p.required<int64_t>("end");
-      std::optional<std::vector<int64_t>> rows;
-      if (version_ > kShardedVersion3) rows = p.optional<std::vector<int64_t>>("rows", {});
-      stored.offset = p.required<int64_t>("offset");
-      stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
-      p.finish();
-      const auto found = index.find(tensor);
-      check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
-      stored.part.part.tensor = found->second;
-      const auto& spec = full.tensor(stored.part.part.tensor);
-      check(0 <= stored.part.part.begin && stored.part.part.begin < stored.part.part.end &&
-                stored.part.part.end <= axis_extent(spec),
-            p.source() + ": " + piece_text(tensor, stored.part.part) + " is outside the tensor");
-      stored.part = piece_part(full, stored.part.part);
-      if (rows && !rows->empty()) {
-        check(column_sharded(spec), p.source() + ": \"rows\" given for tensor \"" + tensor +
-                                        "\", which is not split by columns");
-        check(rows->size() == 2 && 0 <= (*rows)[0] && (*rows)[0] < (*rows)[1] &&
-                  (*rows)[1] <= spec.full_shape[0],
-              p.source() + ": \"rows\" must be [first, end) within the tensor's " +
-                  std::to_string(spec.full_shape[0]) + " rows");
-        stored.part.row_begin = (*rows)[0];
-        stored.part.row_end = (*rows)[1];
-        stored.part.elements =
-            (stored.part.part.end - stored.part.part.begin) * (stored.part.row_end - (*rows)[0]);
-      }
-      check(stored.offset == offset, p.source() + ": at byte offset " +
-                                         std::to_string(stored.offset) + ", expected " +
-                                         std::to_string(offset));
-      const size_t expected_sums =
-          version_ > kShardedVersion3 ? size_t(kind_buffers(kind)) : buffers.size();
-      check(stored.xxh3.size() == expected_sums,
-            p.source() + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
-                std::to_string(expected_sums) + " buffers");
-      const int64_t piece_bytes = stored.part.elements * int64_t{sizeof(float)};
-      offset += piece_bytes * static_cast<int64_t>(expected_sums);
-      const size_t t = static_cast<size_t>(stored.part.part.tensor);
-      if (version_ == kShardedVersion3 && has_optimizer_) {
-        // The moments follow the parameters.
-        StoredPiece moments = stored;
-        moments.offset += piece_bytes;
-        moments.xxh3 = {stored.xxh3[1], stored.xxh3[2]};
-        stored.xxh3.resize(1);
-        pieces_[1][t].push_back(std::move(moments));
-      }
-      pieces_[static_cast<int>(kind)][t].push_back(std::move(stored));
-    }
-    check(offset == bytes, file_source + ": its pieces take " + std::to_string(offset) +
-                               " bytes, but \"bytes\" says " + std::to_string(bytes));
-    file_bytes_[file] = bytes;
+    read_file_entry(file, entry_json, index, full, buffers.size(), source);
   }
   // Every element of each kind stored exactly once: each tensor's pieces, in axis order, tile it;
   // pieces of a column-sharded tensor over the same columns tile its rows.
   for (int k = 0; k < (has_optimizer_ ? 2 : 1); ++k) {
     for (size_t t = 0; t < pieces_[k].size(); ++t) {
-      auto& list = pieces_[k][t];
-      const model::TensorSpec& spec = full.tensor(static_cast<int>(t));
-      std::sort(list.begin(), list.end(), [](const StoredPiece& a, const StoredPiece& b) {
-        return std::pair(a.part.part.begin, a.part.row_begin) <
-               std::pair(b.part.part.begin, b.part.row_begin);
-      });
-      const std::string what = std::string(" (") + kKindNames[k] + ", ";
-      int64_t next = 0;
-      for (size_t i = 0; i < list.size();) {
-        const StoredPiece& first = list[i];
-        check(first.part.part.begin == next,
-              source + ": " + part_text(spec.name, first.part) + what + first.file + ") " +
-                  (first.part.part.begin < next ? "overlaps" : "leaves a gap before") +
-                  " the piece before it");
-        size_t j = i + 1;
-        if (column_sharded(spec)) {
-          int64_t row = 0;
-          for (j = i; j < list.size() && list[j].part.part.begin == first.part.part.begin; ++j) {
-            const StoredPiece& p = list[j];
-            check(p.part.part.end == first.part.part.end && p.part.row_begin == row,
-                  source + ": " + part_text(spec.name, p.part) + what + p.file + ") " +
-                      (p.part.part.end != first.part.part.end || p.part.row_begin < row
-                           ? "overlaps"
-                           : "leaves a gap before") +
-                      " the piece before it");
-            row = p.part.row_end;
-          }
-          check(row == spec.full_shape[0], source + ": " + piece_text(spec.name, first.part.part) +
-                                               what + first.file + ") is stored only up to row " +
-                                               std::to_string(row) + " of " +
-                                               std::to_string(spec.full_shape[0]));
-        }
-        next = first.part.part.end;
-        i = j;
-      }
-      check(next == axis_extent(spec), source + ": tensor \"" + spec.name + "\" (" + kKindNames[k] +
-                                           ") is stored only up to " + std::to_string(next) +
-                                           " of " + std::to_string(axis_extent(spec)));
+      check_tiling(pieces_[k][t], full.tensor(static_cast<int>(t)), k, source);
     }
   }
+}
+
+// One file's entry of the manifest: its pieces, each checked and filed by kind and tensor.
+void CheckpointIndex::read_file_entry(const std::string& file, const Json& entry_json,
+                                      const std::unordered_map<std::string, int>& index,
+                                      const model::ParameterLayout& full, size_t buffer_count,
+                                      const std::string& source) {
+  const std::string file_source = source + " files \"" + file + "\"";
+  check(file.size() == shard_file_name(0).size() && file.rfind("rank_", 0) == 0 &&
+            file.find('/') == std::string::npos,
+        file_source + ": not a shard file name (rank_NNNNN.bin)");
+  JsonReader entry(entry_json, file_source);
+  const auto bytes = entry.required<int64_t>("bytes");
+  const Json pieces = entry.required<Json>("pieces");
+  entry.finish();
+  check(pieces.is_array(), file_source + ": \"pieces\" must be an array");
+  int64_t offset = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    JsonReader p(pieces[i], file_source + " pieces[" + std::to_string(i) + "]");
+    StoredPiece stored;
+    stored.file = file;
+    // Version 3 stores every piece's parameters and both moments together; version 4 each
+    // kind as pieces of its own.
+    StateKind kind = StateKind::kParams;
+    if (version_ > kShardedVersion3) {
+      const auto state = p.required<std::string>("state");
+      check(state == kKindNames[0] || (state == kKindNames[1] && has_optimizer_),
+            p.source() + ": \"state\" is \"" + state + "\", expected \"params\"" +
+                (has_optimizer_ ? " or \"moments\"" : " (the manifest lists no moments)"));
+      kind = state == kKindNames[0] ? StateKind::kParams : StateKind::kMoments;
+    }
+    const auto tensor = p.required<std::string>("tensor");
+    stored.part.part.begin = p.required<int64_t>("begin");
+    stored.part.part.end = p.required<int64_t>("end");
+    std::optional<std::vector<int64_t>> rows;
+    if (version_ > kShardedVersion3) rows = p.optional<std::vector<int64_t>>("rows", {});
+    stored.offset = p.required<int64_t>("offset");
+    stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
+    p.finish();
+    const auto found = index.find(tensor);
+    check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
+    stored.part.part.tensor = found->second;
+    const auto& spec = full.tensor(stored.part.part.tensor);
+    check(0 <= stored.part.part.begin && stored.part.part.begin < stored.part.part.end &&
+              stored.part.part.end <= axis_extent(spec),
+          p.source() + ": " + piece_text(tensor, stored.part.part) + " is outside the tensor");
+    stored.part = piece_part(full, stored.part.part);
+    if (rows && !rows->empty()) {
+      check(column_sharded(spec), p.source() + ": \"rows\" given for tensor \"" + tensor +
+                                      "\", which is not split by columns");
+      check(rows->size() == 2 && 0 <= (*rows)[0] && (*rows)[0] < (*rows)[1] &&
+                (*rows)[1] <= spec.full_shape[0],
+            p.source() + ": \"rows\" must be [first, end) within the tensor's " +
+                std::to_string(spec.full_shape[0]) + " rows");
+      stored.part.row_begin = (*rows)[0];
+      stored.part.row_end = (*rows)[1];
+      stored.part.elements =
+          (stored.part.part.end - stored.part.part.begin) * (stored.part.row_end - (*rows)[0]);
+    }
+    check(stored.offset == offset, p.source() + ": at byte offset " +
+                                       std::to_string(stored.offset) + ", expected " +
+                                       std::to_string(offset));
+    const size_t expected_sums =
+        version_ > kShardedVersion3 ? size_t(kind_buffers(kind)) : buffer_count;
+    check(stored.xxh3.size() == expected_sums,
+          p.source() + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
+              std::to_string(expected_sums) + " buffers");
+    const int64_t piece_bytes = stored.part.elements * int64_t{sizeof(float)};
+    offset += piece_bytes * static_cast<int64_t>(expected_sums);
+    const size_t t = static_cast<size_t>(stored.part.part.tensor);
+    if (version_ == kShardedVersion3 && has_optimizer_) {
+      // The moments follow the parameters.
+      StoredPiece moments = stored;
+      moments.offset += piece_bytes;
+      moments.xxh3 = {stored.xxh3[1], stored.xxh3[2]};
+      stored.xxh3.resize(1);
+      pieces_[1][t].push_back(std::move(moments));
+    }
+    pieces_[static_cast<int>(kind)][t].push_back(std::move(stored));
+  }
+  check(offset == bytes, file_source + ": its pieces take " + std::to_string(offset) +
+                             " bytes, but \"bytes\" says " + std::to_string(bytes));
+  file_bytes_[file] = bytes;
+}
+
+// A kind's pieces of one tensor, sorted into axis order (then row order), tile it exactly.
+void CheckpointIndex::check_tiling(std::vector<StoredPiece>& list, const model::TensorSpec& spec,
+                                   int k, const std::string& source) {
+  std::sort(list.begin(), list.end(), [](const StoredPiece& a, const StoredPiece& b) {
+    return std::pair(a.part.part.begin, a.part.row_begin) <
+           std::pair(b.part.part.begin, b.part.row_begin);
+  });
+  const std::string what = std::string(" (") + kKindNames[k] + ", ";
+  int64_t next = 0;
+  for (size_t i = 0; i < list.size();) {
+    const StoredPiece& first = list[i];
+    check(first.part.part.begin == next,
+          source + ": " + part_text(spec.name, first.part) + what + first.file + ") " +
+              (first.part.part.begin < next ? "overlaps" : "leaves a gap before") +
+              " the piece before it");
+    size_t j = i + 1;
+    if (column_sharded(spec)) {
+      int64_t row = 0;
+      for (j = i; j < list.size() && list[j].part.part.begin == first.part.part.begin; ++j) {
+        const StoredPiece& p = list[j];
+        check(p.part.part.end == first.part.part.end && p.part.row_begin == row,
+              source + ": " + part_text(spec.name, p.part) + what + p.file + ") " +
+                  (p.part.part.end != first.part.part.end || p.part.row_begin < row
+                       ? "overlaps"
+                       : "leaves a gap before") +
+                  " the piece before it");
+        row = p.part.row_end;
+      }
+      check(row == spec.full_shape[0], source + ": " + piece_text(spec.name, first.part.part) +
+                                           what + first.file + ") is stored only up to row " +
+                                           std::to_string(row) + " of " +
+                                           std::to_string(spec.full_shape[0]));
+    }
+    next = first.part.part.end;
+    i = j;
+  }
+  check(next == axis_extent(spec), source + ": tensor \"" + spec.name + "\" (" + kKindNames[k] +
+                                       ") is stored only up to " + std::to_string(next) + " of " +
+                                       std::to_string(axis_extent(spec)));
 }
 
 namespace {
