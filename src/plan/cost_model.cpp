@@ -533,19 +533,10 @@ double CostModel::owned_parameters(const Stage& stage, size_t member, bool first
   return params;
 }
 
-Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_recompute) const {
-  Prediction out;
-  out.memory_bytes.resize(static_cast<size_t>(plan.world_size));
-  for (int r = 0; r < plan.world_size; ++r) {
-    out.memory_bytes[static_cast<size_t>(r)] = idle_memory(r).total();  // until a stage has r
-  }
-  const double cap = cluster_.usable_memory();
-  const int L = model_.num_layers;
-  // Nodes holding each layer, over all pipelines: a layer whose owners span nodes syncs its
-  // gradients over the inter-node network, at the pace of the slowest link among those nodes.
-  std::vector<int> layer_node(static_cast<size_t>(L), -1);
-  std::vector<bool> layer_crosses(static_cast<size_t>(L), false);
-  std::vector<double> layer_link_rate(static_cast<size_t>(L), 1.0);
+CostModel::LayerLinks CostModel::layer_links(const Plan& plan) const {
+  const auto L = static_cast<size_t>(model_.num_layers);
+  LayerLinks links{std::vector<bool>(L, false), std::vector<double>(L, 1.0)};
+  std::vector<int> layer_node(L, -1);
   for (const auto& p : plan.pipelines) {
     for (const auto& s : p.stages) {
       // The stage's nodes, once, then its layers (not every rank × layer).
@@ -558,88 +549,89 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
         slowest_link = std::max(slowest_link, cluster_.link_rate(cluster_.node_of(r)));
       }
       for (int l = s.layer_begin; l < s.layer_end; ++l) {
-        int& n = layer_node[static_cast<size_t>(l)];
+        const auto layer = static_cast<size_t>(l);
+        int& n = layer_node[layer];
         if (n < 0) n = node;
-        if (n != node || spans) layer_crosses[static_cast<size_t>(l)] = true;
-        double& slowest = layer_link_rate[static_cast<size_t>(l)];
-        slowest = std::max(slowest, slowest_link);
+        if (n != node || spans) links.crosses[layer] = true;
+        links.slowest_link[layer] = std::max(links.slowest_link[layer], slowest_link);
       }
     }
   }
+  return links;
+}
+
+StagePrediction CostModel::predict_stage(const Pipeline& p, size_t j, int pipelines,
+                                         const Rates& rates, bool choose_recompute,
+                                         Prediction& out) const {
+  const Stage& s = p.stages[j];
+  const int S = static_cast<int>(p.stages.size());
+  const bool first = j == 0, last = j + 1 == p.stages.size();
+  const GroupCost g = group_cost(s, rates);
+  if (g.gone && out.problem.empty()) {
+    for (int r : s.ranks) {
+      if (is_gone(rate_of(rates, r))) {
+        out.problem = "device " + std::to_string(r) + " is gone but the plan uses it";
+      }
+    }
+  }
+  StagePrediction sp;
+  StageQuery query;
+  query.layers = s.num_layers();
+  query.first = first;
+  query.last = last;
+  query.in_flight = std::min(S - static_cast<int>(j), p.micro_batches);
+  query.planned = s.recompute;
+  query.choice = choose_recompute ? RecomputeChoice::kChooseToFit : RecomputeChoice::kAsPlanned;
+  query.pipelines = pipelines;
+  query.timing = s.recompute_ahead ? RecomputeTiming::kAhead : RecomputeTiming::kInBackward;
+  sp.cost = stage_cost(g, query);
+  if (!sp.cost.fits && out.fits) {
+    out.fits = false;
+    if (out.problem.empty()) {
+      out.problem = "stage with ranks starting at " + std::to_string(s.ranks[0]) + " needs " +
+                    std::to_string(sp.cost.memory_bytes / 1e9) + " GB, more than the usable " +
+                    std::to_string(cluster_.usable_memory() / 1e9) + " GB with recomputation " +
+                    model::recompute_mode_name(sp.cost.recompute.mode) + " of " +
+                    std::to_string(sp.cost.recompute.layers) + " layers";
+    }
+  }
+  if (!last) sp.p2p_next = p2p_time(s, p.stages[j + 1]);
+  // Per-rank memory with the stage's recomputation choice.
+  MemoryFootprint member;  // members with the same shares hold the same footprint
+  for (size_t i = 0; i < s.ranks.size(); ++i) {
+    const int r = s.ranks[i];
+    if (r < 0 || r >= static_cast<int>(out.memory_bytes.size())) continue;
+    if (i == 0 || s.heads[i] != s.heads[i - 1] || s.ffn[i] != s.ffn[i - 1] ||
+        s.vocab[i] != s.vocab[i - 1]) {
+      member = footprint(s, i);
+    }
+    StageMemory m = stage_memory(p, j, pipelines, r);
+    m.recompute = sp.cost.recompute;
+    out.memory_bytes[static_cast<size_t>(r)] = memory_use(member, m).total();
+  }
+  return sp;
+}
+
+PipelinePrediction CostModel::predict_pipeline(const Pipeline& p, int pipelines, const Rates& rates,
+                                               bool choose_recompute, Prediction& out) const {
+  std::vector<StagePrediction> stages;
+  for (size_t j = 0; j < p.stages.size(); ++j) {
+    stages.push_back(predict_stage(p, j, pipelines, rates, choose_recompute, out));
+  }
+  if (!cluster_.cores_shared()) return pipeline_time(std::move(stages), p.micro_batches);
+  // Consecutive stages whose ranks take turns on the same cores run as one stage: the core
+  // does one stage's work or the other's, and a micro-batch handed from one to the other
+  // never waits for an idle core (the 1F1B bubble between them is the other stage's work).
+  PipelinePrediction merged =
+      pipeline_time(merge_stages_on_shared_cores(cluster_, p, stages), p.micro_batches);
+  merged.stages = std::move(stages);
+  return merged;
+}
+
+void CostModel::predict_sync_and_optimizer(const Plan& plan, const Rates& rates,
+                                           Prediction& out) const {
+  const LayerLinks links = layer_links(plan);
   const int P = static_cast<int>(plan.pipelines.size());
-  for (const auto& p : plan.pipelines) {
-    const int S = static_cast<int>(p.stages.size());
-    std::vector<StagePrediction> stages;
-    for (int j = 0; j < S; ++j) {
-      const Stage& s = p.stages[static_cast<size_t>(j)];
-      const bool first = j == 0, last = j == S - 1;
-      const GroupCost g = group_cost(s, rates);
-      if (g.gone && out.problem.empty()) {
-        for (int r : s.ranks) {
-          if (is_gone(rate_of(rates, r))) {
-            out.problem = "device " + std::to_string(r) + " is gone but the plan uses it";
-          }
-        }
-      }
-      StagePrediction sp;
-      const int in_flight = std::min(S - j, p.micro_batches);
-      StageQuery query;
-      query.layers = s.num_layers();
-      query.first = first;
-      query.last = last;
-      query.in_flight = in_flight;
-      query.planned = s.recompute;
-      query.choice = choose_recompute ? RecomputeChoice::kChooseToFit : RecomputeChoice::kAsPlanned;
-      query.pipelines = P;
-      query.timing = s.recompute_ahead ? RecomputeTiming::kAhead : RecomputeTiming::kInBackward;
-      sp.cost = stage_cost(g, query);
-      if (!sp.cost.fits && out.fits) {
-        out.fits = false;
-        if (out.problem.empty()) {
-          out.problem = "stage with ranks starting at " + std::to_string(s.ranks[0]) + " needs " +
-                        std::to_string(sp.cost.memory_bytes / 1e9) + " GB, more than the usable " +
-                        std::to_string(cap / 1e9) + " GB with recomputation " +
-                        model::recompute_mode_name(sp.cost.recompute.mode) + " of " +
-                        std::to_string(sp.cost.recompute.layers) + " layers";
-        }
-      }
-      if (!last) sp.p2p_next = p2p_time(s, p.stages[static_cast<size_t>(j + 1)]);
-      stages.push_back(sp);
-      // Per-rank memory with the stage's recomputation choice.
-      MemoryFootprint member;  // members with the same shares hold the same footprint
-      for (size_t i = 0; i < s.ranks.size(); ++i) {
-        const int r = s.ranks[i];
-        if (r < 0 || r >= plan.world_size) continue;
-        if (i == 0 || s.heads[i] != s.heads[i - 1] || s.ffn[i] != s.ffn[i - 1] ||
-            s.vocab[i] != s.vocab[i - 1]) {
-          member = footprint(s, i);
-        }
-        StageMemory m = stage_memory(p, static_cast<size_t>(j), P, r);
-        m.recompute = sp.cost.recompute;
-        out.memory_bytes[static_cast<size_t>(r)] = memory_use(member, m).total();
-      }
-    }
-    if (cluster_.cores_shared()) {
-      // Consecutive stages whose ranks take turns on the same cores run as one stage: the core
-      // does one stage's work or the other's, and a micro-batch handed from one to the other
-      // never waits for an idle core (the 1F1B bubble between them is the other stage's work).
-      PipelinePrediction merged =
-          pipeline_time(merge_stages_on_shared_cores(cluster_, p, stages), p.micro_batches);
-      merged.stages = std::move(stages);
-      out.pipelines.push_back(std::move(merged));
-    } else {
-      out.pipelines.push_back(pipeline_time(std::move(stages), p.micro_batches));
-    }
-    out.pipeline_time = std::max(out.pipeline_time, out.pipelines.back().time);
-  }
-  if (cluster_.cores_shared()) {
-    // A core computes for one rank at a time: the pipelines take at least the compute of every
-    // stage on it, over all pipelines (ranks of different pipelines sharing a core fill each
-    // other's waits, but cannot compute at once).
-    out.pipeline_time =
-        std::max(out.pipeline_time, busiest_core_compute(cluster_, plan, out.pipelines));
-  }
-  // Gradient sync and optimizer step, per rank.
   std::vector<double> optimizer_per_core(static_cast<size_t>(std::max(plan.world_size, 1)), 0.0);
   for (const auto& p : plan.pipelines) {
     const int S = static_cast<int>(p.stages.size());
@@ -648,9 +640,9 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       bool crosses = false;
       double link_rate = 1;
       for (int l = s.layer_begin; l < s.layer_end; ++l) {
-        if (!layer_crosses[static_cast<size_t>(l)]) continue;
+        if (!links.crosses[static_cast<size_t>(l)]) continue;
         crosses = true;
-        link_rate = std::max(link_rate, layer_link_rate[static_cast<size_t>(l)]);
+        link_rate = std::max(link_rate, links.slowest_link[static_cast<size_t>(l)]);
       }
       for (size_t i = 0; i < s.ranks.size(); ++i) {
         const double params = owned_parameters(s, i, j == 0, j == S - 1);
@@ -676,6 +668,27 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
       }
     }
   }
+}
+
+Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_recompute) const {
+  Prediction out;
+  out.memory_bytes.resize(static_cast<size_t>(plan.world_size));
+  for (int r = 0; r < plan.world_size; ++r) {
+    out.memory_bytes[static_cast<size_t>(r)] = idle_memory(r).total();  // until a stage has r
+  }
+  const int P = static_cast<int>(plan.pipelines.size());
+  for (const auto& p : plan.pipelines) {
+    out.pipelines.push_back(predict_pipeline(p, P, rates, choose_recompute, out));
+    out.pipeline_time = std::max(out.pipeline_time, out.pipelines.back().time);
+  }
+  if (cluster_.cores_shared()) {
+    // A core computes for one rank at a time: the pipelines take at least the compute of every
+    // stage on it, over all pipelines (ranks of different pipelines sharing a core fill each
+    // other's waits, but cannot compute at once).
+    out.pipeline_time =
+        std::max(out.pipeline_time, busiest_core_compute(cluster_, plan, out.pipelines));
+  }
+  predict_sync_and_optimizer(plan, rates, out);
   // A gone device in the plan makes its stage's times infinite, and so the iteration.
   out.iteration_time = out.pipeline_time + out.grad_sync_time + out.optimizer_time;
   return out;

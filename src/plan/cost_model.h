@@ -276,6 +276,20 @@ class CostModel {
   double owned_parameters(const Stage& stage, size_t member, bool first, bool last) const;
 
  private:
+  // Per layer, over all pipelines: whether its holders span nodes (its gradients then sync over
+  // the inter-node network) and the slowest link rate among their nodes.
+  struct LayerLinks {
+    std::vector<bool> crosses;
+    std::vector<double> slowest_link;
+  };
+  LayerLinks layer_links(const Plan& plan) const;
+  // predict's parts: stage `j` of `p` (its time, and its ranks' memory and any problem written
+  // into `out`), a pipeline's stages and 1F1B time, and the gradient sync and optimizer step.
+  StagePrediction predict_stage(const Pipeline& p, size_t j, int pipelines, const Rates& rates,
+                                bool choose_recompute, Prediction& out) const;
+  PipelinePrediction predict_pipeline(const Pipeline& p, int pipelines, const Rates& rates,
+                                      bool choose_recompute, Prediction& out) const;
+  void predict_sync_and_optimizer(const Plan& plan, const Rates& rates, Prediction& out) const;
   // The memory question of stage `j` of `pipeline` (its layers, position, micro-batches in
   // flight, recomputation as planned) on device `device`, in a plan of `pipelines` pipelines.
   StageMemory stage_memory(const Pipeline& pipeline, size_t j, int pipelines, int device) const;
