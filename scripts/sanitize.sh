@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 launcher=()
 if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMALLEUS_SANITIZE=ON "${launcher[@]}" \
-  -DMALLEUS_WERROR=ON -DMALLEUS_BUILD_BENCH=OFF -DMALLEUS_PYTHON=OFF > build-asan-configure.log ||
+  -DMALLEUS_WERROR=ON -DMALLEUS_BUILD_BENCH=OFF -DMALLEUS_BUILD_PYTHON=OFF > build-asan-configure.log ||
   { cat build-asan-configure.log; exit 1; }
 cmake --build build-asan --parallel "$(nproc)"
 # OpenMP's runtime keeps thread pools alive at exit; those are not our leaks.
