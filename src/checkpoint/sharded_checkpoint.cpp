@@ -496,61 +496,9 @@ class ReadOnlyFile {
   int fd = -1;
 };
 
-}  // namespace
-
-int64_t CheckpointIndex::read(const model::ParameterLayout& local,
-                              const std::vector<float*>& buffers) const {
-  check(buffers.size() == 1 || buffers.size() == 3,
-        "checkpoint " + dir_.string() + ": read parameters, or parameters and both Adam moments");
-  const layout::Blocks blocks = layout::local_blocks(model::ParameterLayout(header_.model), local);
-  const StateTarget params{&blocks, {buffers[0]}};
-  if (buffers.size() == 1) return read(params);
-  const StateTarget moments{&blocks, {buffers[1], buffers[2]}};
-  return read(params, &moments);
-}
-
-int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* moments) const {
-  const std::string where = "checkpoint " + dir_.string();
-  check(sharded(), where + ": CheckpointIndex::read reads sharded checkpoints only");
-  check(moments == nullptr || has_optimizer_,
-        where + ": has no optimizer state (its pieces hold parameters only)");
-  const model::ParameterLayout full(header_.model);
-
-  // Every stored buffer of every piece that overlaps what this rank holds, in file order, so
-  // each file is read front to back in large sequential reads.
-  std::vector<Region> regions;
-  for (const StateKind kind : {StateKind::kParams, StateKind::kMoments}) {
-    const StateTarget* target = kind == StateKind::kParams ? &params : moments;
-    if (target == nullptr || target->blocks == nullptr) continue;
-    check(target->buffers.size() == size_t(kind_buffers(kind)),
-          where + ": " + kKindNames[static_cast<int>(kind)] + " are read into " +
-              std::to_string(kind_buffers(kind)) + " buffers, not " +
-              std::to_string(target->buffers.size()));
-    for (const layout::Block& block : *target->blocks) {
-      const model::TensorSpec& spec = full.tensor(block.tensor);
-      for (const StoredPiece& p :
-           pieces_[static_cast<int>(kind)][static_cast<size_t>(block.tensor)]) {
-        const std::optional<layout::BlockPart> part =
-            layout::overlap(layout::packed_block(spec, p.part), block);
-        if (!part) continue;
-        const int64_t bytes = p.part.elements * int64_t{sizeof(float)};
-        const std::optional<int64_t> run =
-            part->elements == p.part.elements
-                ? layout::contiguous_offset(
-                      layout::rows_view(block.spec, part->row_begin, part->row_end), part->part)
-                : std::nullopt;
-        for (size_t b = 0; b < target->buffers.size(); ++b) {
-          float* buffer = target->buffers[b];
-          regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, kind, b,
-                             &block, buffer, &spec, p.part, *part, &p.xxh3[b],
-                             run ? buffer + *run : nullptr});
-        }
-      }
-    }
-  }
-  std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) {
-    return std::tie(*a.file, a.offset) < std::tie(*b.file, b.offset);
-  });
+// The regions, in file order, grouped into spans: runs of adjacent regions of one file, up to
+// kSpanBytes, read together (each region's place in the span's staging set).
+std::vector<Span> group_spans(std::vector<Region>& regions) {
   std::vector<Span> spans;
   for (size_t i = 0; i < regions.size(); ++i) {
     Region& r = regions[i];
@@ -569,17 +517,25 @@ int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* mome
     spans.push_back({i, i + 1, r.offset, r.bytes, staged});
   }
 
-  // Each file opened once, its size checked against the manifest before anything is read.
+  return spans;
+}
+
+// Each file of the spans opened once, its size checked against the manifest before anything is
+// read.
+std::map<std::string, ReadOnlyFile> open_files(const fs::path& dir, const std::string& where,
+                                               const std::vector<Region>& regions,
+                                               const std::vector<Span>& spans,
+                                               const std::map<std::string, int64_t>& file_bytes) {
   std::map<std::string, ReadOnlyFile> files;
   for (const Span& span : spans) {
     const std::string& name = *regions[span.first].file;
     if (files.count(name) > 0) continue;
-    const fs::path path = dir_ / name;
+    const fs::path path = dir / name;
     std::error_code ec;
     check(fs::is_regular_file(path, ec), where + ": " + name + " is missing");
     const auto size = static_cast<int64_t>(fs::file_size(path, ec));
     check(!ec, where + ": cannot stat " + name + ": " + ec.message());
-    const int64_t expected = file_bytes_.at(name);
+    const int64_t expected = file_bytes.at(name);
     check(size >= expected, where + ": " + name + " is truncated: " + std::to_string(size) +
                                 " bytes, manifest says " + std::to_string(expected));
     check(size == expected, where + ": " + name + " has trailing data: " + std::to_string(size) +
@@ -590,6 +546,13 @@ int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* mome
     ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   }
 
+  return files;
+}
+
+// Reads the spans' regions into place, checking each against its checksum; returns the bytes read.
+int64_t read_spans(const std::string& where, const std::vector<Region>& regions,
+                   const std::vector<Span>& spans,
+                   const std::map<std::string, ReadOnlyFile>& files) {
   // Staging only for the regions that cannot go straight to their place: one buffer, as large as
   // the most any span stages, allocated only if some span needs it.
   int64_t most_staged = 0;
@@ -665,6 +628,67 @@ int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* mome
     }
   }
   return bytes_read;
+}
+
+}  // namespace
+
+int64_t CheckpointIndex::read(const model::ParameterLayout& local,
+                              const std::vector<float*>& buffers) const {
+  check(buffers.size() == 1 || buffers.size() == 3,
+        "checkpoint " + dir_.string() + ": read parameters, or parameters and both Adam moments");
+  const layout::Blocks blocks = layout::local_blocks(model::ParameterLayout(header_.model), local);
+  const StateTarget params{&blocks, {buffers[0]}};
+  if (buffers.size() == 1) return read(params);
+  const StateTarget moments{&blocks, {buffers[1], buffers[2]}};
+  return read(params, &moments);
+}
+
+int64_t CheckpointIndex::read(const StateTarget& params, const StateTarget* moments) const {
+  const std::string where = "checkpoint " + dir_.string();
+  check(sharded(), where + ": CheckpointIndex::read reads sharded checkpoints only");
+  check(moments == nullptr || has_optimizer_,
+        where + ": has no optimizer state (its pieces hold parameters only)");
+  const model::ParameterLayout full(header_.model);
+
+  // Every stored buffer of every piece that overlaps what this rank holds, in file order, so
+  // each file is read front to back in large sequential reads.
+  std::vector<Region> regions;
+  for (const StateKind kind : {StateKind::kParams, StateKind::kMoments}) {
+    const StateTarget* target = kind == StateKind::kParams ? &params : moments;
+    if (target == nullptr || target->blocks == nullptr) continue;
+    check(target->buffers.size() == size_t(kind_buffers(kind)),
+          where + ": " + kKindNames[static_cast<int>(kind)] + " are read into " +
+              std::to_string(kind_buffers(kind)) + " buffers, not " +
+              std::to_string(target->buffers.size()));
+    for (const layout::Block& block : *target->blocks) {
+      const model::TensorSpec& spec = full.tensor(block.tensor);
+      for (const StoredPiece& p :
+           pieces_[static_cast<int>(kind)][static_cast<size_t>(block.tensor)]) {
+        const std::optional<layout::BlockPart> part =
+            layout::overlap(layout::packed_block(spec, p.part), block);
+        if (!part) continue;
+        const int64_t bytes = p.part.elements * int64_t{sizeof(float)};
+        const std::optional<int64_t> run =
+            part->elements == p.part.elements
+                ? layout::contiguous_offset(
+                      layout::rows_view(block.spec, part->row_begin, part->row_end), part->part)
+                : std::nullopt;
+        for (size_t b = 0; b < target->buffers.size(); ++b) {
+          float* buffer = target->buffers[b];
+          regions.push_back({&p.file, p.offset + static_cast<int64_t>(b) * bytes, bytes, kind, b,
+                             &block, buffer, &spec, p.part, *part, &p.xxh3[b],
+                             run ? buffer + *run : nullptr});
+        }
+      }
+    }
+  }
+  std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) {
+    return std::tie(*a.file, a.offset) < std::tie(*b.file, b.offset);
+  });
+  const std::vector<Span> spans = group_spans(regions);
+  const std::map<std::string, ReadOnlyFile> files =
+      open_files(dir_, where, regions, spans, file_bytes_);
+  return read_spans(where, regions, spans, files);
 }
 
 }  // namespace malleus::checkpoint
