@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Compiles the CUDA backend (src/backend/cuda) alone with nvcc, warnings as errors, when a CUDA
+# toolkit is installed; says so and succeeds when none is. CI runs it: no GPU is needed to compile,
+# and the full CUDA build (-DMALLEUS_BUILD_CUDA=ON, docs/cuda.md) would rebuild everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+if [ ! -x "$nvcc" ]; then
+  echo "cuda_compile_check: no nvcc found, skipped"
+  exit 0
+fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$nvcc" -std=c++20 -arch=sm_90 -O3 -I src -Xcompiler=-Wall,-Wextra --Werror=all-warnings \
+  -c src/backend/cuda/cuda_backend.cu -o "$out/cuda_backend.o"
+echo "cuda_compile_check: src/backend/cuda/cuda_backend.cu compiles with $("$nvcc" --version | tail -1)"
