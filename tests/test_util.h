@@ -64,11 +64,15 @@ class ScratchDir {
 inline const std::string kMpiEnvironment =
     "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 ";
 
-// The message of the malleus::Error that `f` throws, or "" if it throws none.
+// The message of the malleus::Error that `f` throws, or "" if it throws none. Another exception
+// is a test failure (its message is returned): bad input must be reported as an Error.
 inline std::string error_of(const std::function<void()>& f) {
   try {
     f();
   } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected malleus::Error, got another exception: " << e.what();
     return e.what();
   }
   return "";
