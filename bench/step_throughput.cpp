@@ -210,8 +210,10 @@ std::vector<double> cuda_square_matmul(backend::Backend<float>& backend, int rep
 }
 
 int run_cuda(const Options& o, const model::ModelConfig& config) {
-  auto backend = backend::make_cuda_backend(backend::parse_cuda_math(o.math));
-  const Summary sqs = summarize(cuda_square_matmul(*backend, o.repeats));
+  const backend::CudaMath math = backend::parse_cuda_math(o.math);
+  // Its own backend, so that a profile (MALLEUS_CUDA_PROFILE=1) of the steps leaves it out.
+  const Summary sqs = summarize(cuda_square_matmul(*backend::make_cuda_backend(math), o.repeats));
+  auto backend = backend::make_cuda_backend(math);
   const std::vector<double> seconds =
       time_steps(*backend, config, o, [] { backend::cuda_synchronize(); });
   const double step_flops =

@@ -12,6 +12,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -403,6 +406,83 @@ struct Scratch {
   }
 };
 
+// Per-operation device time, when the environment sets MALLEUS_CUDA_PROFILE=1: CUDA events
+// around every call, summed by operation and printed to stderr when the backend is destroyed
+// (docs/cuda.md). Off, it costs one null check per call.
+class Profile {
+ public:
+  Profile() = default;
+  Profile(const Profile&) = delete;
+  Profile& operator=(const Profile&) = delete;
+  ~Profile() {
+    fold();
+    double all = 0;
+    for (const auto& [name, total] : totals_) all += total.ms;
+    std::vector<std::pair<std::string, Total>> rows(totals_.begin(), totals_.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+    std::fprintf(stderr, "cuda backend profile: %.1f ms of device time in backend calls\n", all);
+    for (const auto& [name, total] : rows) {
+      std::fprintf(stderr, "  %-24s %8ld calls %10.2f ms %6.1f%%\n", name.c_str(), total.calls,
+                   total.ms, all > 0 ? 100.0 * total.ms / all : 0.0);
+    }
+  }
+  size_t begin(const char* name) {
+    if (marks_.size() >= 4096) fold();
+    Mark mark{name, nullptr, nullptr};
+    cudaEventCreate(&mark.start);
+    cudaEventCreate(&mark.stop);
+    cudaEventRecord(mark.start, nullptr);
+    marks_.push_back(mark);
+    return marks_.size() - 1;
+  }
+  void end(size_t index) { cudaEventRecord(marks_[index].stop, nullptr); }
+
+ private:
+  struct Mark {
+    const char* name;
+    cudaEvent_t start, stop;
+  };
+  struct Total {
+    long calls = 0;
+    double ms = 0;
+  };
+  void fold() {
+    cudaDeviceSynchronize();
+    for (const Mark& mark : marks_) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, mark.start, mark.stop) == cudaSuccess) {
+        Total& total = totals_[mark.name];
+        total.calls += 1;
+        total.ms += ms;
+      }
+      cudaEventDestroy(mark.start);
+      cudaEventDestroy(mark.stop);
+    }
+    cudaGetLastError();
+    marks_.clear();
+  }
+  std::vector<Mark> marks_;
+  std::map<std::string, Total> totals_;
+};
+
+// Times the enclosing call when profiling is on.
+class Timed {
+ public:
+  Timed(Profile* profile, const char* name) : profile_(profile) {
+    if (profile_ != nullptr) index_ = profile_->begin(name);
+  }
+  ~Timed() {
+    if (profile_ != nullptr) profile_->end(index_);
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  Profile* profile_;
+  size_t index_ = 0;
+};
+
 // cos/sin of every (position, frequency) pair for one (head_dim, theta), on the device, grown to
 // the longest sequence seen. Angles in double on the host, as the CPU backend computes them.
 struct RopeTable {
@@ -462,6 +542,8 @@ class CudaBackend final : public Backend<float> {
                                                                      : CUBLAS_DEFAULT_MATH),
                  "cublasSetMathMode");
     sum_partial_.at_least(kSumBlocks + 1);
+    const char* profile = std::getenv("MALLEUS_CUDA_PROFILE");
+    if (profile != nullptr && std::string(profile) == "1") profile_ = std::make_unique<Profile>();
   }
   ~CudaBackend() override {
     if (handle_ != nullptr) cublasDestroy(handle_);
@@ -495,18 +577,21 @@ class CudaBackend final : public Backend<float> {
     if (bytes > 0) cuda_check(cudaMemsetAsync(data, 0, bytes, nullptr), "cudaMemsetAsync");
   }
   void copy_to_host(float* host, const float* source, size_t count) override {
+    const Timed timed(profile_.get(), "copy_to_host");
     if (count > 0) {
       cuda_check(cudaMemcpy(host, source, count * sizeof(float), cudaMemcpyDeviceToHost),
                  "cudaMemcpy to host");
     }
   }
   void copy_from_host(float* destination, const float* host, size_t count) override {
+    const Timed timed(profile_.get(), "copy_from_host");
     if (count > 0) {
       cuda_check(cudaMemcpy(destination, host, count * sizeof(float), cudaMemcpyHostToDevice),
                  "cudaMemcpy from host");
     }
   }
   void copy_tokens_from_host(int32_t* destination, const int32_t* host, size_t count) override {
+    const Timed timed(profile_.get(), "copy_tokens_from_host");
     if (count > 0) {
       cuda_check(cudaMemcpy(destination, host, count * sizeof(int32_t), cudaMemcpyHostToDevice),
                  "cudaMemcpy tokens from host");
@@ -515,25 +600,30 @@ class CudaBackend final : public Backend<float> {
 
   // ---- elementwise and reductions ------------------------------------------------------------
   void fill_zero(float* x, size_t count) override {
+    const Timed timed(profile_.get(), "fill_zero");
     if (count > 0) cuda_check(cudaMemsetAsync(x, 0, count * sizeof(float), nullptr), "memset");
   }
   void copy(float* destination, const float* source, size_t count) override {
+    const Timed timed(profile_.get(), "copy");
     if (count == 0) return;
     cuda_check(cudaMemcpyAsync(destination, source, count * sizeof(float), cudaMemcpyDeviceToDevice,
                                nullptr),
                "cudaMemcpyAsync");
   }
   void add(float* y, const float* x, size_t count) override {
+    const Timed timed(profile_.get(), "add");
     if (count == 0) return;
     add_kernel<<<blocks_for(count), kThreads>>>(y, x, count);
     launched("add");
   }
   void scale(float* x, float factor, size_t count) override {
+    const Timed timed(profile_.get(), "scale");
     if (count == 0) return;
     scale_kernel<<<blocks_for(count), kThreads>>>(x, factor, count);
     launched("scale");
   }
   double sum_squares(const float* x, size_t count) override {
+    const Timed timed(profile_.get(), "sum_squares");
     if (count == 0) return 0;
     double* partial = sum_partial_.data;
     sum_squares_partial<<<kSumBlocks, kThreads>>>(partial, x, count);
@@ -549,12 +639,14 @@ class CudaBackend final : public Backend<float> {
   // ---- layers --------------------------------------------------------------------------------
   void embedding_forward(float* out, const int32_t* tokens, const float* table, int vocab_begin,
                          int rows, int n, int c) override {
+    const Timed timed(profile_.get(), "embedding_forward");
     if (n == 0 || c == 0) return;
     embedding_forward_kernel<<<n, kThreads>>>(out, tokens, table, vocab_begin, rows, c);
     launched("embedding_forward");
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* tokens, int vocab_begin,
                           int rows, int n, int c) override {
+    const Timed timed(profile_.get(), "embedding_backward");
     if (n == 0 || c == 0) return;
     const dim3 grid((c + 127) / 128, kEmbeddingBuckets);
     embedding_backward_kernel<<<grid, 128>>>(dtable, dout, tokens, vocab_begin, rows, n, c);
@@ -563,12 +655,14 @@ class CudaBackend final : public Backend<float> {
 
   void rmsnorm_forward(float* out, float* rstd, const float* in, const float* weight, int n, int c,
                        float eps) override {
+    const Timed timed(profile_.get(), "rmsnorm_forward");
     if (n == 0) return;
     rmsnorm_forward_kernel<<<n, kThreads>>>(out, rstd, in, weight, c, eps);
     launched("rmsnorm_forward");
   }
   void rmsnorm_backward(float* din, float* dweight, const float* dout, const float* in,
                         const float* weight, const float* rstd, int n, int c) override {
+    const Timed timed(profile_.get(), "rmsnorm_backward");
     if (n == 0 || c == 0) return;
     rmsnorm_backward_input<<<n, kThreads>>>(din, dout, in, weight, rstd, c);
     launched("rmsnorm_backward");
@@ -584,6 +678,7 @@ class CudaBackend final : public Backend<float> {
 
   void matmul_forward(float* out, const float* in, const float* weight, int n, int ic,
                       int oc) override {
+    const Timed timed(profile_.get(), "matmul_forward");
     if (n == 0 || oc == 0) return;
     if (ic == 0) return fill_zero(out, size_t(n) * oc);
     gemm({.trans_b = true,
@@ -599,6 +694,7 @@ class CudaBackend final : public Backend<float> {
   }
   void matmul_backward(float* din, float* dweight, const float* dout, const float* in,
                        const float* weight, int n, int ic, int oc) override {
+    const Timed timed(profile_.get(), "matmul_backward");
     if (n == 0 || ic == 0) return;
     if (din != nullptr) {
       if (oc == 0) {
@@ -632,9 +728,11 @@ class CudaBackend final : public Backend<float> {
 
   void rope_forward(float* x, int batch, int seq, int heads, int head_dim, float theta,
                     int first_position) override {
+    const Timed timed(profile_.get(), "rope_forward");
     rope(x, batch, seq, heads, head_dim, theta, first_position, 1.0f);
   }
   void rope_backward(float* dx, int batch, int seq, int heads, int head_dim, float theta) override {
+    const Timed timed(profile_.get(), "rope_backward");
     rope(dx, batch, seq, heads, head_dim, theta, 0, -1.0f);
   }
 
@@ -646,18 +744,21 @@ class CudaBackend final : public Backend<float> {
                           int q_heads, int kv_heads, int head_dim) override;
 
   void swiglu_forward(float* out, const float* gate, const float* up, size_t count) override {
+    const Timed timed(profile_.get(), "swiglu_forward");
     if (count == 0) return;
     swiglu_forward_kernel<<<blocks_for(count), kThreads>>>(out, gate, up, count);
     launched("swiglu_forward");
   }
   void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
                        const float* up, size_t count) override {
+    const Timed timed(profile_.get(), "swiglu_backward");
     if (count == 0) return;
     swiglu_backward_kernel<<<blocks_for(count), kThreads>>>(dgate, dup, dout, gate, up, count);
     launched("swiglu_backward");
   }
 
   void logits_row_max(float* row_max, const float* logits, int n, int vocab) override {
+    const Timed timed(profile_.get(), "logits_row_max");
     if (n == 0) return;
     row_max_kernel<<<n, kThreads>>>(row_max, logits, vocab);
     launched("logits_row_max");
@@ -665,6 +766,7 @@ class CudaBackend final : public Backend<float> {
   void logits_softmax_sums(float* sum_exp, float* target_logit, const float* logits,
                            const float* row_max, const int32_t* targets, int vocab_begin, int n,
                            int vocab) override {
+    const Timed timed(profile_.get(), "logits_softmax_sums");
     if (n == 0) return;
     softmax_sums_kernel<<<n, kThreads>>>(sum_exp, target_logit, logits, row_max, targets,
                                          vocab_begin, vocab);
@@ -672,6 +774,7 @@ class CudaBackend final : public Backend<float> {
   }
   void cross_entropy_loss(float* losses, const float* row_max, const float* sum_exp,
                           const float* target_logit, int n) override {
+    const Timed timed(profile_.get(), "cross_entropy_loss");
     if (n == 0) return;
     cross_entropy_loss_kernel<<<(n + kThreads - 1) / kThreads, kThreads>>>(losses, row_max, sum_exp,
                                                                            target_logit, n);
@@ -680,6 +783,7 @@ class CudaBackend final : public Backend<float> {
   void cross_entropy_backward(float* dlogits, const float* logits, const float* row_max,
                               const float* sum_exp, const int32_t* targets, int vocab_begin,
                               float loss_scale, int n, int vocab) override {
+    const Timed timed(profile_.get(), "cross_entropy_backward");
     if (n == 0 || vocab == 0) return;
     cross_entropy_backward_kernel<<<n, kThreads>>>(dlogits, logits, row_max, sum_exp, targets,
                                                    vocab_begin, loss_scale, vocab);
@@ -688,6 +792,7 @@ class CudaBackend final : public Backend<float> {
 
   void adamw_update(float* param, const float* grad, float* m, float* v, size_t count,
                     const AdamWStep& step) override {
+    const Timed timed(profile_.get(), "adamw_update");
     if (count == 0) return;
     // The same scalars as the CPU backend, computed the same way in double.
     const double steps = double(step.step);
@@ -765,6 +870,7 @@ class CudaBackend final : public Backend<float> {
   CudaMath math_;
   int threads_ = 1;
   cublasHandle_t handle_ = nullptr;
+  std::unique_ptr<Profile> profile_;  // null unless MALLEUS_CUDA_PROFILE=1
   Scratch<double> sum_partial_;
   Scratch<double> norm_partial_;
   Scratch<float> attention_scratch_;  // attention backward: dP/dS of one sequence's heads
@@ -776,6 +882,7 @@ class CudaBackend final : public Backend<float> {
 void CudaBackend::attention_forward(float* out, float* probs, const float* q, const float* k,
                                     const float* v, int batch, int seq, int past, int q_heads,
                                     int kv_heads, int head_dim) {
+  const Timed timed(profile_.get(), "attention_forward");
   check_heads(q_heads, kv_heads);
   check(past >= 0, "attention: past must not be negative, got " + std::to_string(past));
   if (batch == 0 || seq == 0 || q_heads == 0) return;
@@ -835,6 +942,7 @@ void CudaBackend::attention_backward(float* dq, float* dk, float* dv, const floa
                                      const float* probs, const float* q, const float* k,
                                      const float* v, int batch, int seq, int q_heads, int kv_heads,
                                      int head_dim) {
+  const Timed timed(profile_.get(), "attention_backward");
   check_heads(q_heads, kv_heads);
   if (batch == 0 || seq == 0 || q_heads == 0) return;
   const int group = q_heads / kv_heads;
