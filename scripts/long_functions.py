@@ -4,7 +4,7 @@
     scripts/long_functions.py [--over N] [--fail-over M] [--allow NAME ...] [--exclude PATH ...]
                               [PATH ...]
 
-PATH: files or folders (default: src/ next to this script); folders are searched for .cpp and
+PATH: files or folders (default: src/ next to this script); folders are searched for .cpp, .cu and
 .h files. Prints one line per function over N lines (default 80): its length, file:line and
 name. With --fail-over M it exits 1 if any function is over M lines (the LongFunctions test keeps
 src/ free of very long functions), except the functions named with --allow (as printed, e.g.
@@ -180,7 +180,7 @@ def sources(paths, excluded):
         for root, _, files in os.walk(path):
             for name in sorted(files):
                 full = os.path.join(root, name)
-                if name.endswith((".cpp", ".h")) and \
+                if name.endswith((".cpp", ".h", ".cu")) and \
                         not any(os.path.commonpath([full, e]) == e for e in excluded):
                     yield full
 
