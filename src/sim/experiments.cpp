@@ -122,12 +122,34 @@ std::vector<MemoryCondition> memory_conditions() {
   };
 }
 
-// One condition over every single situation: without and with stage-aware recomputation.
-struct ConditionTally {
-  int situations = 0, feasible_without = 0, feasible_with = 0, made_feasible = 0, made_faster = 0,
+// The same situations planned two ways (without and with recomputation, whole moments and the
+// distributed optimizer): how many have a plan each way, how many the second way made feasible,
+// faster or slower, and the summed ratios to ideal (0 where no plan fits).
+struct BeforeAfterTally {
+  int situations = 0, feasible_before = 0, feasible_after = 0, made_feasible = 0, made_faster = 0,
       made_slower = 0;
-  double ratio_without = 0, ratio_with = 0;  // sums; 0 where no plan fits
-  RecomputingStages stages{plan::Plan{}};
+  double ratio_before = 0, ratio_after = 0;
+
+  void add(const std::optional<SettledPlan>& before, const std::optional<SettledPlan>& after,
+           double ideal) {
+    auto ratio = [&](const std::optional<SettledPlan>& p) {
+      return p && ideal > 0 ? p->samples_per_s / ideal : 0.0;
+    };
+    ++situations;
+    feasible_before += before ? 1 : 0;
+    feasible_after += after ? 1 : 0;
+    if (after && !before) ++made_feasible;
+    if (after && before && after->samples_per_s > before->samples_per_s * (1 + 1e-9)) {
+      ++made_faster;
+    }
+    if (after && before && after->samples_per_s < before->samples_per_s * (1 - 1e-9)) {
+      ++made_slower;
+    }
+    ratio_before += ratio(before);
+    ratio_after += ratio(after);
+  }
+  double mean_before() const { return situations ? ratio_before / situations : 0; }
+  double mean_after() const { return situations ? ratio_after / situations : 0; }
 };
 
 // "2 pipelines, 8 stages".
@@ -235,8 +257,7 @@ struct RecomputeTable {
   std::string rows =
       "| situation | model, devices | ideal samples/s | without recomputation | with stage-aware "
       "recomputation | stages recomputing |\n|---|---|---:|---:|---:|---|\n";
-  int situations = 0, made_feasible = 0, made_faster = 0;
-  double ratio_without = 0, ratio_with = 0;
+  BeforeAfterTally tally;  // without → with
 };
 
 // The same planner on the same situation, with and without.
@@ -246,22 +267,16 @@ void add_recompute_row(RecomputeTable& t, const Scenario& sc, double ideal,
   t.rows += situation_cells(sc) + " " + num(ideal, 3) + " | " + settled_cell(without, ideal) +
             " | " + settled_cell(with, ideal) + " | " +
             (with ? recomputing_stages(with->plan) : std::string("-")) + " |\n";
-  ++t.situations;
-  if (with && !without) ++t.made_feasible;
-  if (with && without && with->samples_per_s > without->samples_per_s * (1 + 1e-9)) {
-    ++t.made_faster;
-  }
-  t.ratio_without += without ? without->samples_per_s / ideal : 0;
-  t.ratio_with += with ? with->samples_per_s / ideal : 0;
+  t.tally.add(without, with, ideal);
 }
 
 std::string recompute_verdict(const RecomputeTable& t) {
-  const int n = t.situations;
-  return "Over " + std::to_string(n) + " single situations, stage-aware recomputation " + "makes " +
-         std::to_string(t.made_feasible) + " feasible that had no plan without it " +
-         "and speeds up " + std::to_string(t.made_faster) + " more; mean ratio to ideal " +
-         num(n ? t.ratio_without / n : 0, 3) + " without (0 where no plan fits), " +
-         num(n ? t.ratio_with / n : 0, 3) + " with.\n";
+  const BeforeAfterTally& n = t.tally;
+  return "Over " + std::to_string(n.situations) + " single situations, stage-aware recomputation " +
+         "makes " + std::to_string(n.made_feasible) + " feasible that had no plan without it " +
+         "and speeds up " + std::to_string(n.made_faster) + " more; mean ratio to ideal " +
+         num(n.mean_before(), 3) + " without (0 where no plan fits), " + num(n.mean_after(), 3) +
+         " with.\n";
 }
 
 // ---- the distributed optimizer ---------------------------------------------------------------
@@ -271,8 +286,7 @@ struct ZeroTable {
       "| situation | model, devices | ideal samples/s | whole moments | distributed optimizer | "
       "plan, whole / distributed | fullest device GB, whole / distributed |\n"
       "|---|---|---:|---:|---:|---|---|\n";
-  int situations = 0, made_feasible = 0, made_faster = 0;
-  double ratio_whole = 0, ratio_distributed = 0;
+  BeforeAfterTally tally;  // whole moments → distributed
 };
 
 // The same planner (recomputation allowed) with whole moments and with the distributed optimizer.
@@ -288,29 +302,25 @@ void add_zero_row(ZeroTable& t, const Scenario& sc, double ideal,
   t.rows += situation_cells(sc) + " " + num(ideal, 3) + " | " + settled_cell(whole, ideal) + " | " +
             settled_cell(distributed, ideal) + " | " + shape(whole) + " / " + shape(distributed) +
             " | " + gb(whole) + " / " + gb(distributed) + " |\n";
-  ++t.situations;
-  if (distributed && !whole) ++t.made_feasible;
-  if (distributed && whole && distributed->samples_per_s > whole->samples_per_s * (1 + 1e-9)) {
-    ++t.made_faster;
-  }
-  t.ratio_whole += whole ? whole->samples_per_s / ideal : 0;
-  t.ratio_distributed += distributed ? distributed->samples_per_s / ideal : 0;
+  t.tally.add(whole, distributed, ideal);
 }
 
 std::string zero_verdict(const ZeroTable& t) {
-  const int n = t.situations;
-  return "Over " + std::to_string(n) + " single situations, the distributed " + "optimizer makes " +
-         std::to_string(t.made_feasible) + " feasible that had no plan " +
-         "without it and speeds up " + std::to_string(t.made_faster) + "; mean ratio to ideal " +
-         num(n ? t.ratio_whole / n : 0, 3) + " with whole moments (0 where no plan fits), " +
-         num(n ? t.ratio_distributed / n : 0, 3) + " with it.\n";
+  const BeforeAfterTally& n = t.tally;
+  return "Over " + std::to_string(n.situations) + " single situations, the distributed " +
+         "optimizer makes " + std::to_string(n.made_feasible) + " feasible that had no plan " +
+         "without it and speeds up " + std::to_string(n.made_faster) + "; mean ratio to ideal " +
+         num(n.mean_before(), 3) + " with whole moments (0 where no plan fits), " +
+         num(n.mean_after(), 3) + " with it.\n";
 }
 
 // ---- stage-aware recomputation where memory binds --------------------------------------------
 
 struct ConditionsTable {
   std::vector<MemoryCondition> conditions = memory_conditions();
-  std::vector<ConditionTally> tallies = std::vector<ConditionTally>(conditions.size());
+  std::vector<BeforeAfterTally> tallies = std::vector<BeforeAfterTally>(conditions.size());
+  std::vector<RecomputingStages> stages =
+      std::vector<RecomputingStages>(conditions.size(), RecomputingStages(plan::Plan{}));
   // Per condition, model and cluster: samples/s of the best healthy plan (recomputation allowed).
   std::map<std::string, double> healthy_samples_per_s;
   std::string rows;
@@ -351,20 +361,8 @@ std::string add_condition(ConditionsTable& t, size_t c, const Scenario& sc) {
   auto ratio = [&](const std::optional<SettledPlan>& p) {
     return p && ideal > 0 ? p->samples_per_s / ideal : 0.0;
   };
-  ConditionTally& tally = t.tallies[c];
-  ++tally.situations;
-  tally.feasible_without += before ? 1 : 0;
-  tally.feasible_with += after ? 1 : 0;
-  if (after && !before) ++tally.made_feasible;
-  if (after && before && after->samples_per_s > before->samples_per_s * (1 + 1e-9)) {
-    ++tally.made_faster;
-  }
-  if (after && before && after->samples_per_s < before->samples_per_s * (1 - 1e-9)) {
-    ++tally.made_slower;
-  }
-  tally.ratio_without += ratio(before);
-  tally.ratio_with += ratio(after);
-  if (after) tally.stages += RecomputingStages(after->plan);
+  t.tallies[c].add(before, after, ideal);
+  if (after) t.stages[c] += RecomputingStages(after->plan);
   auto ratio_cell = [&](const std::optional<SettledPlan>& p) {
     return p ? num(ratio(p), 2) : std::string("none fits");
   };
@@ -396,13 +394,12 @@ std::string conditions_summary(const ConditionsTable& t) {
       "slower | mean ratio to ideal, without → with | stages recomputing |\n"
       "|---|---:|---:|---:|---:|---:|---|\n";
   for (size_t c = 0; c < t.conditions.size(); ++c) {
-    const ConditionTally& s = t.tallies[c];
-    const double n = std::max(s.situations, 1);
-    summary += "| " + t.conditions[c].name + " | " + std::to_string(s.feasible_without) + " → " +
-               std::to_string(s.feasible_with) + " of " + std::to_string(s.situations) + " | " +
+    const BeforeAfterTally& s = t.tallies[c];
+    summary += "| " + t.conditions[c].name + " | " + std::to_string(s.feasible_before) + " → " +
+               std::to_string(s.feasible_after) + " of " + std::to_string(s.situations) + " | " +
                std::to_string(s.made_feasible) + " | " + std::to_string(s.made_faster) + " | " +
-               std::to_string(s.made_slower) + " | " + num(s.ratio_without / n, 3) + " → " +
-               num(s.ratio_with / n, 3) + " | " + s.stages.text() + " |\n";
+               std::to_string(s.made_slower) + " | " + num(s.mean_before(), 3) + " → " +
+               num(s.mean_after(), 3) + " | " + t.stages[c].text() + " |\n";
   }
   return summary;
 }
