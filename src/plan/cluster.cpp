@@ -162,6 +162,12 @@ bool is_gone(double rate) {
   return !std::isfinite(rate);
 }
 
+double remaining_capacity(const Rates& rates) {
+  double sum = 0;
+  for (double r : rates) sum += is_gone(r) ? 0.0 : 1.0 / r;
+  return sum;
+}
+
 Rates rates_from_json(const Json& json, int devices, const std::string& source) {
   check(json.is_object(), source + ": rates must be a JSON object {\"device\": rate, ...}");
   Rates rates(static_cast<size_t>(devices), 1.0);

@@ -97,5 +97,7 @@ Rates parse_rates(const std::string& text_or_path, int devices);
 Rates rates_from_json(const Json& json, int devices, const std::string& source);
 Json rates_to_json(const Rates& rates);  // only the devices whose rate is not 1
 bool is_gone(double rate);
+// What the devices not gone can do, in healthy devices: Σ 1/r over them.
+double remaining_capacity(const Rates& rates);
 
 }  // namespace malleus::plan

@@ -35,6 +35,14 @@ struct PlanRequest {
   std::optional<Rates> previous_rates{};
 };
 inline constexpr int kIncrementalDevices = 8;
+// On clusters of at most kIncrementalCheckDevices devices (where the full search takes well under
+// a second), an incremental plan predicted more than kIncrementalSlack slower than the running
+// plan scaled by the capacity the change took (its time under previous_rates × capacity before /
+// capacity after, remaining_capacity) is checked against the full search too, and the faster
+// wins: a search from the running plan cannot reshape the cluster (fewer pipelines, another stage
+// count) where the micro-batches no longer divide evenly among its pipelines.
+inline constexpr int kIncrementalCheckDevices = 1024;
+inline constexpr double kIncrementalSlack = 0.01;
 
 // Where a planner's time went: a named phase and its wall time.
 struct PlanningPhase {
@@ -48,8 +56,8 @@ struct PlanResult {
   Prediction prediction;              // the cost model's
   double planning_seconds = 0;        // wall time of plan()
   std::vector<PlanningPhase> phases;  // ours: planning_seconds by phase
-  bool incremental = false;           // ours: re-planned from the running plan (previous_rates)
-  bool restart = false;               // applying it means stopping and restarting the job
+  bool incremental = false;  // ours: re-planned from the running plan alone (previous_rates)
+  bool restart = false;      // applying it means stopping and restarting the job
   std::string note;
 };
 

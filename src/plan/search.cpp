@@ -3,6 +3,7 @@
 // inputs and the candidates it collects, phase by phase.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -470,11 +471,14 @@ class MalleusSearch {
     const auto start = Clock::now();
     PhaseClock clock;
     std::optional<std::vector<int>> changed = changed_devices();
+    std::string checked;  // why the incremental plan was checked against the full search
     if (changed) {
       BaseSearch(cost_, evaluate_, rates_, incremental_space(*changed))
           .run(candidates_, 3, options_.move_groups);
       clock.lap("incremental");
       if (candidates_.empty()) changed.reset();  // nothing fits near the running plan
+      if (changed) checked = short_of_capacity();
+      if (!checked.empty()) changed.reset();  // the full search's candidates join the pool
     }
     size_t bases = 0;
     if (!changed) {
@@ -498,7 +502,7 @@ class MalleusSearch {
     r.incremental = changed.has_value();
     r.note = (changed ? "incremental from the running plan (" + std::to_string(changed->size()) +
                             " devices changed): "
-                      : std::string()) +
+                      : checked) +
              std::to_string(candidates_.size()) + " candidates from " + std::to_string(bases) +
              " bases; " + std::to_string(evaluate_.evaluations()) + " pipelines evaluated, " +
              std::to_string(evaluate_.reused()) + " reused";
@@ -629,6 +633,31 @@ class MalleusSearch {
     }
     if (to_int(changed.size()) > kIncrementalDevices) return std::nullopt;
     return changed;
+  }
+
+  // Non-empty (the reason) when the cluster is small enough for the full search to be cheap and
+  // the best incremental candidate is predicted more than kIncrementalSlack slower than the
+  // running plan scaled by the capacity the change took (kIncrementalCheckDevices).
+  std::string short_of_capacity() const {
+    const int N = cost_.cluster().num_devices();
+    if (N > kIncrementalCheckDevices) return "";
+    const Rates before = full_rates(*request_.previous_rates, N);
+    const double after_capacity = remaining_capacity(rates_);
+    const Prediction was = cost_.predict(*request_.current, before);
+    if (!was.fits || !std::isfinite(was.iteration_time) || after_capacity <= 0) return "";
+    const double bound = was.iteration_time * remaining_capacity(before) / after_capacity;
+    double best = kInf;
+    for (const Candidate& cand : candidates_) {
+      const Prediction pred = cost_.predict(cand.plan, rates_);
+      if (pred.fits) best = std::min(best, pred.iteration_time);
+    }
+    if (best <= bound * (1 + kIncrementalSlack)) return "";
+    char why[160];
+    std::snprintf(why, sizeof why,
+                  "incremental plan %.2f %% above the running plan scaled to the capacity left, "
+                  "checked against the full search: ",
+                  100 * (best / bound - 1));
+    return why;
   }
 
   // The running plan's pipelines as a search space: the ones that hold a changed device (or, for
