@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
 # Regenerates docs/experiments.md and the charts under docs/figures: every straggler scenario in
 # configs/scenarios run through the simulator against every strategy. Takes well under a minute.
-#   scripts/experiments.sh [build-dir]   (default: build; configured and built if needed)
+#   scripts/experiments.sh [--scale] [build-dir]   (default: build; configured and built if needed)
+# --scale also runs configs/scenarios/scale (llama-405b on 4,096-16,384 devices; tens of minutes
+# on two cores) into the section "At scale"; without it that section of the current
+# docs/experiments.md is kept as it is. MALLEUS_EXPERIMENT_JOBS: scenarios run at once (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scale=()
+if [[ "${1:-}" == "--scale" ]]; then
+  scale=(--scale-scenarios configs/scenarios/scale/*.json)
+  shift
+fi
 build="${1:-build}"
 if [[ ! -x "$build/malleus" ]]; then
   [[ -f "$build/build.ninja" || -f "$build/Makefile" ]] || cmake -S . -B "$build" -G Ninja >/dev/null
   cmake --build "$build" --target malleus
 fi
-"$build/malleus" experiments --scenarios configs/scenarios/*.json \
-  --out docs/experiments.md --svg-dir docs/figures
+kept=""
+if [[ ${#scale[@]} -eq 0 && -f docs/experiments.md ]]; then
+  kept="$(sed -n '/^<!-- scale: begin -->$/,/^<!-- scale: end -->$/p' docs/experiments.md)"
+fi
+"$build/malleus" experiments --scenarios configs/scenarios/*.json "${scale[@]}" \
+  --jobs "${MALLEUS_EXPERIMENT_JOBS:-1}" --out docs/experiments.md --svg-dir docs/figures
+if [[ -n "$kept" ]]; then
+  printf '\n%s\n' "$kept" >> docs/experiments.md
+fi
 # Planning time lives in docs/performance.md ("Planning time at scale", from
 # build/bench/bench_planner): one place per figure.
 {

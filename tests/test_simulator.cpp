@@ -178,6 +178,7 @@ TEST(Scenario, SwitchDecisionsAreTheControllersRule) {
   size_t weighed = 0, taken = 0;
   for (const auto& entry :
        std::filesystem::directory_iterator(MALLEUS_SOURCE_DIR "/configs/scenarios")) {
+    if (!entry.is_regular_file()) continue;  // scale/: thousands of devices, not for a unit test
     sim::Scenario scenario = sim::load_scenario(entry.path().string());
     scenario.strategies = {"malleus"};
     const auto r = sim::run_scenario(scenario);
@@ -272,4 +273,37 @@ TEST(Scenario, DistributedOptimizerKeyAndCapacity) {
   plan::Rates rates(4, 1.0);
   rates[1] = 2, rates[2] = std::numeric_limits<double>::infinity();
   EXPECT_DOUBLE_EQ(sim::capacity(rates), 2.5);
+}
+
+// The simulator asks our planner as the controller does (PlanRequest::previous_rates: the rates it
+// last asked about): on the 64-device trace, the events where at most plan::kIncrementalDevices
+// rates moved are re-planned incrementally unless the plan falls short of the capacity left
+// (plan::kIncrementalSlack), and the one where ten moved runs the full search; the healthy plan is
+// the full search's.
+TEST(Scenario, ReplansIncrementallyAsTheController) {
+  sim::Scenario sc = sim::load_scenario(MALLEUS_SOURCE_DIR "/configs/scenarios/70b-trace.json");
+  sc.strategies = {"malleus"};
+  const auto r = sim::run_scenario(sc);
+  ASSERT_EQ(r.runs.size(), 1u);
+  const sim::StrategyRun& run = r.runs[0];
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  EXPECT_FALSE(run.start_planning.incremental);
+  EXPECT_GT(run.start_planning.seconds, 0);
+  ASSERT_EQ(run.event_planning.size(), sc.events.size());
+  plan::Rates before(static_cast<size_t>(sc.cluster.num_devices()), 1.0);
+  int incremental = 0, full_when_many = 0;
+  for (size_t e = 0; e < sc.events.size(); ++e) {
+    int moved = 0;
+    for (size_t d = 0; d < before.size(); ++d) moved += before[d] != sc.events[e].rates[d] ? 1 : 0;
+    const bool inc = run.event_planning[e].incremental;
+    if (moved > plan::kIncrementalDevices) {
+      EXPECT_FALSE(inc) << "event " << e << ": " << moved << " rates moved";
+      ++full_when_many;
+    }
+    incremental += inc ? 1 : 0;
+    before = sc.events[e].rates;
+  }
+  EXPECT_EQ(full_when_many, 1);
+  EXPECT_GE(incremental, 3) << sim::render_table(r);
+  EXPECT_NE(sim::render_table(r).find("incremental"), std::string::npos);
 }

@@ -226,12 +226,11 @@ void run_scenario_command(const std::string& file, const std::string& svg, bool 
 // ---- experiments ---------------------------------------------------------------------------
 
 // The report is sim's (sim/experiments.h); here only where it goes.
-void run_experiments(const std::vector<std::string>& files, const std::string& out,
-                     const std::string& svg_dir) {
-  const sim::ExperimentsReport report = sim::run_experiments(files, out, svg_dir);
-  write_file_atomic(out, report.markdown);
+void write_experiments(const sim::ExperimentsRequest& request) {
+  const sim::ExperimentsReport report = sim::run_experiments(request);
+  write_file_atomic(request.out, report.markdown);
   std::printf("%s", report.console.c_str());
-  std::printf("wrote %s\n", out.c_str());
+  std::printf("wrote %s\n", request.out.c_str());
 }
 
 // ---- profile -------------------------------------------------------------------------------
@@ -353,18 +352,21 @@ void add_planning_commands(CLI::App& app) {
   });
 
   // experiments
-  struct ExpArgs {
-    std::vector<std::string> scenarios;
-    std::string out = "docs/experiments.md", svg_dir = "docs/figures";
-  };
-  auto exp_args = std::make_shared<ExpArgs>();
+  auto exp_args = std::make_shared<sim::ExperimentsRequest>();
+  exp_args->out = "docs/experiments.md";
+  exp_args->svg_dir = "docs/figures";
   auto* exp_cmd = app.add_subcommand(
       "experiments", "Run scenarios against every strategy and write the markdown table");
-  exp_cmd->add_option("--scenarios", exp_args->scenarios, "Scenario files")->required();
+  exp_cmd->add_option("--scenarios", exp_args->files, "Scenario files")->required();
+  exp_cmd->add_option("--scale-scenarios", exp_args->scale_files,
+                      "Scenarios at thousands of devices: their own section (strategies and "
+                      "planning times)");
   exp_cmd->add_option("--out", exp_args->out, "Markdown file")->capture_default_str();
   exp_cmd->add_option("--svg-dir", exp_args->svg_dir, "Charts (\"\": none)")->capture_default_str();
-  exp_cmd->callback(
-      [exp_args] { run_experiments(exp_args->scenarios, exp_args->out, exp_args->svg_dir); });
+  exp_cmd->add_option("--jobs", exp_args->jobs, "Scenarios simulated at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  exp_cmd->callback([exp_args] { write_experiments(*exp_args); });
 
   // profile
   struct ProfileArgs {

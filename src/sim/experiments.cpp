@@ -3,6 +3,7 @@
 #include "sim/experiments.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -437,6 +439,106 @@ std::string scenario_detail(const std::string& file, const Scenario& sc, const S
   return detail + "\n";
 }
 
+// ---- running the scenarios ------------------------------------------------------------------
+
+// One scenario simulated: its file, the scenario, the result and the wall time it took.
+struct Ran {
+  std::string file;
+  Scenario scenario;
+  ScenarioResult result;
+  double took_s = 0;
+};
+
+Ran run_file(const std::string& file) {
+  Ran ran{file, load_scenario(file), {}, 0};
+  std::fprintf(stderr, "running %s ...\n", file.c_str());
+  const auto start = std::chrono::steady_clock::now();
+  ran.result = run_scenario(ran.scenario);
+  ran.took_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return ran;
+}
+
+// Every file's scenario, in the files' order, `jobs` at once (threads taking the next file).
+std::vector<Ran> run_files(const std::vector<std::string>& files, int jobs) {
+  std::vector<std::optional<Ran>> done(files.size());
+  std::vector<std::exception_ptr> failed(files.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < files.size(); i = next++) {
+      try {
+        done[i] = run_file(files[i]);
+      } catch (...) {
+        failed[i] = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  const size_t n = std::min(files.size(), static_cast<size_t>(std::max(1, jobs)));
+  for (size_t t = 1; t < n; ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  std::vector<Ran> out;
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (failed[i]) std::rethrow_exception(failed[i]);
+    out.push_back(std::move(*done[i]));
+  }
+  return out;
+}
+
+// ---- at scale --------------------------------------------------------------------------------
+
+// The scale scenarios: every strategy's throughput as in the first table, and our planner's
+// planning times (the healthy plan; each event's re-plan, incremental or full).
+struct ScaleTable {
+  StrategyTable strategies;
+  std::string planning_rows =
+      "| situation | model, devices | healthy plan | re-plans at the events "
+      "|\n|---|---|---:|---|\n";
+  std::string details;
+};
+
+std::string planning_cell(const PlanningTime& p) {
+  return num(p.seconds, 2) + " s " + (p.incremental ? "incremental" : "full");
+}
+
+void add_scale_scenario(ScaleTable& t, const Ran& ran, const std::string& out,
+                        const std::string& svg_dir) {
+  const Scenario& sc = ran.scenario;
+  const ScenarioResult& r = ran.result;
+  const bool trace = sc.events.size() > 1;
+  add_strategy_row(t.strategies, sc, r,
+                   trace ? r.ideal_samples / sc.horizon_s : r.ideal_samples_per_s.back());
+  for (const auto& run : r.runs) {
+    if (run.strategy != "malleus") continue;
+    std::string events;
+    for (size_t e = 0; e < run.event_planning.size() && e < sc.events.size(); ++e) {
+      events += (e ? "; @" : "@") + num(sc.events[e].at_s, 0) + " s " +
+                planning_cell(run.event_planning[e]);
+    }
+    t.planning_rows +=
+        situation_cells(sc) + " " + planning_cell(run.start_planning) + " | " + events + " |\n";
+  }
+  t.details += scenario_detail(ran.file, sc, r, ran.took_s, out, svg_dir);
+}
+
+std::string compose_scale(const ScaleTable& t) {
+  return "<!-- scale: begin -->\n"
+         "## At scale: 4,096 to 16,384 devices\n\n"
+         "llama-405b (126 layers, hidden 16384) on 512, 1,024 and 2,048 nodes of 8 H100s "
+         "(configs/clusters/h100-*x8.json), 16 sequences of 4096 tokens per node and step: the "
+         "straggler situations and a trace whose rates change, every strategy as in the first "
+         "table. Our planner re-plans as the controller does: incrementally from the running plan "
+         "when at most 8 devices' rates moved since it last planned, the full search otherwise "
+         "(docs/planner.md). Reproduce: `scripts/experiments.sh --scale` (adds `--scale-scenarios "
+         "configs/scenarios/scale/*.json`); the planning times are wall times on the machine and "
+         "load the run states below.\n\n" +
+         strategy_header(t.strategies) + t.strategies.rows + "\n" + strategy_summary(t.strategies) +
+         "\n" + strategy_verdict(t.strategies) +
+         "\nOur planner's planning times: the plan for the healthy cluster (the full search) and "
+         "the re-plan at each event (incremental or full), as the scenario measured them.\n\n" +
+         t.planning_rows + "\n### Details at scale\n\n" + t.details + "<!-- scale: end -->\n";
+}
+
 // ---- the document ----------------------------------------------------------------------------
 
 struct Tables {
@@ -448,14 +550,9 @@ struct Tables {
 };
 
 // One scenario into every table it belongs in.
-void add_scenario(Tables& t, const std::string& file, const std::string& out,
-                  const std::string& svg_dir) {
-  const Scenario sc = load_scenario(file);
-  std::fprintf(stderr, "running %s ...\n", file.c_str());
-  const auto start = std::chrono::steady_clock::now();
-  const ScenarioResult r = run_scenario(sc);
-  const double took =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+void add_scenario(Tables& t, const Ran& ran, const std::string& out, const std::string& svg_dir) {
+  const Scenario& sc = ran.scenario;
+  const ScenarioResult& r = ran.result;
   const bool trace = sc.events.size() > 1;
   const double ideal = trace ? r.ideal_samples / sc.horizon_s : r.ideal_samples_per_s.back();
   add_strategy_row(t.strategies, sc, r, ideal);
@@ -467,7 +564,7 @@ void add_scenario(Tables& t, const std::string& file, const std::string& out,
     add_zero_row(t.zero, sc, ideal, settle(whole_moments, true), with);
     add_conditions_row(t.conditions, sc);
   }
-  t.details += scenario_detail(file, sc, r, took, out, svg_dir);
+  t.details += scenario_detail(ran.file, sc, r, ran.took_s, out, svg_dir);
 }
 
 std::string compose_markdown(const Tables& t) {
@@ -536,11 +633,22 @@ std::string compose_console(const Tables& t) {
 
 }  // namespace
 
-ExperimentsReport run_experiments(const std::vector<std::string>& files, const std::string& out,
-                                  const std::string& svg_dir) {
+ExperimentsReport run_experiments(const ExperimentsRequest& request) {
   Tables tables;
-  for (const auto& file : files) add_scenario(tables, file, out, svg_dir);
-  return {compose_markdown(tables), compose_console(tables)};
+  for (const Ran& ran : run_files(request.files, request.jobs)) {
+    add_scenario(tables, ran, request.out, request.svg_dir);
+  }
+  ExperimentsReport report{compose_markdown(tables), compose_console(tables)};
+  if (request.scale_files.empty()) return report;
+  ScaleTable scale;
+  for (const Ran& ran : run_files(request.scale_files, request.jobs)) {
+    add_scale_scenario(scale, ran, request.out, request.svg_dir);
+  }
+  report.markdown += "\n" + compose_scale(scale);
+  report.console += "\n" + strategy_header(scale.strategies) + scale.strategies.rows + "\n" +
+                    strategy_summary(scale.strategies) + "\n" + strategy_verdict(scale.strategies) +
+                    "\n" + scale.planning_rows;
+  return report;
 }
 
 }  // namespace malleus::sim

@@ -1,7 +1,8 @@
 // The experiments report (docs/experiments.md, `malleus experiments`, scripts/experiments.sh):
 // every straggler scenario run through the simulator against every strategy, then the planner's
 // stage-aware recomputation, the distributed optimizer and recomputation under harder memory
-// conditions on each single situation. One function builds each table; the report joins them.
+// conditions on each single situation; optionally the same strategies at 4,096-16,384 devices with
+// the planning times. One function builds each table; the report joins them.
 #pragma once
 
 #include <string>
@@ -14,10 +15,17 @@ struct ExperimentsReport {
   std::string console;   // the tables and verdicts without the prose and the details
 };
 
-// Runs the scenarios in `files` (reporting each to stderr as it starts). With a non-empty
-// `svg_dir`, writes each trace's chart there as <name>.svg and links it relative to the folder
-// of `out`, where the caller writes the markdown.
-ExperimentsReport run_experiments(const std::vector<std::string>& files, const std::string& out,
-                                  const std::string& svg_dir);
+struct ExperimentsRequest {
+  std::vector<std::string> files;  // the scenarios of every table
+  // Scenarios at thousands of devices (configs/scenarios/scale): only their strategy table and
+  // our planner's planning times, in a section of their own at the end; none: no such section.
+  std::vector<std::string> scale_files;
+  std::string out;      // where the caller writes the markdown (charts are linked relative to it)
+  std::string svg_dir;  // non-empty: each trace's chart is written there as <name>.svg
+  int jobs = 1;         // scenarios simulated at once (each on its own thread)
+};
+
+// Runs the scenarios (reporting each to stderr as it starts) and composes the report.
+ExperimentsReport run_experiments(const ExperimentsRequest& request);
 
 }  // namespace malleus::sim

@@ -24,9 +24,7 @@ std::string fixed(double value, int digits) {
 }  // namespace
 
 double capacity(const plan::Rates& rates) {
-  double sum = 0;
-  for (double r : rates) sum += plan::is_gone(r) ? 0.0 : 1.0 / r;
-  return sum;
+  return plan::remaining_capacity(rates);
 }
 
 Scenario Scenario::from_json(const Json& json, const std::string& source) {
@@ -103,7 +101,8 @@ class Replay {
         cost_(cost),
         name_(name),
         strategy_(plan::make_strategy(name, options)),
-        rates_(static_cast<size_t>(sc.cluster.num_devices()), 1.0) {
+        rates_(static_cast<size_t>(sc.cluster.num_devices()), 1.0),
+        planned_rates_(rates_) {
     run_.strategy = name;
   }
 
@@ -111,6 +110,7 @@ class Replay {
   double start() {
     try {
       plan::PlanResult first = strategy_->plan(cost_, {rates_, sc_.base, std::nullopt});
+      run_.start_planning = {first.planning_seconds, first.incremental};
       current_ = first.plan;
       iter_ = sim_time(*current_, rates_);
     } catch (const Error& e) {
@@ -136,6 +136,7 @@ class Replay {
     iter_ = old_iter;
     try {
       reconsider(event, old_iter);
+      planned_rates_ = rates_;  // asked about these, as the controller's record (taken or not)
     } catch (const Error& e) {
       run_.error = e.what();
       current_.reset();
@@ -151,6 +152,7 @@ class Replay {
     while (run_.steady_samples_per_s.size() < sc_.events.size()) {
       run_.steady_samples_per_s.push_back(0);
     }
+    run_.event_planning.resize(sc_.events.size());
     return std::move(run_);
   }
 
@@ -172,7 +174,11 @@ class Replay {
 
   // The strategy's plan for the new rates, and whether to switch to it (and at what cost).
   void reconsider(const RateEvent& event, double old_iter) {
-    plan::PlanResult next = strategy_->plan(cost_, {rates_, sc_.base, *current_});
+    // From the running plan and the rates last asked about, as the controller asks: the planner
+    // decides between its incremental re-plan and the full search.
+    plan::PlanResult next = strategy_->plan(cost_, {rates_, sc_.base, *current_, planned_rates_});
+    run_.event_planning.resize(run_.steady_samples_per_s.size());
+    run_.event_planning.push_back({next.planning_seconds, next.incremental});
     const bool same = next.plan.to_json() == current_->to_json();
     const double new_iter = same ? old_iter : sim_time(next.plan, rates_);
     const double planning = sc_.replan_s ? *sc_.replan_s : next.planning_seconds;
@@ -213,6 +219,7 @@ class Replay {
   StrategyRun run_;
   double t_ = 0;
   plan::Rates rates_;
+  plan::Rates planned_rates_;  // the rates last asked about (PlanRequest::previous_rates)
   std::optional<plan::Plan> current_;
   double iter_ = kInf;
 };
@@ -249,6 +256,26 @@ ScenarioResult run_scenario(const Scenario& sc) {
   out.ideal_samples += rate * (sc.horizon_s - t);
   return out;
 }
+
+namespace {
+
+// "  planning (malleus): start 6.512 s full | @300 s 0.071 s incremental | ..."
+std::string planning_line(const Scenario& sc, const StrategyRun& run) {
+  auto text = [](const PlanningTime& p) {
+    return fixed(p.seconds, 3) + " s " + (p.incremental ? "incremental" : "full");
+  };
+  std::string line = "  planning (" + run.strategy + "): start " + text(run.start_planning);
+  for (size_t e = 0; e < run.event_planning.size() && e < sc.events.size(); ++e) {
+    line += " | @" + fixed(sc.events[e].at_s, 0) + " s " + text(run.event_planning[e]);
+  }
+  return line + "\n";
+}
+
+Json planning_json(const PlanningTime& p) {
+  return {{"seconds", p.seconds}, {"incremental", p.incremental}};
+}
+
+}  // namespace
 
 std::string render_table(const ScenarioResult& r) {
   const Scenario& sc = r.scenario;
@@ -296,6 +323,9 @@ std::string render_table(const ScenarioResult& r) {
     if (!run.error.empty()) text += "  (" + run.error + ")";
     text += "\n";
   }
+  for (const auto& run : r.runs) {
+    if (run.strategy == "malleus") text += planning_line(sc, run);
+  }
   return text;
 }
 
@@ -309,6 +339,8 @@ Json result_to_json(const ScenarioResult& r) {
                           {"samples_per_s", s.samples_per_s},
                           {"what", s.what}});
     }
+    Json event_planning = Json::array();
+    for (const auto& p : run.event_planning) event_planning.push_back(planning_json(p));
     runs.push_back({{"strategy", run.strategy},
                     {"samples", run.samples},
                     {"samples_per_s", run.samples_per_s(r.scenario.horizon_s)},
@@ -316,6 +348,8 @@ Json result_to_json(const ScenarioResult& r) {
                     {"replans", run.replans},
                     {"steady_samples_per_s", run.steady_samples_per_s},
                     {"error", run.error},
+                    {"start_planning", planning_json(run.start_planning)},
+                    {"event_planning", event_planning},
                     {"timeline", timeline}});
   }
   return {{"scenario", r.scenario.name},

@@ -17,7 +17,10 @@
 //
 // Ours switches only when replan::weigh_switch (the controller's rule) says so, asked with the
 // simulated step times, the migration estimate plus planning and rebuild time as the switch cost,
-// and the steps of the old plan that fit in decision_horizon_s as the horizon.
+// and the steps of the old plan that fit in decision_horizon_s as the horizon. Every strategy is
+// asked as the controller asks ours: with the running plan and the rates it last planned for
+// (plan::PlanRequest::previous_rates), so ours re-plans incrementally when at most
+// plan::kIncrementalDevices rates moved since and runs the full search otherwise.
 #pragma once
 
 #include <optional>
@@ -67,6 +70,13 @@ struct WeighedSwitch {
   replan::SwitchVerdict verdict;
 };
 
+// One call of a strategy's planner: its wall time, and whether ours re-planned incrementally from
+// the running plan (plan::PlanResult::incremental) or ran the full search.
+struct PlanningTime {
+  double seconds = 0;
+  bool incremental = false;
+};
+
 // One strategy's plan over one stretch of the trace.
 struct Segment {
   double start_s = 0, end_s = 0;
@@ -82,6 +92,8 @@ struct StrategyRun {
   std::vector<double> steady_samples_per_s;  // per event: throughput of the plan it settled on
   std::vector<Segment> timeline;
   std::vector<WeighedSwitch> switches;  // ours only: the baselines switch whenever the plan changes
+  PlanningTime start_planning;          // the plan for the healthy cluster
+  std::vector<PlanningTime> event_planning;  // per event: the re-plan, taken or not
   std::string error;  // the strategy could not run (e.g. every pipeline lost a device)
   double samples_per_s(double horizon) const { return horizon > 0 ? samples / horizon : 0; }
 };
