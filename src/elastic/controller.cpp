@@ -36,7 +36,8 @@ Controller::Controller(plan::CostModel cost, ControllerOptions options)
       options_(std::move(options)),
       strategy_(
           plan::make_strategy(options_.strategy, replan::with_migration_tie_break({}, cost_))),
-      planned_rates_(static_cast<size_t>(cost_.cluster().num_devices()), 1.0) {}
+      planned_rates_(static_cast<size_t>(cost_.cluster().num_devices()), 1.0),
+      running_rates_(planned_rates_) {}
 
 std::vector<double> Controller::effective(const std::vector<double>& rates) const {
   std::vector<double> e(rates.size());
@@ -174,16 +175,14 @@ void Controller::account(const plan::Plan& current, const std::vector<double>& r
   ++open_->steps;
 }
 
-double Controller::backtest(const plan::Plan& current, const plan::Plan& other,
-                            const std::vector<double>& link_rates, size_t last_steps) const {
-  const plan::CostModel cost = cost_.with_link_rates(link_rates);
-  double gain = 0;
-  const size_t from = history_.size() - std::min(last_steps, history_.size());
-  for (size_t i = from; i < history_.size(); ++i) {
-    gain += cost.predict(current, history_[i]).iteration_time -
-            cost.predict(other, history_[i]).iteration_time;
+bool Controller::same_rates(const std::vector<double>& a, const std::vector<double>& b) const {
+  // Every rate within the hysteresis of `b`'s (rates below 1 count as 1).
+  if (a.size() != b.size()) return false;
+  for (size_t r = 0; r < a.size(); ++r) {
+    const double was = std::max(1.0, b[r]), is = std::max(1.0, a[r]);
+    if (std::abs(is - was) >= options_.hysteresis * was) return false;
   }
-  return gain;
+  return true;
 }
 
 std::vector<size_t> Controller::regimes() const {
@@ -191,12 +190,7 @@ std::vector<size_t> Controller::regimes() const {
   std::vector<size_t> lengths;
   const std::vector<double>* first = nullptr;
   for (const auto& rates : history_) {
-    bool same = first != nullptr;
-    for (size_t r = 0; same && r < rates.size(); ++r) {
-      const double was = std::max(1.0, (*first)[r]), is = std::max(1.0, rates[r]);
-      same = std::abs(is - was) < options_.hysteresis * was;
-    }
-    if (same) {
+    if (first != nullptr && same_rates(rates, *first)) {
       ++lengths.back();
     } else {
       lengths.push_back(1);
@@ -204,6 +198,32 @@ std::vector<size_t> Controller::regimes() const {
     }
   }
   return lengths;
+}
+
+Controller::Regime Controller::regime() const {
+  // New rates (no earlier recorded step had them: a load that moves between ranks comes back to
+  // the rates it had) or rates that held longer than any earlier run recorded (a load that moves
+  // every few steps never does) persist once they have held for min_samples steps.
+  const std::vector<size_t> runs = regimes();
+  if (runs.empty()) return Regime::moving;
+  const size_t begins = history_.size() - runs.back();
+  bool seen = false;
+  for (size_t i = 0; i < begins && !seen; ++i) seen = same_rates(history_[i], history_[begins]);
+  const bool outlasted = std::all_of(runs.begin(), runs.end() - 1,
+                                     [&](size_t length) { return length < runs.back(); });
+  if (seen && !outlasted) return Regime::moving;
+  return runs.back() >= static_cast<size_t>(std::max(1, options_.min_samples)) ? Regime::persistent
+                                                                               : Regime::emerging;
+}
+
+std::vector<double> Controller::mean_rates() const {
+  std::vector<double> mean(history_.empty() ? 0 : history_.back().size(), 0.0);
+  for (const auto& rates : history_) {
+    for (size_t r = 0; r < mean.size() && r < rates.size(); ++r) {
+      mean[r] += rates[r] / static_cast<double>(history_.size());
+    }
+  }
+  return effective(mean);
 }
 
 Decision Controller::decide_on_root(const plan::Plan& current, const std::vector<double>& rates,
@@ -220,8 +240,10 @@ Decision Controller::decide_on_root(const plan::Plan& current, const std::vector
     open_.reset();
   }
   Decision d = propose(current, rates, step, remaining_steps, link_rates);
-  if (holding()) hold(current, d);
+  std::vector<double> planned_for = d.rates;
+  if (holding()) planned_for = hold(current, d);
   if (d.plan) {
+    running_rates_ = planned_for;
     open_ = SwitchRecord{
         .from = current,
         .to = *d.plan,
@@ -232,79 +254,81 @@ Decision Controller::decide_on_root(const plan::Plan& current, const std::vector
   return d;
 }
 
-void Controller::hold(const plan::Plan& current, Decision& d) const {
-  // Two candidates. The planner's plan for the rates now pays only if they stay: they must have
-  // held longer than any earlier run of rates recorded, and the plan must have gained twice its
-  // switch cost (there and back) over those steps, times 2^(losses − 1). Its plan for the mean of
-  // the recorded rates (for a load that moves, the plan best on average: no chase) must have
-  // gained its switch cost over all of them.
+Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
+                                                     const Decision& d) const {
+  // (The rule is the header's.) Persistent rates: the planner's plan for them, at them, over
+  // the steps they held, twice its switch cost times 2^(losses − 1). A moving load: the plan for
+  // the mean of the recorded rates, at them, over the recorded steps, once — if that mean moved
+  // from the rates the running plan is for. Emerging rates: none.
+  HoldCandidate c;
+  c.regime = regime();
   const double multiple = std::ldexp(1.0, std::min(losses_, options_.max_backoff) - 1);
-  std::vector<double> mean(d.rates.size(), 0.0);
-  for (const auto& rates : history_) {
-    for (size_t r = 0; r < mean.size() && r < rates.size(); ++r) {
-      mean[r] += rates[r] / static_cast<double>(history_.size());
+  if (c.regime == Regime::persistent) {
+    c.plan = d.plan;
+    c.rates = d.rates;
+    c.steps = static_cast<double>(regimes().back());
+    c.trips = 2.0 * multiple;
+  } else if (c.regime == Regime::moving) {
+    c.rates = mean_rates();
+    c.steps = static_cast<double>(history_.size());
+    c.trips = 1.0;
+    if (same_rates(c.rates, running_rates_)) return c;  // the running plan is for these rates
+    try {
+      plan::PlanRequest request;
+      request.rates = c.rates;
+      request.current = current;
+      c.plan = strategy_->plan(cost_.with_link_rates(d.link_rates), request).plan;
+    } catch (const Error&) {
+      // No plan for the mean rates: hold still.
     }
   }
-  struct Candidate {
-    plan::Plan plan;
-    size_t steps;  // recorded steps it is judged over
-    double trips;  // switch costs it must have gained
-  };
-  std::vector<Candidate> candidates;
-  // The rates now count only once they have held longer than any earlier run of rates recorded:
-  // a load that moves every few steps never does.
-  const std::vector<size_t> runs = regimes();
-  const bool outlasted =
-      !runs.empty() && std::all_of(runs.begin(), runs.end() - 1,
-                                   [&](size_t length) { return length < runs.back(); });
-  if (d.plan && outlasted) candidates.push_back({*d.plan, runs.back(), 2.0});
+  if (c.plan && c.plan->to_json() == current.to_json()) c.plan.reset();
+  return c;
+}
+
+std::vector<double> Controller::hold(const plan::Plan& current, Decision& d) const {
+  const HoldCandidate c = hold_candidate(current, d);
   const plan::CostModel cost = cost_.with_link_rates(d.link_rates);
-  try {
-    plan::PlanRequest request;
-    request.rates = effective(mean);
-    request.current = current;
-    candidates.push_back({strategy_->plan(cost, request).plan, history_.size(), 1.0 / multiple});
-  } catch (const Error&) {
-    // No plan for the mean rates: the plan for the rates now is the only candidate.
-  }
-  const Json running = current.to_json();
-  std::optional<plan::Plan> best;
-  double best_margin = 0, best_gain = 0, best_switch = 0;
-  bool declined = false;
-  for (const Candidate& c : candidates) {
-    if (c.plan.to_json() == running) continue;
-    declined = true;
-    const double gain = backtest(current, c.plan, d.link_rates, c.steps);
-    const double switch_s =
-        std::max(replan::estimate_migration(cost, current, c.plan).seconds, measured_migration_s_);
-    const double margin = gain - c.trips * multiple * switch_s;
-    if (margin > best_margin) {
-      best = c.plan;
-      best_margin = margin;
-      best_gain = gain;
-      best_switch = switch_s;
-    }
-  }
   const bool rule_took = d.plan.has_value();
   d.plan.reset();
-  if (best) {
-    // Taken on the record of the recent rates: it would have paid over them.
-    d.plan = best;
-    d.new_plan = best->summary();
-    d.question.proposed_step_s = cost.predict(*best, d.rates).iteration_time;
-    d.question.switch_s = best_switch;
-    d.verdict = {.take = true, .gain_s = best_gain, .reason = ""};
-    return;
+  if (c.plan) {
+    const double switch_s =
+        std::max(replan::estimate_migration(cost, current, *c.plan).seconds, measured_migration_s_);
+    // The switch rule itself, over the recorded steps at the rates the candidate is judged at.
+    const replan::SwitchVerdict verdict =
+        replan::weigh_switch({.current_step_s = cost.predict(current, c.rates).iteration_time,
+                              .proposed_step_s = cost.predict(*c.plan, c.rates).iteration_time,
+                              .switch_s = c.trips * switch_s,
+                              .horizon_steps = c.steps,
+                              .same_plan = false});
+    if (verdict.take) {
+      d.plan = c.plan;
+      d.new_plan = c.plan->summary();
+      d.question.proposed_step_s = cost.predict(*c.plan, d.rates).iteration_time;
+      d.question.switch_s = switch_s;
+      d.verdict = verdict;
+      return c.rates;
+    }
   }
-  if (!rule_took && !declined) return;  // nothing but the running plan: the rule's reason stands
-  char why[256];
+  if (!rule_took && !c.plan) return {};  // nothing but the running plan: the rule's reason stands
+  char detail[160];
+  if (c.regime == Regime::emerging) {
+    std::snprintf(detail, sizeof detail, "the rates now are new, held %zu step(s) so far",
+                  regimes().back());
+  } else {
+    std::snprintf(
+        detail, sizeof detail,
+        "the plan for the %s rates would not have paid %g x its switch cost over %g steps",
+        c.regime == Regime::persistent ? "persistent" : "mean recorded", c.trips, c.steps);
+  }
+  char why[320];
   std::snprintf(why, sizeof why,
-                "holding still: %d re-plan(s) did not pay for their measured cost, and no plan "
-                "would have paid %g x its switch cost over the recent rates",
-                losses_, multiple);
+                "holding still: %d re-plan(s) did not pay for their measured cost, and %s", losses_,
+                detail);
   d.held = true;
   d.verdict.take = false;
   d.verdict.reason = why;
+  return {};
 }
 
 Decision Controller::propose(const plan::Plan& current, const std::vector<double>& measured,

@@ -11,14 +11,20 @@
 // the plan it took, on every following step's own rates (unsmoothed, note_step_rates), until the
 // next question — and the switch's measured cost (note_migration_seconds); and of the rates of
 // the last `hold_window` steps. A switch whose realised gain did not pay for its measured cost
-// puts the controller on hold. On hold it switches only to a plan that would have paid for itself
-// over the recorded rates, 2^(losses − 1) times over (losses: the losing switches, at most
-// `max_backoff` counted): the planner's plan for the rates now, which must have gained twice its
-// switch cost (there and back) over the steps those rates have held so far — and they must have
-// held longer than any earlier run of rates recorded — or its plan for the mean of the recorded
-// rates (for a load that moves, the plan best on average: no chase), which must have gained its
-// switch cost once over all of them. On hold every rank asks again every `hold_reask_steps`
-// steps. Rates that stay put for half a window end the hold.
+// puts the controller on hold. On hold it weighs one plan with the switch rule itself
+// (replan::weigh_switch) over the recorded steps. Rates new to the record (a load moving between
+// ranks comes back to the rates it had) or held longer than any earlier run of rates recorded
+// persist once they have held `min_samples` steps: the planner's plan for them must have gained
+// twice its switch cost (there and back), 2^(losses − 1) times over (losses: the losing switches,
+// at most `max_backoff` counted), over the steps they held — a real straggler is planned around
+// within 3 steps. New rates held fewer steps: wait and see. Otherwise the load moves: once the
+// mean of the recorded rates moved by the hysteresis from the rates the running plan is for, the
+// planner's plan for that mean (the plan best on average: no chase) must gain its switch cost
+// once over the recorded steps at the mean rates. (Judged step by step on the recorded rates, a
+// plan for a straggler that then moved loses where the load sits on one rank what it gains on
+// the other: going back to the even split never pays, and the uneven one stays for good.) On
+// hold every rank asks again every `hold_reask_steps` steps. Rates that stay put for half a
+// window end the hold.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +79,7 @@ struct Decision {
   replan::SwitchQuestion question;
   replan::SwitchVerdict verdict;  // its reason also says why no plan was found
   double planning_s = std::numeric_limits<double>::quiet_NaN();
-  bool held = false;  // on hold, a plan the rule (or the mean rates) would take was declined
+  bool held = false;         // on hold, a plan the rule (or the mean rates) would take was declined
   bool incremental = false;  // the planner re-planned from the running plan (few rates moved)
 };
 
@@ -131,13 +137,30 @@ class Controller {
   // Rank 0, when asked: closes the open record, proposes, applies the hold.
   Decision decide_on_root(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
                           int64_t remaining_steps, const std::vector<double>& link_rates);
-  // On hold: replaces the proposal in `d` by the best plan over the recorded rates, or none.
-  void hold(const plan::Plan& current, Decision& d) const;
-  // Time `other` would have saved against `current` over the last `last_steps` recorded rates.
-  double backtest(const plan::Plan& current, const plan::Plan& other,
-                  const std::vector<double>& link_rates, size_t last_steps) const;
+  // On hold: replaces the proposal in `d` by the plan for the persistent rates or for the mean
+  // of the recorded rates, if it would have paid over them, or by none. Returns the rates the
+  // plan taken is for (empty: none taken).
+  std::vector<double> hold(const plan::Plan& current, Decision& d) const;
+  // Whether every rate of `a` is within the hysteresis of `b`'s.
+  bool same_rates(const std::vector<double>& a, const std::vector<double>& b) const;
   // The recorded steps cut into runs of the same rates (within the hysteresis), oldest first.
   std::vector<size_t> regimes() const;
+  // On hold, the rates now: back to rates recorded before, in a run no longer than earlier ones
+  // (moving); new to the record or the longest run and held min_samples steps (persistent), or
+  // not yet (emerging).
+  enum class Regime { moving, emerging, persistent };
+  Regime regime() const;
+  // On hold, the plan to weigh (none: hold still), the rates it is judged at, over how many
+  // recorded steps, and how many times its switch cost it must gain.
+  struct HoldCandidate {
+    Regime regime = Regime::moving;
+    std::optional<plan::Plan> plan;
+    std::vector<double> rates;
+    double steps = 0, trips = 1;
+  };
+  HoldCandidate hold_candidate(const plan::Plan& current, const Decision& d) const;
+  // The mean of the recorded rates, thresholded.
+  std::vector<double> mean_rates() const;
   // All ranks, after a question: what was planned for, and whether to ask again soon.
   void asked(const std::vector<double>& rates, const std::vector<double>& links, bool held);
 
@@ -145,6 +168,7 @@ class Controller {
   ControllerOptions options_;
   std::unique_ptr<plan::Strategy> strategy_;
   std::vector<double> planned_rates_, planned_link_rates_;
+  std::vector<double> running_rates_;  // rank 0: the effective rates the running plan is for
   std::deque<std::vector<double>> link_history_;  // the last min_samples link readings
   std::vector<double> planning_link_rates_;
   double measured_migration_s_ = -1;
