@@ -3,11 +3,13 @@
 // `malleus launch` are in test_recovery_runs.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <thread>
 
+#include "checkpoint/memory_checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "launch/supervisor.h"
@@ -161,4 +163,34 @@ TEST(Launch, TellsLostRanksFromStopsAndErrors) {
   const auto e = launch::classify(1, "error: [rank 0] bad.json: no such file\n", std::nullopt);
   EXPECT_EQ(e.kind, Kind::kFailed);
   EXPECT_EQ(e.detail, "error: [rank 0] bad.json: no such file");
+}
+
+TEST(MemoryHolders, PeersAreOnAnotherHostWhereThereIsOne) {
+  // One host: the next rank holds a rank's copy, and nobody keeps a second copy of their own.
+  for (int r = 0; r < 4; ++r) {
+    const auto h = checkpoint::memory_holders({0, 0, 0, 0}, r);
+    EXPECT_EQ(h.peer, (r + 1) % 4);
+    EXPECT_EQ(h.source, (r + 3) % 4);
+    EXPECT_FALSE(h.own_copy);
+  }
+  // Two hosts of two ranks, listed out of order: every copy crosses to the other host, and each
+  // rank keeps its own too, so that every shard is on both hosts.
+  const std::vector<int> hosts{0, 1, 0, 1};
+  std::vector<int> held_by(4, -1);
+  for (int r = 0; r < 4; ++r) {
+    const auto h = checkpoint::memory_holders(hosts, r);
+    EXPECT_NE(hosts[static_cast<size_t>(h.peer)], hosts[static_cast<size_t>(r)]) << "rank " << r;
+    EXPECT_TRUE(h.own_copy);
+    EXPECT_EQ(checkpoint::memory_holders(hosts, h.peer).source, r);
+    held_by[static_cast<size_t>(h.peer)] = r;
+  }
+  EXPECT_EQ(std::count(held_by.begin(), held_by.end(), -1), 0);  // each holds exactly one copy
+  // Alone: a rank holds its own copy.
+  const auto alone = checkpoint::memory_holders({0}, 0);
+  EXPECT_EQ(alone.peer, 0);
+  EXPECT_TRUE(alone.own_copy);
+  // Uneven hosts (3 + 1): the rank alone on its host sends its copy to the larger one, whose
+  // first rank sends its own over.
+  EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 1}, 3).peer, 2);
+  EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 1}, 0).peer, 3);
 }

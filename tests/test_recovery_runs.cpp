@@ -1,18 +1,24 @@
 // `malleus launch` end to end: a 4-rank job loses a rank — killed with SIGKILL, or stopped with
 // SIGSTOP so that it hangs the others — and the supervisor finishes the run on the 3 ranks left,
 // with the losses of a run that lost nothing; too few devices left stops it with an error and no
-// restart. Every command runs under `timeout`, so a hang fails the test instead of blocking it.
+// restart. With memory checkpoints (checkpoint/memory_checkpoint.h) the restart reads the copies
+// the ranks keep in each other's memory, and the disk where a copy is gone, stale or damaged.
+// Every command runs under `timeout`, so a hang fails the test instead of blocking it.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
 #include <fstream>
 #include <map>
 #include <optional>
+#include <thread>
 
+#include "checkpoint/memory_checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
-#include "test_util.h"
 #include "metrics/metrics.h"
+#include "test_util.h"
+#include "train/resume.h"
 
 using namespace malleus;
 using malleus::testing::BackgroundCommand;
@@ -99,6 +105,12 @@ class RecoverySlow : public ::testing::Test {
   static constexpr int kSteps = 40;
 
   RecoverySlow() { malleus::testing::write_synthetic_corpus(dir / "data"); }
+  // The job stopped first, then whatever memory copies it left (a run that lost a rank and was
+  // not restarted leaves them) removed.
+  ~RecoverySlow() override {
+    job_.reset();
+    checkpoint::remove_memory_checkpoints(run);
+  }
 
   // The job: `malleus launch` on `ranks` ranks with `launch_flags` (launch_command), training the
   // tiny run for `steps` steps with `extra_train_flags`.
@@ -120,7 +132,8 @@ class RecoverySlow : public ::testing::Test {
 }  // namespace
 
 TEST_F(RecoverySlow, KilledRankIsLeftOutAndTheRunFinishesOnThreeRanks) {
-  BackgroundCommand& job = launch(4, "");
+  // From the disk checkpoint (memory checkpoints: KilledRankIsRestoredFromItsPeersMemoryCopy).
+  BackgroundCommand& job = launch(4, "", kSteps, " --no-memory-checkpoints");
   ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
   const pid_t victim = rank_pid(run, 3);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
@@ -218,4 +231,135 @@ TEST_F(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
                         "launch: " + std::string(MALLEUS_MPIRUN)) == 0;
   EXPECT_EQ(jobs, 1u) << out;
   EXPECT_TRUE(read_metrics(run).restarts.empty());
+}
+
+namespace {
+
+// A 4-rank job under plain mpirun (no supervisor), memory checkpoints every step and disk ones
+// every 2, that loses rank 3 to SIGKILL after step 5: mpirun ends it, leaving the memory copies.
+// Returns the newest complete memory checkpoint it left.
+fs::path killed_with_memory_copies(const ScratchDir& dir, const fs::path& run) {
+  BackgroundCommand job(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
+                            MALLEUS_MPIRUN + " --oversubscribe -np 4 " + MALLEUS_BINARY +
+                            " train " + tiny_flags(dir, "run", 40) + " --memory-checkpoint-every 1",
+                        dir / "killed.out");
+  EXPECT_TRUE(wait_for_step(job, 5)) << job.output();
+  // Killed once the memory checkpoint of step 5 is complete: newer than the disk's of step 4.
+  for (int i = 0; i < 20 * kTimeoutS; ++i) {
+    const auto memory = checkpoint::latest_memory_checkpoint(run);
+    if (memory && train::checkpoint_dir_step(*memory) >= 5) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(::kill(rank_pid(run, 3), SIGKILL), 0);
+  EXPECT_NE(job.wait(kTimeoutS), 0) << job.output();
+  const auto memory = checkpoint::latest_memory_checkpoint(run);
+  EXPECT_TRUE(memory.has_value()) << job.output();
+  return memory.value_or(fs::path());
+}
+
+// `malleus train --resume run` on 3 ranks, to the end of the run.
+malleus::testing::CommandResult resume_on_three(const fs::path& run) {
+  return run_command(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
+                     MALLEUS_MPIRUN + " --oversubscribe -np 3 " + MALLEUS_BINARY +
+                     " train --resume " + run.string() + " --plan auto");
+}
+
+}  // namespace
+
+TEST_F(RecoverySlow, KilledRankIsRestoredFromItsPeersMemoryCopy) {
+  // Disk checkpoints only every 100 steps: the restart can only come from memory.
+  BackgroundCommand& job =
+      launch(4, "", kSteps, " --checkpoint-every 100 --memory-checkpoint-every 1");
+  ASSERT_TRUE(wait_for_step(job, 5)) << job.output();
+  ASSERT_EQ(::kill(rank_pid(run, 3), SIGKILL), 0);
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const std::string out = job.output();
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << out;
+  const metrics::RestartRecord& r = m.restarts.front();
+  EXPECT_EQ(r.lost_ranks, std::vector<int64_t>{3});
+  EXPECT_GE(r.step, 4) << out;
+  EXPECT_LE(r.steps_lost, 1) << out;  // a memory checkpoint every step
+  EXPECT_NE(out.find("(a memory checkpoint) at step " + std::to_string(r.step)), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("launch: the run finished after 1 restart"), std::string::npos) << out;
+  // The finished run removed its copies.
+  EXPECT_FALSE(fs::exists(checkpoint::memory_checkpoint_root(run)));
+  expect_same_losses(m.losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST_F(RecoverySlow, MemoryCopyWhoseHolderIsGoneFallsBackToDisk) {
+  const fs::path memory = killed_with_memory_copies(dir, run);
+  ASSERT_FALSE(memory.empty());
+  // Rank 3's shard was held by its peer, rank 0 (one host: the next rank). That host's memory
+  // gone: the copy is incomplete.
+  EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 0}, 3).peer, 0);
+  fs::remove(memory / "rank_00003.bin");
+  const auto r = resume_on_three(run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("not resuming from memory: checkpoint " + memory.string() +
+                          ": rank_00003.bin is missing"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("resuming from " + (run / "checkpoints" / "step_00000004").string() +
+                          " at step 4"),
+            std::string::npos)
+      << r.output;
+  expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST_F(RecoverySlow, DamagedMemoryCopyIsRefusedAndTheDiskRead) {
+  const fs::path memory = killed_with_memory_copies(dir, run);
+  ASSERT_FALSE(memory.empty());
+  // One byte flipped in the middle of a shard: its size is right, its checksum is not.
+  const fs::path victim = memory / "rank_00001.bin";
+  std::string bytes = read_file(victim);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x40);
+  {
+    std::ofstream out(victim, std::ios::binary | std::ios::trunc);
+    out << bytes;
+  }
+  const auto r = resume_on_three(run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(a memory checkpoint)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("memory checkpoint refused: checkpoint " + memory.string() +
+                          ": rank_00001.bin is corrupt"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("resuming from " + (run / "checkpoints" / "step_00000004").string() +
+                          " instead"),
+            std::string::npos)
+      << r.output;
+  expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kSteps), kSteps);
+}
+
+TEST_F(RecoverySlow, StaleOrUnfinishedMemoryCopiesAreNotTaken) {
+  const fs::path memory = killed_with_memory_copies(dir, run);
+  ASSERT_FALSE(memory.empty());
+  const int64_t step = train::checkpoint_dir_step(memory);
+  const int64_t disk =
+      train::checkpoint_dir_step(*checkpoint::latest_checkpoint(run / "checkpoints"));
+  ASSERT_GT(step, disk);
+  std::string refused;
+  EXPECT_EQ(train::usable_memory_checkpoint(run, disk, &refused), memory) << refused;
+  // Stale: not later than the disk checkpoint.
+  EXPECT_FALSE(train::usable_memory_checkpoint(run, step, &refused));
+  EXPECT_NE(refused.find("is of step " + std::to_string(step) + ", not later than the disk's"),
+            std::string::npos)
+      << refused;
+  // Truncated: a file shorter than its manifest says.
+  const fs::path shard = memory / "rank_00002.bin";
+  const auto size = fs::file_size(shard);
+  fs::resize_file(shard, size - 4);
+  EXPECT_FALSE(train::usable_memory_checkpoint(run, disk, &refused));
+  EXPECT_NE(refused.find("rank_00002.bin has " + std::to_string(size - 4) +
+                         " bytes, manifest says " + std::to_string(size)),
+            std::string::npos)
+      << refused;
+  // Unfinished: a step directory without its manifest (a save a rank died in) is not a
+  // checkpoint at all; the restart step is then the disk's.
+  fs::remove(memory / "manifest.json");
+  EXPECT_FALSE(checkpoint::latest_memory_checkpoint(run).has_value());
+  EXPECT_EQ(train::restart_step(run), disk);
+  checkpoint::remove_memory_checkpoints(run);
 }

@@ -48,6 +48,8 @@ inline Json every_field_changed() {
               {"eval_samples", 16},
               {"checkpoint_every", 11},
               {"async_checkpoints", false},
+              {"memory_checkpoints", false},
+              {"memory_checkpoint_every", 3},
               {"distributed_optimizer", false},
               {"out_dir", "runs/other"},
               {"threads", 1},

@@ -167,14 +167,8 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
     tensors.push_back({{"name", tensor.name}, {"shape", tensor.shape}, {"offset", offset}});
     offset += tensor_bytes(tensor);
   }
-  const Json manifest = {{"format", kFormat},
-                         {"version", kVersion},
-                         {"model", checkpoint.model.to_json()},
-                         {"train_config", checkpoint.train_config},
-                         {"step", checkpoint.step},
-                         {"consumed_samples", checkpoint.consumed_samples},
-                         {"tensors", tensors},
-                         {"files", files}};
+  Json manifest = manifest_head(kVersion, checkpoint, std::move(tensors));
+  manifest["files"] = std::move(files);
   const std::string text = sealed_manifest_text(manifest, where);
   if (checkpoint.tokenizer) tokenizer::save_tokenizer(*checkpoint.tokenizer, tmp);
   // Written last: a directory with a manifest is a complete checkpoint.
@@ -262,6 +256,16 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
 }
 
 namespace detail {
+
+Json manifest_head(int64_t version, const Checkpoint& header, Json tensors) {
+  return Json{{"format", kFormat},
+              {"version", version},
+              {"model", header.model.to_json()},
+              {"train_config", header.train_config},
+              {"step", header.step},
+              {"consumed_samples", header.consumed_samples},
+              {"tensors", std::move(tensors)}};
+}
 
 Checkpoint read_manifest_header(JsonReader& reader, const std::string& source) {
   // Checked by verified_manifest.

@@ -190,6 +190,16 @@ std::string shard_file_name(int rank);
 // manifest entry: its size and, for each piece, where it lies and each buffer's checksum.
 Json write_shard(const std::filesystem::path& dir, const ShardSnapshot& snapshot);
 
+// The manifest entry write_shard returns, without writing anything (the checksums computed).
+Json shard_entry(const ShardSnapshot& snapshot);
+// The bytes of the file a snapshot is written as.
+int64_t shard_bytes(const ShardSnapshot& snapshot);
+
+// The sealed manifest.json text of a sharded checkpoint: `header`'s model, config and progress,
+// and `shards`, the write_shard entries of its files; `where` names it in errors.
+std::string sharded_manifest_text(const Checkpoint& header, const std::vector<Json>& shards,
+                                  bool with_moments, const std::string& where);
+
 // The temporary directory a save of `dir` writes into before the commit: "<dir>.tmp.<pid>",
 // `pid` being the committing process's.
 std::filesystem::path temporary_dir(const std::filesystem::path& dir, int64_t pid);
@@ -233,6 +243,10 @@ class CheckpointIndex {
   // The same for buffers laid out by `local`: parameters, then both Adam moments if three are
   // given.
   int64_t read(const model::ParameterLayout& local, const std::vector<float*>& buffers) const;
+  // Sharded checkpoints: throws Error naming the first file the manifest lists that is missing
+  // or not of its size (what read() checks of the files it opens, for all of them, reading
+  // nothing).
+  void check_files() const;
 
  private:
   struct StoredPiece {

@@ -48,6 +48,11 @@ inline std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
+// The head of a manifest both forms write: format, `version`, model, training config, progress
+// (from `header`; its buffers are not used) and the `tensors` list; each form adds its "files"
+// (and the sharded one its "buffers").
+Json manifest_head(int64_t version, const Checkpoint& header, Json tensors);
+
 // The manifest's fields both forms share (format, version and seal, already checked by
 // verified_manifest; model, training config and progress), read into a Checkpoint without buffers.
 Checkpoint read_manifest_header(JsonReader& reader, const std::string& source);

@@ -170,46 +170,76 @@ ShardSnapshot snapshot_shard(int rank, const std::vector<SavedKind>& state, Shar
   return snapshot;
 }
 
-Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
-  const std::string name = shard_file_name(snapshot.rank);
-  const bool die = dies_in_save(snapshot.rank);
-  AtomicFile file(dir / name);
+namespace {
+
+// A piece's entry in a shard file's manifest entry: what it is, where it lies, its buffers' sums.
+Json piece_entry(const ShardSnapshot::Piece& piece, int64_t offset, Json sums) {
+  Json entry = {{"state", kKindNames[static_cast<int>(piece.kind)]},
+                {"tensor", piece.part.part.tensor},
+                {"begin", piece.part.part.begin},
+                {"end", piece.part.part.end}};
+  if (piece.part.row_begin >= 0) {
+    entry["rows"] = std::vector<int64_t>{piece.part.row_begin, piece.part.row_end};
+  }
+  entry["offset"] = offset;
+  entry["xxh3"] = std::move(sums);
+  return entry;
+}
+
+// Visits each buffer of each piece of `snapshot` in file order: (data, bytes), then the piece's
+// entry is made from their checksums. Returns the file's manifest entry.
+template <typename OnBuffer, typename BeforePiece>
+Json visit_shard(const ShardSnapshot& snapshot, OnBuffer&& on_buffer, BeforePiece&& before_piece) {
   Json pieces = Json::array();
   int64_t offset = 0;
   const float* cursor = snapshot.data.data();
   for (size_t i = 0; i < snapshot.pieces.size(); ++i) {
-    if (die && i == snapshot.pieces.size() / 2) ::raise(SIGKILL);
+    before_piece(i);
     const ShardSnapshot::Piece& piece = snapshot.pieces[i];
     const int buffers = kind_buffers(piece.kind);
     Json sums = Json::array();
     const auto bytes = static_cast<size_t>(piece.part.elements) * sizeof(float);
     for (int b = 0; b < buffers; ++b) {
-      file.write(cursor, bytes);
+      on_buffer(cursor, bytes);
       sums.push_back(checksum_hex(cursor, bytes));
       cursor += piece.part.elements;
     }
-    Json entry = {{"state", kKindNames[static_cast<int>(piece.kind)]},
-                  {"tensor", piece.part.part.tensor},
-                  {"begin", piece.part.part.begin},
-                  {"end", piece.part.part.end}};
-    if (piece.part.row_begin >= 0) {
-      entry["rows"] = std::vector<int64_t>{piece.part.row_begin, piece.part.row_end};
-    }
-    entry["offset"] = offset;
-    entry["xxh3"] = sums;
-    pieces.push_back(std::move(entry));
+    pieces.push_back(piece_entry(piece, offset, std::move(sums)));
     offset += static_cast<int64_t>(bytes) * buffers;
   }
-  if (die) ::raise(SIGKILL);
-  file.commit();
-  return Json{{"file", name}, {"bytes", offset}, {"pieces", pieces}};
+  return Json{{"file", shard_file_name(snapshot.rank)}, {"bytes", offset}, {"pieces", pieces}};
 }
 
-void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
-                               const Checkpoint& header, const std::vector<Json>& shards,
-                               bool with_moments) {
-  const fs::path dir = normalized(dir_arg);
-  const std::string where = "checkpoint " + dir.string();
+}  // namespace
+
+Json write_shard(const fs::path& dir, const ShardSnapshot& snapshot) {
+  const bool die = dies_in_save(snapshot.rank);
+  AtomicFile file(dir / shard_file_name(snapshot.rank));
+  Json entry = visit_shard(
+      snapshot, [&](const float* data, size_t bytes) { file.write(data, bytes); },
+      [&](size_t i) {
+        if (die && i == snapshot.pieces.size() / 2) ::raise(SIGKILL);
+      });
+  if (die) ::raise(SIGKILL);
+  file.commit();
+  return entry;
+}
+
+Json shard_entry(const ShardSnapshot& snapshot) {
+  return visit_shard(
+      snapshot, [](const float*, size_t) {}, [](size_t) {});
+}
+
+int64_t shard_bytes(const ShardSnapshot& snapshot) {
+  int64_t bytes = 0;
+  for (const ShardSnapshot::Piece& piece : snapshot.pieces) {
+    bytes += piece.part.elements * kind_buffers(piece.kind) * int64_t{sizeof(float)};
+  }
+  return bytes;
+}
+
+std::string sharded_manifest_text(const Checkpoint& header, const std::vector<Json>& shards,
+                                  bool with_moments, const std::string& where) {
   const size_t buffers = with_moments ? 3 : 1;
   const model::ParameterLayout full(header.model);
   Json tensors = Json::array();
@@ -222,17 +252,19 @@ void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
     for (Json& p : pieces) p["tensor"] = full.tensor(p["tensor"].get<int>()).name;
     files[shard.at("file").get<std::string>()] = {{"bytes", shard.at("bytes")}, {"pieces", pieces}};
   }
-  const Json manifest = {
-      {"format", kFormat},
-      {"version", kShardedVersion},
-      {"model", header.model.to_json()},
-      {"train_config", header.train_config},
-      {"step", header.step},
-      {"consumed_samples", header.consumed_samples},
-      {"tensors", tensors},
-      {"buffers", std::vector<std::string>(kBufferNames.begin(), kBufferNames.begin() + buffers)},
-      {"files", files}};
-  const std::string text = sealed_manifest_text(manifest, where);
+  Json manifest = manifest_head(kShardedVersion, header, std::move(tensors));
+  manifest["buffers"] =
+      std::vector<std::string>(kBufferNames.begin(), kBufferNames.begin() + buffers);
+  manifest["files"] = std::move(files);
+  return sealed_manifest_text(manifest, where);
+}
+
+void commit_sharded_checkpoint(const fs::path& tmp, const fs::path& dir_arg,
+                               const Checkpoint& header, const std::vector<Json>& shards,
+                               bool with_moments) {
+  const fs::path dir = normalized(dir_arg);
+  const std::string where = "checkpoint " + dir.string();
+  const std::string text = sharded_manifest_text(header, shards, with_moments, where);
   // Refuses a layout with a gap or an overlap before it becomes a checkpoint.
   const CheckpointIndex verified(tmp, text);
   if (header.tokenizer) tokenizer::save_tokenizer(*header.tokenizer, tmp);
@@ -631,6 +663,18 @@ int64_t read_spans(const std::string& where, const std::vector<Region>& regions,
 }
 
 }  // namespace
+
+void CheckpointIndex::check_files() const {
+  const std::string where = "checkpoint " + dir_.string();
+  check(sharded(), where + ": CheckpointIndex::check_files checks sharded checkpoints only");
+  for (const auto& [name, expected] : file_bytes_) {
+    std::error_code ec;
+    check(fs::is_regular_file(dir_ / name, ec), where + ": " + name + " is missing");
+    const auto size = static_cast<int64_t>(fs::file_size(dir_ / name, ec));
+    check(!ec && size == expected, where + ": " + name + " has " + std::to_string(size) +
+                                       " bytes, manifest says " + std::to_string(expected));
+  }
+}
 
 int64_t CheckpointIndex::read(const model::ParameterLayout& local,
                               const std::vector<float*>& buffers) const {

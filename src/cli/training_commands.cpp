@@ -20,6 +20,7 @@
 #include "model/config.h"
 #include "plan/plan.h"
 #include "runtime/engine.h"
+#include "train/resume.h"
 #include "train/run_directory.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
@@ -123,14 +124,14 @@ void run_train(const TrainArgs& args) {
   const int stop_signal = with_mpi([&](comm::Communicator& world) -> int {
     // Installed before the long setup: a stop asked for meanwhile acts after the first step.
     train::StopSignals stop_signals;
-    std::optional<checkpoint::Checkpoint> checkpoint;
+    std::optional<train::ResumePoint> resume;
     std::optional<fs::path> resumed_run;
     train::TrainConfig config;
     if (!args.resume.empty()) {
-      const checkpoint::CheckpointSource source = checkpoint::locate_checkpoint(args.resume);
-      checkpoint = train::load_checkpoint_on_root(source.checkpoint, world);
+      resume = train::find_resume_point(args.resume, world);
+      const checkpoint::Checkpoint* checkpoint = &resume->checkpoint;
       const train::TrainConfig saved = train::TrainConfig::from_json(
-          checkpoint->train_config, (source.checkpoint / "manifest.json").string());
+          checkpoint->train_config, (resume->dir() / "manifest.json").string());
       // A config file given with --resume counts as its keys given as flags (flags win).
       train::ConfigValues values;
       if (!args.config_file.empty()) {
@@ -141,14 +142,15 @@ void run_train(const TrainArgs& args) {
       // The run goes on where it was told, never into the directory the manifest recorded
       // (which is the original's when resuming a copy).
       if (!gives(values, "out_dir")) {
-        check(source.run_dir.has_value(),
-              source.checkpoint.string() +
+        check(resume->run_dir.has_value(),
+              resume->dir().string() +
                   " is not inside a run directory (<run>/checkpoints/step_N): give --out");
-        config.out_dir = source.run_dir->string();
+        config.out_dir = resume->run_dir->string();
       }
-      resumed_run = source.run_dir;
+      resumed_run = resume->run_dir;
       if (world.rank() == 0 && !args.print_config) {
-        std::printf("resuming from %s at step %lld\n", source.checkpoint.c_str(),
+        std::printf("resuming from %s%s at step %lld\n", resume->dir().c_str(),
+                    resume->memory ? " (a memory checkpoint)" : "",
                     static_cast<long long>(checkpoint->step));
       }
     } else {
@@ -163,9 +165,12 @@ void run_train(const TrainArgs& args) {
       return 0;
     }
     const model::ModelConfig model =
-        checkpoint ? checkpoint->model : model::load_model_config(config.model);
-    train::Trainer trainer(config, model, world);
-    if (checkpoint) trainer.restore(*checkpoint);
+        resume ? resume->checkpoint.model : model::load_model_config(config.model);
+    // A resumed run's parameters are read, never initialised first.
+    train::Trainer trainer(
+        config, model, world,
+        resume ? train::InitialState::kRestoredLater : train::InitialState::kFromSeed);
+    if (resume) train::restore_resume_point(trainer, *resume, world);
     trainer.set_restarts(args.restarts);
     // Taken once every input has been checked (so bad input leaves nothing on disk) and before
     // anything is written. Rank 0 writes the run directory, so rank 0 owns it.

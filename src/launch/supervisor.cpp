@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "metrics/metrics.h"
+#include "train/resume.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
 #include "train/watchdog.h"
@@ -172,13 +173,6 @@ int64_t last_logged_step(const fs::path& metrics) {
     }
   }
   return step;
-}
-
-// The step of a checkpoint directory, from its name (checkpoint::checkpoint_dir: step_00000100).
-int64_t checkpoint_step(const fs::path& dir) {
-  const std::string name = dir.filename().string();
-  check(name.rfind("step_", 0) == 0, "unexpected checkpoint name " + dir.string());
-  return std::stoll(name.substr(5));
 }
 
 // The command line of a restart: the original, resuming from the run directory under the
@@ -454,14 +448,14 @@ class Supervisor {
     return std::nullopt;
   }
 
-  // The step of the latest complete checkpoint (Error when there is none).
+  // The step of the latest complete checkpoint, on disk or in memory (Error when there is none).
   int64_t restart_step(const std::string& who, int64_t failed_at_step) const {
-    const auto latest = checkpoint::latest_checkpoint(run_dir_ / "checkpoints");
-    check(latest.has_value(),
+    const std::optional<int64_t> step = train::restart_step(run_dir_);
+    check(step.has_value(),
           "launch: " + who + " at step " + std::to_string(failed_at_step) +
               ", before the run's first checkpoint: nothing to restart from (checkpoint more "
               "often: --checkpoint-every)");
-    return checkpoint_step(*latest);
+    return *step;
   }
 
   void report_restart(const metrics::RestartRecord& record, const std::string& who) const {

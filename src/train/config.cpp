@@ -168,6 +168,13 @@ std::vector<ConfigField> make_fields() {
       field(&C::async_checkpoints, "async_checkpoints", "--async-checkpoints", P::kHonoured,
             "Write checkpoints in the background; the step waits only for a copy in memory "
             "(--no-async-checkpoints: the step waits for the files)"),
+      field(&C::memory_checkpoints, "memory_checkpoints", "--memory-checkpoints", P::kHonoured,
+            "Keep a copy of each rank's checkpoint shard in a peer's host memory, for restarts "
+            "after a lost rank (--no-memory-checkpoints: disk checkpoints only)"),
+      field(&C::memory_checkpoint_every, "memory_checkpoint_every", "--memory-checkpoint-every",
+            P::kHonoured,
+            "Memory checkpoint every N steps (0: chosen from the measured cost of a save)",
+            not_negative<int64_t>()),
       field(&C::out_dir, "out_dir", "--out", P::kHonoured,
             "Run directory: metrics.jsonl and checkpoints/ (resuming: the resumed run's)",
             non_empty()),

@@ -87,6 +87,13 @@ struct TrainConfig {
   // Write checkpoints in the background: the saving step waits only for the copy of each rank's
   // pieces to host memory (checkpoint/checkpoint_writer.h).
   bool async_checkpoints = true;
+  // In-memory redundant checkpoints (checkpoint/memory_checkpoint.h): every
+  // memory_checkpoint_every steps each rank's shard is copied into a peer's host memory, which a
+  // restart by malleus launch reads instead of the disk. 0: the interval is chosen from the
+  // measured cost of a save, as the fewest steps that keep it under kMemoryCheckpointBudget of
+  // the training time (Trainer::save_to_memory).
+  bool memory_checkpoints = true;
+  int64_t memory_checkpoint_every = 0;
   // ZeRO-1: Adam moments and the update split among each parameter piece's holders
   // (runtime::EngineOptions::distributed_optimizer).
   bool distributed_optimizer = true;

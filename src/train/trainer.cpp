@@ -84,6 +84,11 @@ elastic::StragglerSchedule injected_stragglers(const TrainConfig& c, int world_s
   return schedule;
 }
 
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 // The metrics record of a controller decision (its numbers are rank 0's).
 ReplanRecord replan_record(const elastic::Decision& d) {
   ReplanRecord r;
@@ -246,7 +251,7 @@ model::ModelConfig fit_model_to_tokenizer(model::ModelConfig model,
 }
 
 Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_model,
-                 comm::Communicator world)
+                 comm::Communicator world, InitialState initial)
     : config_(config),
       tokenizer_(data_tokenizer(config.train_data)),
       model_config_(fit_model_to_tokenizer(requested_model, tokenizer_.get())),
@@ -305,6 +310,11 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // On several hosts, the links between them are monitored too, per node of the cluster the
   // controller plans for (ranks fill nodes in order, as `--map-by ppr:K:node` starts them).
   engine_options_.hosts = runtime::host_indices(world_);
+  if (config_.memory_checkpoints) {
+    memory_ = std::make_unique<checkpoint::MemoryCheckpointer>(world_, config_.out_dir,
+                                                               engine_options_.hosts);
+    memory_every_ = std::max<int64_t>(1, config_.memory_checkpoint_every);
+  }
   if (*std::max_element(engine_options_.hosts.begin(), engine_options_.hosts.end()) > 0) {
     const plan::ClusterSpec cluster = elastic::local_cluster(config_.cluster, world_.size());
     std::vector<int> node_of_rank;
@@ -319,7 +329,17 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
     engine_options_.hosts.clear();
   }
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_, engine_options_);
-  engine_->init_parameters(config.seed);
+  if (initial == InitialState::kFromSeed) {
+    engine_->init_parameters(config.seed);
+    state_ready_ = true;
+  }
+}
+
+void Trainer::check_state_ready(const char* what) const {
+  check(state_ready_, std::string(what) +
+                          ": the model state was neither initialised nor restored from a "
+                          "checkpoint (the trainer was made to be restored, and no restore "
+                          "succeeded)");
 }
 
 void Trainer::restore(const Checkpoint& checkpoint) {
@@ -349,6 +369,7 @@ void Trainer::restore(const Checkpoint& checkpoint) {
     // optimizer shard when they are split); nothing goes through rank 0 or is scattered.
     const runtime::HeldState held = engine_->held_state();
     std::string error;
+    state_ready_ = false;  // until every rank has read all of its part
     try {
       if (held.layout != nullptr) {
         const layout::Blocks params =
@@ -378,11 +399,13 @@ void Trainer::restore(const Checkpoint& checkpoint) {
     }
     engine_->scatter(full, checkpoint.step);
   }
+  state_ready_ = true;
   step_ = checkpoint.step;
   consumed_samples_ = checkpoint.consumed_samples;
 }
 
 Checkpoint Trainer::snapshot() {
+  check_state_ready("snapshot");
   writer_.wait_for_copy();  // the gather reuses (and gives back) what a background copy reads
   runtime::FullState full = engine_->gather();
   Checkpoint c;
@@ -460,6 +483,7 @@ void Trainer::replan_if_asked(StepStats* out) {
 }
 
 StepStats Trainer::train_step() {
+  check_state_ready("train_step");
   const auto start = Clock::now();
   const int64_t first = consumed_samples_;
   const runtime::SampleFn sample = [&](int index, int32_t* inputs, int32_t* targets) {
@@ -495,6 +519,7 @@ StepStats Trainer::train_step() {
 }
 
 double Trainer::evaluate(const data::TokenDataset& dataset, int max_samples) {
+  check_state_ready("evaluate");
   // A fixed seed: evaluation sees the same windows whatever the training seed.
   data::Sampler sampler(dataset, config_.seq_len, /*seed=*/0);
   const int64_t count = std::min<int64_t>(max_samples, sampler.windows_per_epoch());
@@ -508,28 +533,89 @@ double Trainer::evaluate(const std::string& pattern, int max_samples) {
   return evaluate(dataset, max_samples);
 }
 
-void Trainer::save(const std::filesystem::path& root) {
+Checkpoint Trainer::checkpoint_header() const {
   Checkpoint header;
   header.model = model_config_;
   header.train_config = config_.to_json();
   header.step = step_;
   header.consumed_samples = consumed_samples_;
   header.tokenizer = tokenizer_;
+  return header;
+}
+
+std::vector<SavedKind> Trainer::saved_state() const {
   // Each rank copies the pieces it owns straight out of where it keeps them: its parameters'
   // owned pieces, and its Adam moments' (the blocks of its optimizer shard when they are split):
   // nothing gathered, no moments of the whole local layout allocated.
   const runtime::HeldState held = engine_->held_state();
-  std::vector<SavedKind> state;
-  if (held.layout != nullptr) {
-    state =
-        saved_state(model_config_, engine_->state().grad_sync().pieces, world_.rank(), *held.layout,
-                    held.params, held.moment_blocks, held.adam_m, held.adam_v, held.moments_split);
-  }
+  if (held.layout == nullptr) return {};
+  return checkpoint::saved_state(model_config_, engine_->state().grad_sync().pieces, world_.rank(),
+                                 *held.layout, held.params, held.moment_blocks, held.adam_m,
+                                 held.adam_v, held.moments_split);
+}
+
+void Trainer::save(const std::filesystem::path& root) {
   // Asynchronous saves copy the state in the background too, while the next step's forward and
   // backward run; its update waits for the copy (train_step).
-  writer_.begin(root, header, std::move(state), config_.async_checkpoints,
+  writer_.begin(root, checkpoint_header(), saved_state(), config_.async_checkpoints,
                 /*copy_in_background=*/config_.async_checkpoints);
   report_saved();
+}
+
+void Trainer::save_to_memory_if_due(double step_s) {
+  if (!memory_ || step_ % memory_every_ != 0) return;
+  checkpoint::MemorySaveStats stats;
+  try {
+    stats = memory_->save(checkpoint_header(), saved_state());
+  } catch (const Error& e) {
+    // Every rank has the same error (the save agrees on it).
+    if (is_root()) {
+      std::fprintf(stderr,
+                   "warning: memory checkpoint of step %lld failed: %s; memory checkpoints are off "
+                   "for the rest of this run (disk checkpoints go on)\n",
+                   static_cast<long long>(step_), e.what());
+    }
+    memory_.reset();
+    return;
+  }
+  // The step waits for the slowest rank's save; every rank takes the same figures.
+  double figures[2] = {stats.seconds, step_s};
+  world_.all_reduce_max(figures, 2);
+  memory_save_s_.push_back(figures[0]);
+  memory_step_s_.push_back(figures[1]);
+  const int64_t before = memory_every_;
+  if (config_.memory_checkpoint_every == 0 && figures[1] > 0) {
+    // The medians so far: the first save also faults its buffers in, the first steps warm up.
+    const auto k = static_cast<int64_t>(
+        std::ceil(median(memory_save_s_) / (kMemoryCheckpointBudget * median(memory_step_s_))));
+    const int64_t most = config_.checkpoint_every > 0 ? config_.checkpoint_every : config_.steps;
+    memory_every_ = std::clamp<int64_t>(k, 1, std::max<int64_t>(1, most));
+  }
+  if (is_root() && (memory_save_s_.size() == 1 || memory_every_ != before)) {
+    std::printf(
+        "memory checkpoint of step %lld: %s per rank in %.3f s (step %.3f s); every %lld "
+        "step%s%s; rank 0's copy on rank %d\n",
+        static_cast<long long>(step_), format_bytes(static_cast<double>(stats.bytes)).c_str(),
+        figures[0], figures[1], static_cast<long long>(memory_every_),
+        memory_every_ == 1 ? "" : "s",
+        config_.memory_checkpoint_every == 0 ? " (chosen from the cost)" : "",
+        memory_->holders().peer);
+    std::fflush(stdout);
+  }
+}
+
+void Trainer::clear_memory_checkpoints() {
+  if (memory_) memory_->clear();
+}
+
+void Trainer::report_memory_checkpoints() const {
+  if (!is_root() || memory_save_s_.empty()) return;
+  std::printf(
+      "memory checkpoints: %zu saves, median %.3f s (max %.3f s), against a median step of "
+      "%.3f s\n",
+      memory_save_s_.size(), median(memory_save_s_),
+      *std::max_element(memory_save_s_.begin(), memory_save_s_.end()), median(memory_step_s_));
+  std::fflush(stdout);
 }
 
 void Trainer::poll_checkpoint() {
@@ -638,6 +724,7 @@ void Trainer::start_watchdog(const std::filesystem::path& out, std::optional<Wat
 }
 
 int Trainer::run() {
+  check_state_ready("run");
   const std::filesystem::path out(config_.out_dir);
   const auto checkpoints = out / "checkpoints";
   std::optional<MetricsLog> metrics;
@@ -652,6 +739,8 @@ int Trainer::run() {
   const auto watch = [&](const char* phase, int64_t step) {
     if (watchdog) watchdog->enter(phase, step);
   };
+  // A fresh run supersedes any memory copies an earlier run in this directory left.
+  if (step_ == 0) clear_memory_checkpoints();
 
   double recent_step_time = 0;  // exponential moving average, for the ETA
   while (step_ < config_.steps) {
@@ -681,33 +770,40 @@ int Trainer::run() {
       watch("checkpoint", step_);
       save(checkpoints);
     }
+    if (!last) {
+      watch("checkpoint", step_);
+      save_to_memory_if_due(recent_step_time);
+    }
 
     // A stop request on any rank stops every rank here, after the same step. One small
     // all-reduce per step; the checkpoint is of the step every rank has finished.
     const int signal = agreed_stop_signal();
     if (signal != 0 && !last) {
-      StopSignals::unblock_output();
-      if (!saved) {
-        watch("checkpoint", step_);
-        save(checkpoints);
-      }
-      finish_checkpoint();
-      if (is_root()) {
-        std::printf(
-            "stopped by %s after step %lld of %lld; continue with: malleus train "
-            "--resume %s\n",
-            StopSignals::name(signal).c_str(), static_cast<long long>(step_),
-            static_cast<long long>(config_.steps), out.c_str());
-        std::fflush(stdout);
-      }
-      // Every rank exits only once rank 0 has written the checkpoint: mpirun ends the whole job
-      // as soon as one rank exits with a non-zero status.
-      world_.barrier();
+      if (!saved) watch("checkpoint", step_);
+      stop_for_signal(signal, saved, out);
       return signal;
     }
   }
   finish_checkpoint();
+  clear_memory_checkpoints();  // the run is over
+  report_memory_checkpoints();
   return 0;
+}
+
+void Trainer::stop_for_signal(int signal, bool saved, const std::filesystem::path& out) {
+  StopSignals::unblock_output();
+  if (!saved) save(out / "checkpoints");
+  finish_checkpoint();
+  clear_memory_checkpoints();  // the checkpoint of this step supersedes them
+  if (is_root()) {
+    std::printf("stopped by %s after step %lld of %lld; continue with: malleus train --resume %s\n",
+                StopSignals::name(signal).c_str(), static_cast<long long>(step_),
+                static_cast<long long>(config_.steps), out.c_str());
+    std::fflush(stdout);
+  }
+  // Every rank exits only once rank 0 has written the checkpoint: mpirun ends the whole job as
+  // soon as one rank exits with a non-zero status.
+  world_.barrier();
 }
 
 void Trainer::stop_diverged(const StepStats& s) {
@@ -722,7 +818,8 @@ void Trainer::stop_diverged(const StepStats& s) {
                            ", is intact: continue from it with malleus train --resume " +
                            config_.out_dir + " (with a lower --lr or a --grad-clip)"
                      : "this run saved no checkpoint";
-  world_.barrier();  // no rank leaves while another still commits
+  clear_memory_checkpoints();  // the run is over: its last checkpoint is where to go on from
+  world_.barrier();            // no rank leaves while another still commits
   throw Diverged("step " + std::to_string(s.step) + " of " + std::to_string(config_.steps) + ": " +
                  figures + "; training stopped without updating the model or saving this step; " +
                  resume);

@@ -13,6 +13,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/memory_checkpoint.h"
 #include "comm/communicator.h"
 #include "data/dataset.h"
 #include "elastic/controller.h"
@@ -35,6 +36,10 @@ struct StepStats : metrics::StepRecord {
   std::optional<metrics::ReplanRecord> replan;
 };
 
+// With memory_checkpoint_every 0, memory checkpoints come every K steps, K the fewest that keep a
+// save's measured time under this share of the steps' (Trainer::save_to_memory).
+inline constexpr double kMemoryCheckpointBudget = 0.05;
+
 // The "plan" value that asks for the planner's plan (malleus launch restarts with it, on however
 // many ranks are left).
 inline constexpr const char* kPlannerPlan = "auto";
@@ -50,17 +55,26 @@ class Diverged : public Error {
   using Error::Error;
 };
 
+// How a Trainer's model state starts: initialised from the config's seed (a fresh run), or left
+// for restore() to fill (a resumed run: initialising parameters that a checkpoint then
+// overwrites took most of a large model's restart, docs/performance.md#recovery).
+enum class InitialState { kFromSeed, kRestoredLater };
+
 class Trainer {
  public:
-  // Collective over `world`. A fresh run: parameters initialised from config.seed. The model is
-  // fitted to the training data's tokenizer (fit_model_to_tokenizer), which every checkpoint of
-  // the run records.
+  // Collective over `world`. The model is fitted to the training data's tokenizer
+  // (fit_model_to_tokenizer), which every checkpoint of the run records. With
+  // InitialState::kRestoredLater the parameters are allocated but not initialised: training
+  // (run, train_step, evaluate, snapshot) throws Error until a restore() has succeeded.
   Trainer(const TrainConfig& config, const model::ModelConfig& model_config,
-          comm::Communicator world);
+          comm::Communicator world, InitialState initial = InitialState::kFromSeed);
 
   // Collective: continues from a checkpoint whose buffers are read on rank 0 (other ranks may
   // pass a checkpoint without buffers; see load_checkpoint_on_root). Throws Error if the
-  // checkpoint's tokenizer differs from the training data's.
+  // checkpoint's tokenizer differs from the training data's, or if it is damaged (a sharded one
+  // is read by every rank: the first rank's error, on every rank); the trainer's state is then
+  // not usable until another restore() succeeds, unless it had been initialised and nothing was
+  // read yet.
   void restore(const checkpoint::Checkpoint& checkpoint);
   // Collective: the whole state, on rank 0 (other ranks get empty buffers).
   checkpoint::Checkpoint snapshot();
@@ -97,13 +111,31 @@ class Trainer {
   // config.async_checkpoints is off); poll_checkpoint commits it once every rank has written its
   // part, finish_checkpoint waits for that.
   void save(const std::filesystem::path& root);
+  // The checkpoint header of this step (model, config, progress, tokenizer) and this rank's part
+  // of the state, as both kinds of save take them.
+  checkpoint::Checkpoint checkpoint_header() const;
+  std::vector<checkpoint::SavedKind> saved_state() const;
+  // Collective: the memory checkpoint of this step when one is due (every memory_every_ steps);
+  // with memory_checkpoint_every 0, memory_every_ is then chosen again from the save's time and
+  // `step_s`, the recent step time. A save that fails turns memory checkpoints off for the rest
+  // of the run, with a warning: the disk checkpoints go on.
+  void save_to_memory_if_due(double step_s);
+  // Collective: this run's memory copies removed (the run ended, or a fresh run supersedes them).
+  void clear_memory_checkpoints();
+  // Rank 0's line at the end of a run: how many memory saves, and what they took.
+  void report_memory_checkpoints() const;
   void poll_checkpoint();
   void finish_checkpoint();
   // "saved checkpoint ..." on rank 0 after a commit.
   void report_saved();
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
+  // After a stop signal: this step's checkpoint (saved already if `saved`) committed, the memory
+  // copies removed, every rank waiting for them. Collective.
+  void stop_for_signal(int signal, bool saved, const std::filesystem::path& out);
   [[noreturn]] void stop_diverged(const StepStats& s);
+  // Throws Error when the model state was neither initialised nor restored.
+  void check_state_ready(const char* what) const;
   // The step's measurements into `stats` (train_step, after the engine's step).
   void record_measurements(const runtime::StepResult& result, StepStats* stats);
   // The controller's decision on the rates just measured, and the migration it asks for.
@@ -134,7 +166,11 @@ class Trainer {
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
   int restarts_ = 0;
+  bool state_ready_ = false;  // initialised from the seed, or restored
   checkpoint::CheckpointWriter writer_;
+  std::unique_ptr<checkpoint::MemoryCheckpointer> memory_;  // null: memory checkpoints off
+  int64_t memory_every_ = 1;                                // steps between memory checkpoints
+  std::vector<double> memory_save_s_, memory_step_s_;  // each save's time and the step time then
 };
 
 // Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and

@@ -1,0 +1,52 @@
+// Where a resumed run continues from: the latest complete checkpoint on disk, or the run's newest
+// memory checkpoint (checkpoint/memory_checkpoint.h) when that is of a later step, complete and
+// verified. A memory copy that cannot be used — a file missing or of the wrong size (its holder's
+// host gone, a segment removed), a checksum that does not match (a torn or damaged copy), a
+// manifest that does not verify — is refused with a line saying why, and the disk checkpoint is
+// read instead.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+
+#include "checkpoint/checkpoint.h"
+#include "comm/communicator.h"
+#include "train/trainer.h"
+
+namespace malleus::train {
+
+struct ResumePoint {
+  // The latest disk checkpoint (none when the run lost a rank before its first, and a memory
+  // copy is there), and the run directory it belongs to (none for a checkpoint outside one).
+  std::optional<std::filesystem::path> disk;
+  std::optional<std::filesystem::path> run_dir;
+  std::optional<std::filesystem::path> memory;  // the memory checkpoint chosen, if any
+  checkpoint::Checkpoint checkpoint;            // loaded from `memory` if chosen, else the disk
+  std::filesystem::path dir() const { return memory ? *memory : *disk; }
+};
+
+// The step of a checkpoint directory from its name (checkpoint::checkpoint_dir: step_00000100);
+// 0 for another name (a checkpoint made by import).
+int64_t checkpoint_dir_step(const std::filesystem::path& dir);
+
+// The step a restart of `run_dir` continues from, as find_resume_point would choose on this host:
+// the newer of the latest disk checkpoint and a usable memory checkpoint (nothing if neither).
+// Not collective: what malleus launch reports before it restarts the job.
+std::optional<int64_t> restart_step(const std::filesystem::path& run_dir);
+
+// The memory checkpoint `run_dir` has on this host if it is of a later step than `disk_step` and
+// its manifest verifies and lists files that are all present with their sizes; else nothing,
+// with the reason in `*refused` when there was a copy. Not collective.
+std::optional<std::filesystem::path> usable_memory_checkpoint(const std::filesystem::path& run_dir,
+                                                              int64_t disk_step,
+                                                              std::string* refused);
+
+// Collective. `given`: what --resume names. Memory copies are considered only when it names a
+// run directory (or its checkpoint root), not one checkpoint; rank 0's host decides.
+ResumePoint find_resume_point(const std::filesystem::path& given, comm::Communicator& world);
+
+// Collective: restores `point` into `trainer`. When the memory copy fails to read on any rank,
+// says so (rank 0) and restores the disk checkpoint instead; `point` then names it.
+void restore_resume_point(Trainer& trainer, ResumePoint& point, comm::Communicator& world);
+
+}  // namespace malleus::train
