@@ -6,14 +6,17 @@
 #             wall time, besides the steps it does again)
 #   ended     from the kill to the end of the failed job (mpirun noticing and ending the others)
 #   restart   from the end of the failed job to the first step of the new one (mpirun start, the
-#             checkpoint read and scattered, the first step)
+#             checkpoint read, the job's setup, the first step)
 #   steps lost  steps done again: those after the checkpoint the job restarted from
+#   from      what the restart read: "memory" (the ranks' in-memory copies) or "disk"
 # and the median (min–max) over the runs, for each model:
 #   demo  3.5 M parameters, seq 128, global batch 8, a checkpoint every 4 steps, killed after step 6
 #   100m  99 M parameters (hidden 768, 14 layers, 12 heads, FFN 2048, byte vocabulary), seq 64,
 #         global batch 4, a checkpoint every 3 steps, killed after step 4
 #
-# Usage: bench/bench_recovery.sh [models, comma-separated (demo,100m)] [runs (3)]
+# Usage: bench/bench_recovery.sh [models, comma-separated (demo,100m)] [runs (3)] [train flags]
+#   train flags: added to every run's, e.g. "--memory-checkpoint-every 1" or
+#   "--no-memory-checkpoints" (disk checkpoints only)
 # Results go to runs/bench-recovery/<model>/run<i>/ (BENCH_OUT overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +24,7 @@ cd "$(dirname "$0")/.."
 source bench/bench_common.sh
 models=${1:-demo,100m}
 runs=${2:-3}
+read -r -a extra_flags <<< "${3:-}"
 bench_ready_to_train
 out=$(bench_output_dir runs/bench-recovery)
 bench_write_model "$out/model-100m.json" m100 768 14 12 2048 256
@@ -45,7 +49,7 @@ run() {
   # Every output line with the time it arrived.
   timeout 1200 build/malleus launch --np 2 --mpirun-args="--bind-to core --map-by core" -- \
     train "${flags[@]}" --micro-batch 1 --threads 1 --val-data "" --eval-every 0 --no-replan \
-    --warmup-steps 2 --out "$dir/run" 2>&1 |
+    --warmup-steps 2 "${extra_flags[@]}" --out "$dir/run" 2>&1 |
     /usr/bin/python3 -u bench/recovery_summary.py stamp > "$dir/out.log" &
   job=$!
   local step_line

@@ -12,7 +12,8 @@
 
 A run's figures: recovery_s, from the kill to the first step line of the restarted job;
 ended_s, from the kill to the end of the failed job; restart_s, from then to that first step;
-steps_lost, the steps done again.
+steps_lost, the steps done again; source, what the restart read: "memory" (a memory checkpoint)
+or "disk".
 """
 import json
 import statistics
@@ -39,10 +40,15 @@ def run(directory, killed_at):
         sys.exit(f"recovery_summary: no restart recorded in {directory}/run/metrics.jsonl")
     first = None
     seen_restart = False
+    source = "disk"
     with open(f"{directory}/out.log") as f:
         for line in f:
             at, _, text = line.partition(" ")
             seen_restart |= text.startswith("restart 1 ")
+            if seen_restart and text.startswith("resuming from ") and "(a memory checkpoint)" in text:
+                source = "memory"
+            if seen_restart and text.startswith("memory checkpoint refused"):
+                source = "disk"
             if seen_restart and text.startswith("step "):
                 first = float(at)
                 break
@@ -51,7 +57,7 @@ def run(directory, killed_at):
     print(json.dumps({"recovery_s": round(first - killed_at, 2),
                       "ended_s": round(restart["failed_at"] - killed_at, 2),
                       "restart_s": round(first - restart["failed_at"], 2),
-                      "steps_lost": restart["steps_lost"]}))
+                      "steps_lost": restart["steps_lost"], "source": source}))
 
 
 def summary(model):
@@ -59,7 +65,8 @@ def summary(model):
     print(model + ": " + "; ".join(
         f"{label} {statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f})"
         for label, c in ((label, [r[key] for r in rows]) for key, label in FIGURES))
-        + f" over {len(rows)} runs")
+        + f" over {len(rows)} runs; restarts read "
+        + ", ".join(sorted(set(r.get("source", "disk") for r in rows))))
 
 
 def main():
