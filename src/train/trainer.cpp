@@ -584,10 +584,13 @@ void Trainer::save_to_memory_if_due(double step_s) {
   memory_save_s_.push_back(figures[0]);
   memory_step_s_.push_back(figures[1]);
   const int64_t before = memory_every_;
-  if (config_.memory_checkpoint_every == 0 && figures[1] > 0) {
-    // The medians so far: the first save also faults its buffers in, the first steps warm up.
-    const auto k = static_cast<int64_t>(
-        std::ceil(median(memory_save_s_) / (kMemoryCheckpointBudget * median(memory_step_s_))));
+  if (config_.memory_checkpoint_every == 0 && memory_save_s_.size() >= kMemoryCheckpointProbes) {
+    // The medians so far: the first save also faults its buffers in and opens the connection to
+    // the peer (seconds on a loaded machine, for a save that then takes milliseconds), the first
+    // steps warm up.
+    const double ratio =
+        median(memory_save_s_) / (kMemoryCheckpointBudget * std::max(1e-6, median(memory_step_s_)));
+    const auto k = static_cast<int64_t>(std::ceil(std::min(ratio, 1e9)));
     const int64_t most = config_.checkpoint_every > 0 ? config_.checkpoint_every : config_.steps;
     memory_every_ = std::clamp<int64_t>(k, 1, std::max<int64_t>(1, most));
   }

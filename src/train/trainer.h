@@ -39,6 +39,8 @@ struct StepStats : metrics::StepRecord {
 // With memory_checkpoint_every 0, memory checkpoints come every K steps, K the fewest that keep a
 // save's measured time under this share of the steps' (Trainer::save_to_memory).
 inline constexpr double kMemoryCheckpointBudget = 0.05;
+// ... measured over the saves so far, once there are this many (one every step until then).
+inline constexpr size_t kMemoryCheckpointProbes = 3;
 
 // The "plan" value that asks for the planner's plan (malleus launch restarts with it, on however
 // many ranks are left).
