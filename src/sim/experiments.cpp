@@ -490,12 +490,22 @@ std::vector<Ran> run_files(const std::vector<std::string>& files, int jobs) {
 // The scale scenarios: every strategy's throughput as in the first table, and our planner's
 // planning times (the healthy plan; each event's re-plan, incremental or full).
 struct ScaleTable {
+  std::string machine;  // where the planning times were measured
   StrategyTable strategies;
   std::string planning_rows =
       "| situation | model, devices | healthy plan | re-plans at the events "
       "|\n|---|---|---:|---|\n";
   std::string details;
 };
+
+// "/proc/loadavg"'s first three figures, or "unknown".
+std::string load_average() {
+  std::FILE* f = std::fopen("/proc/loadavg", "r");
+  double one = 0, five = 0, fifteen = 0;
+  const bool ok = f && std::fscanf(f, "%lf %lf %lf", &one, &five, &fifteen) == 3;
+  if (f) std::fclose(f);
+  return ok ? num(one, 2) + " " + num(five, 2) + " " + num(fifteen, 2) : std::string("unknown");
+}
 
 std::string planning_cell(const PlanningTime& p) {
   return num(p.seconds, 2) + " s " + (p.incremental ? "incremental" : "full");
@@ -530,10 +540,9 @@ std::string compose_scale(const ScaleTable& t) {
          "table. Our planner re-plans as the controller does: incrementally from the running plan "
          "when at most 8 devices' rates moved since it last planned, the full search otherwise "
          "(docs/planner.md). Reproduce: `scripts/experiments.sh --scale` (adds `--scale-scenarios "
-         "configs/scenarios/scale/*.json`); the planning times are wall times on the machine and "
-         "load the run states below.\n\n" +
-         strategy_header(t.strategies) + t.strategies.rows + "\n" + strategy_summary(t.strategies) +
-         "\n" + strategy_verdict(t.strategies) +
+         "configs/scenarios/scale/*.json`). The planning times are wall times: " +
+         t.machine + ".\n\n" + strategy_header(t.strategies) + t.strategies.rows + "\n" +
+         strategy_summary(t.strategies) + "\n" + strategy_verdict(t.strategies) +
          "\nOur planner's planning times: the plan for the healthy cluster (the full search) and "
          "the re-plan at each event (incremental or full), as the scenario measured them.\n\n" +
          t.planning_rows + "\n### Details at scale\n\n" + t.details + "<!-- scale: end -->\n";
@@ -641,9 +650,14 @@ ExperimentsReport run_experiments(const ExperimentsRequest& request) {
   ExperimentsReport report{compose_markdown(tables), compose_console(tables)};
   if (request.scale_files.empty()) return report;
   ScaleTable scale;
+  const std::string before = load_average();
   for (const Ran& ran : run_files(request.scale_files, request.jobs)) {
     add_scale_scenario(scale, ran, request.out, request.svg_dir);
   }
+  scale.machine = std::to_string(request.jobs) + " scenario(s) at once on " +
+                  std::to_string(std::thread::hardware_concurrency()) +
+                  " hardware threads, load average " + before + " before and " + load_average() +
+                  " after";
   report.markdown += "\n" + compose_scale(scale);
   report.console += "\n" + strategy_header(scale.strategies) + scale.strategies.rows + "\n" +
                     strategy_summary(scale.strategies) + "\n" + strategy_verdict(scale.strategies) +
