@@ -66,6 +66,8 @@ inline Json every_field_changed() {
               {"monitor_window", 5},
               {"replan_horizon", 20},
               {"migration_bucket_bytes", 1048576},
+              {"overlap_switch", false},
+              {"migration_overlap_bytes", 2097152},
               {"stragglers", {"1:2:3-4", "2:3:5-"}},
               {"straggler_trace", "trace.json"},
               {"watchdog", false},

@@ -385,8 +385,9 @@ template <typename T>
 class BandMover {
  public:
   BandMover(const StagedRedistribution& staged, comm::Communicator& world,
-            const std::vector<KindState<const T>>& from, const std::vector<KindState<T>>& to)
-      : staged_(staged), world_(world), from_(from), to_(to), me_(world.rank()) {}
+            const std::vector<KindState<const T>>& from, const std::vector<KindState<T>>& to,
+            int tag = 0)
+      : staged_(staged), world_(world), from_(from), to_(to), me_(world.rank()), tag_(tag) {}
 
   // One band's moves; returns the bytes this rank received.
   int64_t run(const Band& band) {
@@ -406,12 +407,69 @@ class BandMover {
     return received;
   }
 
- private:
   // A message from another rank: its moves [first, end) and their values.
   struct Incoming {
     size_t first, end;
     Message<T> message;
   };
+  // A band posted without waiting: its messages, and the requests that carry them.
+  struct Posted {
+    const Band* band = nullptr;
+    std::vector<Incoming> incoming;
+    std::vector<Message<T>> outgoing;
+    std::vector<comm::Request> requests;
+    int64_t received = 0, bytes = 0;  // bytes received; bytes of all its messages
+  };
+
+  // Copies the band's local pieces and posts its messages, every send packed at once.
+  Posted post(const Band& band) {
+    Posted posted;
+    posted.band = &band;
+    copy_locally(band);
+    posted.received = post_receives(band, &posted.incoming, &posted.requests);
+    posted.bytes = posted.received;
+    for_each_message(band.moves, staged_.kind_buffers,
+                     [&](size_t first, size_t end, size_t values) {
+                       const BandMove& m = band.moves[first];
+                       if (m.source != me_ || m.destination == me_) return;
+                       posted.outgoing.push_back(pack_message(band, first, end, values));
+                       const std::vector<T>& out = posted.outgoing.back().values;
+                       posted.requests.push_back(
+                           world_.isend(out.data(), out.size() * sizeof(T), m.destination, tag_));
+                       posted.bytes += static_cast<int64_t>(out.size() * sizeof(T));
+                     });
+    return posted;
+  }
+
+  // Whether every message of `posted` has gone and arrived (tests, does not wait).
+  static bool arrived(Posted& posted) {
+    return std::all_of(posted.requests.begin(), posted.requests.end(),
+                       [](comm::Request& r) { return r.test(); });
+  }
+
+  // Unpacks a posted band's received messages (every request complete).
+  void unpack_arrived(const Posted& posted) const {
+    for (const Incoming& in : posted.incoming) {
+      const T* cursor = in.message.values.data();
+      for (size_t k = in.first; k < in.end; ++k) {
+        unpack(posted.band->moves[k], cursor);
+        cursor +=
+            static_cast<size_t>(posted.band->moves[k].elements) * buffers_of(posted.band->moves[k]);
+      }
+    }
+  }
+
+ private:
+  // Moves [first, end) of a band, packed into one message.
+  Message<T> pack_message(const Band& band, size_t first, size_t end, size_t values) const {
+    Message<T> message(values);
+    T* cursor = message.values.data();
+    for (size_t k = first; k < end; ++k) {
+      pack(band.moves[k], cursor);
+      cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
+    }
+    return message;
+  }
 
   size_t buffers_of(const BandMove& m) const {
     return static_cast<size_t>(staged_.kind_buffers[static_cast<size_t>(m.kind)]);
@@ -461,7 +519,7 @@ class BandMover {
     for (Incoming& in : *incoming) {
       requests->push_back(world_.irecv(in.message.values.data(),
                                        in.message.values.size() * sizeof(T),
-                                       band.moves[in.first].source, 0));
+                                       band.moves[in.first].source, tag_));
       received += static_cast<int64_t>(in.message.values.size() * sizeof(T));
     }
     return received;
@@ -473,14 +531,9 @@ class BandMover {
         band.moves, staged_.kind_buffers, [&](size_t first, size_t end, size_t values) {
           const BandMove& m = band.moves[first];
           if (m.source != me_ || m.destination == me_) return;
-          Message<T> message(values);
-          T* cursor = message.values.data();
-          for (size_t k = first; k < end; ++k) {
-            pack(band.moves[k], cursor);
-            cursor += static_cast<size_t>(band.moves[k].elements) * buffers_of(band.moves[k]);
-          }
+          const Message<T> message = pack_message(band, first, end, values);
           comm::Request sent = world_.isend(message.values.data(),
-                                            message.values.size() * sizeof(T), m.destination, 0);
+                                            message.values.size() * sizeof(T), m.destination, tag_);
           sent.wait();
         });
   }
@@ -490,9 +543,99 @@ class BandMover {
   const std::vector<KindState<const T>>& from_;
   const std::vector<KindState<T>>& to_;
   const int me_;
+  const int tag_;
 };
 
 }  // namespace
+
+StagedRedistribution band_range(const StagedRedistribution& staged, size_t first, size_t end) {
+  check(first <= end && end <= staged.bands.size(), "band_range: bands out of range");
+  StagedRedistribution part;
+  part.bands.assign(staged.bands.begin() + static_cast<std::ptrdiff_t>(first),
+                    staged.bands.begin() + static_cast<std::ptrdiff_t>(end));
+  part.chunk_elements = staged.chunk_elements;
+  part.kind_buffers = staged.kind_buffers;
+  part.predicted_extra_bytes = staged.predicted_extra_bytes;
+  part.received_bytes = staged.received_bytes;
+  return part;
+}
+
+template <typename T>
+struct BackgroundRedistribution<T>::Mover {
+  Mover(const StagedRedistribution& staged, comm::Communicator& world,
+        const std::vector<KindState<const T>>& from, const std::vector<KindState<T>>& to, int tag)
+      : bands(staged, world, from, to, tag) {}
+  BandMover<T> bands;
+  std::deque<typename BandMover<T>::Posted> in_flight;  // in band order
+  int64_t bytes_in_flight = 0;
+};
+
+template <typename T>
+BackgroundRedistribution<T>::BackgroundRedistribution(
+    StagedRedistribution staged, comm::Communicator& world, std::vector<KindState<const T>> from,
+    std::vector<KindState<T>> to, StateMemory memory, int64_t window_bytes, int tag)
+    : staged_(std::move(staged)),
+      world_(world),
+      from_(std::move(from)),
+      to_(std::move(to)),
+      memory_(std::move(memory)),
+      window_bytes_(window_bytes) {
+  mover_ = std::make_unique<Mover>(staged_, world_, from_, to_, tag);
+}
+
+template <typename T>
+BackgroundRedistribution<T>::~BackgroundRedistribution() {
+  finish();
+}
+
+template <typename T>
+bool BackgroundRedistribution<T>::done() const {
+  return next_band_ == staged_.bands.size() && mover_->in_flight.empty();
+}
+
+// The next band: its new parts booked, posted, its old parts given back.
+template <typename T>
+void BackgroundRedistribution<T>::post_next() {
+  const int me = world_.rank();
+  const Band& band = staged_.bands[next_band_++];
+  for (const BandRange& p : band.new_parts) {
+    if (p.rank == me) memory_.commit(p.kind, p.offset, p.count);
+  }
+  mover_->in_flight.push_back(mover_->bands.post(band));
+  mover_->bytes_in_flight += mover_->in_flight.back().bytes;
+  received_ += mover_->in_flight.back().received;
+  for (const BandRange& p : band.old_parts) {
+    if (p.rank == me) memory_.release(p.kind, p.offset, p.count);
+  }
+}
+
+template <typename T>
+bool BackgroundRedistribution<T>::poll() {
+  auto& in_flight = mover_->in_flight;
+  while (!in_flight.empty() && BandMover<T>::arrived(in_flight.front())) {
+    mover_->bands.unpack_arrived(in_flight.front());
+    mover_->bytes_in_flight -= in_flight.front().bytes;
+    in_flight.pop_front();
+  }
+  while (next_band_ < staged_.bands.size() &&
+         (in_flight.empty() || mover_->bytes_in_flight < window_bytes_)) {
+    post_next();
+  }
+  return done();
+}
+
+template <typename T>
+void BackgroundRedistribution<T>::finish() {
+  auto& in_flight = mover_->in_flight;
+  while (!done()) {
+    if (poll()) break;
+    // Bands complete in order on every rank: waiting for the oldest one cannot wait on a band
+    // another rank has yet to post behind it.
+    if (!in_flight.empty()) comm::Request::wait_all(in_flight.front().requests);
+  }
+}
+
+template class BackgroundRedistribution<float>;
 
 template <typename T>
 int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicator& world,

@@ -28,7 +28,9 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "layout/redistribution.h"
@@ -118,5 +120,49 @@ template <typename T>
 int64_t redistribute_staged(const StagedRedistribution& staged, comm::Communicator& world,
                             const std::vector<KindState<const T>>& from,
                             const std::vector<KindState<T>>& to, const StateMemory& memory);
+
+// `staged` with only its bands [first, end): the bands of one part of a move (its predicted extra
+// and received bytes stay the whole plan's).
+StagedRedistribution band_range(const StagedRedistribution& staged, size_t first, size_t end);
+
+// A staged redistribution run in the background of other work on this rank (the overlapped
+// switch, runtime/engine.h): poll() posts bands without waiting — local pieces copied, messages
+// packed and posted — while this rank's messages in flight stay under window_bytes (one band at
+// least), and unpacks the bands whose messages have all arrived; finish() posts the rest and waits
+// for everything. A band's old parts are released as soon as it is posted (its messages and local
+// copies hold what they need) and its new parts committed then. Messages carry `tag` on `world`,
+// so they pass beside other point-to-point traffic of the same communicator that uses other tags.
+// Collective in effect: every rank must run the same staged plan, and call finish() at the same
+// point of its program, since finish() waits for the other ranks' messages. `from`, `to` and the
+// blocks they point to must outlive the object; finish() runs in the destructor too.
+template <typename T>
+class BackgroundRedistribution {
+ public:
+  BackgroundRedistribution(StagedRedistribution staged, comm::Communicator& world,
+                           std::vector<KindState<const T>> from, std::vector<KindState<T>> to,
+                           StateMemory memory, int64_t window_bytes, int tag);
+  ~BackgroundRedistribution();
+  BackgroundRedistribution(const BackgroundRedistribution&) = delete;
+  BackgroundRedistribution& operator=(const BackgroundRedistribution&) = delete;
+
+  // Does not wait. Returns whether every band has moved.
+  bool poll();
+  void finish();
+  bool done() const;
+  int64_t received_bytes() const { return received_; }
+
+ private:
+  struct Mover;
+  void post_next();
+  StagedRedistribution staged_;
+  comm::Communicator& world_;
+  std::vector<KindState<const T>> from_;
+  std::vector<KindState<T>> to_;
+  StateMemory memory_;
+  int64_t window_bytes_ = 0;
+  std::unique_ptr<Mover> mover_;
+  size_t next_band_ = 0;
+  int64_t received_ = 0;
+};
 
 }  // namespace malleus::layout

@@ -89,22 +89,24 @@ constexpr auto fields(const EvalRecord*) {
 
 constexpr auto fields(const ReplanRecord*) {
   using R = ReplanRecord;
-  return std::tuple{Field<R, int64_t>{"step", &R::step, true},
-                    Field<R, std::vector<double>>{"rates", &R::rates},
-                    Field<R, std::vector<double>>{"link_rates", &R::link_rates},
-                    Field<R, std::string>{"old_plan", &R::old_plan},
-                    Field<R, std::string>{"new_plan", &R::new_plan},
-                    Field<R, std::string>{"reason", &R::reason},
-                    Field<R, double>{"predicted_old_s", &R::predicted_old_s},
-                    Field<R, double>{"predicted_new_s", &R::predicted_new_s},
-                    Field<R, double>{"predicted_gain_s", &R::predicted_gain_s},
-                    Field<R, double>{"predicted_migration_s", &R::predicted_migration_s},
-                    Field<R, int64_t>{"horizon_steps", &R::horizon_steps},
-                    Field<R, double>{"planning_s", &R::planning_s},
-                    Field<R, int64_t>{"bytes_moved", &R::bytes_moved},
-                    Field<R, double>{"migration_s", &R::migration_s},
-                    Field<R, int64_t>{"migration_peak_extra_bytes", &R::migration_peak_extra_bytes},
-                    Field<R, int64_t>{"migration_bucket_bytes", &R::migration_bucket_bytes}};
+  return std::tuple{
+      Field<R, int64_t>{"step", &R::step, true},
+      Field<R, std::vector<double>>{"rates", &R::rates},
+      Field<R, std::vector<double>>{"link_rates", &R::link_rates},
+      Field<R, std::string>{"old_plan", &R::old_plan},
+      Field<R, std::string>{"new_plan", &R::new_plan},
+      Field<R, std::string>{"reason", &R::reason},
+      Field<R, double>{"predicted_old_s", &R::predicted_old_s},
+      Field<R, double>{"predicted_new_s", &R::predicted_new_s},
+      Field<R, double>{"predicted_gain_s", &R::predicted_gain_s},
+      Field<R, double>{"predicted_migration_s", &R::predicted_migration_s},
+      Field<R, int64_t>{"horizon_steps", &R::horizon_steps},
+      Field<R, double>{"planning_s", &R::planning_s},
+      Field<R, int64_t>{"bytes_moved", &R::bytes_moved},
+      Field<R, double>{"migration_s", &R::migration_s},
+      Field<R, int64_t>{"migration_peak_extra_bytes", &R::migration_peak_extra_bytes},
+      Field<R, int64_t>{"migration_bucket_bytes", &R::migration_bucket_bytes},
+      Field<R, int64_t>{"migration_background_bytes", &R::migration_background_bytes}};
 }
 
 constexpr auto fields(const RestartRecord*) {

@@ -68,6 +68,9 @@ struct ReplanRecord {
   // The most any rank's memory rose above max(its memory before, after) while migrating, from the
   // memory ledger, and the bound it was given (switched only).
   int64_t migration_peak_extra_bytes = 0, migration_bucket_bytes = 0;
+  // An overlapped switch: the Adam moments' bytes (not in bytes_moved) that moved in the
+  // background of the new plan's first step; bytes_moved and migration_s are the part before it.
+  int64_t migration_background_bytes = 0;
 };
 
 // One restart of the job by `malleus launch` after it lost ranks: "event" is "restart".

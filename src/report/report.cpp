@@ -708,7 +708,7 @@ std::string Timeline::render() {
   }
   if (std::isfinite(mean_tps)) subtitle << " · mean " << format_count(mean_tps) << " tokens/s";
   int64_t bytes = 0;
-  for (const auto& r : report_.replans) bytes += r.bytes_moved;
+  for (const auto& r : report_.replans) bytes += r.bytes_moved + r.migration_background_bytes;
   subtitle << " · " << report_.replans.size()
            << (report_.replans.size() == 1 ? " re-plan" : " re-plans");
   if (!report_.declined.empty()) subtitle << " (" << report_.declined.size() << " declined)";
@@ -823,12 +823,12 @@ std::string summarize(const Report& report) {
   int64_t bytes = 0;
   double migration = 0;
   for (const auto& r : report.replans) {
-    bytes += r.bytes_moved;
+    bytes += r.bytes_moved + r.migration_background_bytes;
     if (std::isfinite(r.migration_s)) migration += r.migration_s;
   }
   out << "re-plans: " << report.replans.size() << " (" << report.declined.size() << " declined), "
-      << format_bytes(static_cast<double>(bytes)) << " moved (" << bytes << " bytes) in "
-      << format_duration(migration) << "\n";
+      << format_bytes(static_cast<double>(bytes)) << " moved in " << format_duration(migration)
+      << "\n";
   return out.str();
 }
 

@@ -12,6 +12,7 @@
 #include "layout/redistribution.h"
 #include "layout/staged_redistribution.h"
 #include "plan/cost_model.h"
+#include "runtime/engine_background.h"
 #include "runtime/schedule.h"
 #include "runtime/step_exchange.h"
 
@@ -155,6 +156,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     result.flops = work_flops_;
   } else {
     result.flops = run_probe(slowdown, &result.compute_seconds);
+    poll_background();
   }
   exchange_figures(loss_sum, global_tokens, &result);
   const double clip =
@@ -163,6 +165,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
     before_update();
     release_local_state();
   }
+  finish_background();  // an overlapped switch's moments, which the update reads
   // A loss or gradient norm that is not finite (the same on every rank) would make every
   // parameter NaN: such a step updates nothing, and the caller decides what to do (Trainer::run
   // stops).
@@ -214,6 +217,7 @@ double Engine::run_pipeline(const SampleFn& sample, float loss_scale, double slo
         }
       }
     }
+    poll_background();
   }
   for (auto& sends : forward_sends) wait_all(sends, lease());
   wait_all(backward_sends, lease());
@@ -545,21 +549,11 @@ int64_t Engine::move_state(Engine& next, const layout::StagedRedistribution& sta
   const auto me = static_cast<size_t>(state_->rank());
   std::vector<layout::KindState<const float>> from(kinds.size());
   std::vector<layout::KindState<float>> to(kinds.size());
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    from[k].blocks = &kinds[k].from[me];
-    to[k].blocks = &kinds[k].to[me];
-  }
   std::vector<std::vector<float*>> old_buffers(kinds.size());  // given back band by band
-  if (model_) {
-    old_buffers[0] = {model_->params()};
-    old_buffers[1] = {optimizer_->first_moment(), optimizer_->second_moment()};
-  }
   for (size_t k = 0; k < kinds.size(); ++k) {
-    from[k].buffers.assign(old_buffers[k].begin(), old_buffers[k].end());
-  }
-  if (next.model_) {
-    to[0].buffers = {next.model_->params()};
-    to[1].buffers = {next.optimizer_->first_moment(), next.optimizer_->second_moment()};
+    old_buffers[k] = state_buffers(static_cast<int>(k));
+    from[k] = {&kinds[k].from[me], {old_buffers[k].begin(), old_buffers[k].end()}};
+    to[k] = {&kinds[k].to[me], next.state_buffers(static_cast<int>(k))};
   }
   layout::StateMemory memory;
   memory.commit = [&](int kind, int64_t offset, int64_t count) {
@@ -575,17 +569,52 @@ int64_t Engine::move_state(Engine& next, const layout::StagedRedistribution& sta
   return layout::redistribute_staged<float>(staged, state_->world(), from, to, memory);
 }
 
-std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
-  const auto start = std::chrono::steady_clock::now();
-  backend::MemoryLedger& ledger = backend::memory_ledger();
-  const int64_t total_before = ledger.current().total();
-  // Only the state moves: what the next step recomputes goes first.
+int64_t Engine::move_kind(Engine& next, const layout::StagedRedistribution& staged,
+                          const layout::StateKind& kind, int which) {
+  const auto me = static_cast<size_t>(state_->rank());
+  const std::vector<float*> old_buffers = state_buffers(which),
+                            new_buffers = next.state_buffers(which);
+  const std::vector<layout::KindState<const float>> from{
+      {&kind.from[me], {old_buffers.begin(), old_buffers.end()}}};
+  const std::vector<layout::KindState<float>> to{{&kind.to[me], new_buffers}};
+  layout::StateMemory memory;
+  memory.commit = [&](int, int64_t offset, int64_t count) {
+    for (float* buffer : new_buffers) next.backend_->commit_range(buffer + offset, size_t(count));
+  };
+  memory.release = [&](int, int64_t offset, int64_t count) {
+    for (float* buffer : old_buffers) backend_->decommit_range(buffer + offset, size_t(count));
+  };
+  return layout::redistribute_staged<float>(staged, state_->world(), from, to, memory);
+}
+
+std::vector<float*> Engine::state_buffers(int which) const {
+  if (which == 0) return model_ ? std::vector<float*>{model_->params()} : std::vector<float*>{};
+  if (!optimizer_) return {};  // idle, or (moments) none
+  return {optimizer_->first_moment(), optimizer_->second_moment()};
+}
+
+std::vector<layout::StateKind> Engine::migrated_kinds(const Engine& next) const {
+  return layout::migrated_state(
+      model_config_, state_->layout(), distributed_optimizer_ ? &state_->grad_sync() : nullptr,
+      next.state_->layout(), next.distributed_optimizer_ ? &next.state_->grad_sync() : nullptr);
+}
+
+void Engine::give_back_working_memory() {
   for (auto kind : {backend::MemoryKind::kGradients, backend::MemoryKind::kActivations,
                     backend::MemoryKind::kWorkspace}) {
     backend_->decommit_all(kind);
   }
   pack_buffer_ = {};
   pack_booking_.resize(0);
+}
+
+std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
+  finish_background();
+  const auto start = std::chrono::steady_clock::now();
+  backend::MemoryLedger& ledger = backend::memory_ledger();
+  const int64_t total_before = ledger.current().total();
+  // Only the state moves: what the next step recomputes goes first.
+  give_back_working_memory();
   // The memory only falls until the state moves, and after it only rises to the new engine's
   // total: the peak is the state move's.
   ledger.reset_peak();
@@ -595,9 +624,7 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
   // rank's optimizer shard, or the local layout), straight from slice to slice: nothing gathered.
   const auto moves =
       layout::plan_redistribution(model_config_, state_->layout(), next->state_->layout());
-  const auto kinds = layout::migrated_state(
-      model_config_, state_->layout(), distributed_optimizer_ ? &state_->grad_sync() : nullptr,
-      next->state_->layout(), next->distributed_optimizer_ ? &next->state_->grad_sync() : nullptr);
+  const auto kinds = migrated_kinds(*next);
   const auto staged =
       layout::stage_redistribution(model_config_, moves, kinds, options_.migration_bucket_bytes);
   const int64_t received = move_state(*next, staged, kinds);
@@ -630,6 +657,7 @@ std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* 
 }
 
 HeldState Engine::held_state() {
+  finish_background();
   if (!model_) return {};
   if (moment_blocks_.empty()) {
     const model::ParameterLayout full(model_config_);
@@ -642,6 +670,7 @@ HeldState Engine::held_state() {
 }
 
 layout::LocalState<float> Engine::local_state() {
+  finish_background();
   layout::LocalState<float> state = writable_local_state();
   if (!shard_) return state;
   // Each member's slices of the moments to every member of its holder sets, unpacked into the
@@ -671,6 +700,7 @@ layout::LocalState<float> Engine::local_state() {
 }
 
 layout::LocalState<float> Engine::writable_local_state() {
+  finish_background();
   if (!model_) return {};
   if (!shard_) {
     return {&model_->layout(),
@@ -717,6 +747,7 @@ void Engine::set_steps_done(int64_t steps) {
 }
 
 FullState Engine::gather(int root) {
+  finish_background();
   ParallelState& st = *state_;
   const auto checkpoint = layout::single_owner_layout(model_config_, st.world().size(), root);
   const auto plan = layout::plan_redistribution(model_config_, st.layout(), checkpoint);
@@ -737,6 +768,7 @@ FullState Engine::gather(int root) {
 }
 
 void Engine::scatter(const FullState& full, int64_t steps_done, int root) {
+  finish_background();
   ParallelState& st = *state_;
   const auto checkpoint = layout::single_owner_layout(model_config_, st.world().size(), root);
   const auto plan = layout::plan_redistribution(model_config_, checkpoint, st.layout());

@@ -52,6 +52,10 @@ struct EngineOptions {
   // A live migration's extra memory, over max(the memory before it, the memory after it), stays
   // under this many bytes per rank (layout/staged_redistribution.h).
   int64_t migration_bucket_bytes = int64_t{64} << 20;
+  // The overlapped switch (Engine::switch_to): the old plan's Adam moments a rank may still hold
+  // while the new plan's first step runs. Moments beyond this move before that step, with the
+  // parameters; 0 moves everything first.
+  int64_t migration_overlap_bytes = int64_t{256} << 20;
   // Sub-pipelined tensor parallelism (model::Transformer::set_tp_subpipeline): every rank of the
   // job must set the same.
   bool tp_subpipeline = false;
@@ -107,6 +111,21 @@ struct MigrationStats {
   // after the state moves), which the staged order bounds, and predicted_extra_bytes is that
   // order's own prediction of it (layout::StagedRedistribution::predicted_extra_bytes).
   int64_t peak_extra_bytes = 0, state_extra_bytes = 0, predicted_extra_bytes = 0;
+  // An overlapped switch (Engine::switch_to): the bytes of Adam moments (over all ranks, not in
+  // bytes_moved) left to move in the background of the new plan's first step. The figures above
+  // are the part done before switch_to returned, which training waits for.
+  int64_t background_bytes = 0;
+};
+
+// The background part of an overlapped switch, on this rank, once the new plan's first step has
+// finished it (Engine::take_background_stats).
+struct BackgroundStats {
+  int64_t bytes_received = 0;  // by this rank
+  double poll_seconds = 0;     // posting, packing and unpacking between the step's micro-batches
+  double wait_seconds = 0;     // waiting for the rest before the update, ending the old engine
+  // This rank's memory at its highest while the old moments were still held (from the step's
+  // start), over max(its memory before the switch, its memory after it).
+  int64_t peak_extra_bytes = 0;
 };
 
 // This rank's state where the engine keeps it, nothing gathered or copied: parameters in its local
@@ -129,6 +148,7 @@ struct FullState {
 
 class Engine {
  public:
+  ~Engine();
   // Collective: every rank of `world` constructs its engine with the same plan.
   Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
          const EngineOptions& options);
@@ -173,6 +193,20 @@ class Engine {
   // band by band as it arrives and the rest of its memory at the end, so the extra memory stays
   // under options.migration_bucket_bytes. This engine is left without use (and without memory).
   std::unique_ptr<Engine> migrate(const plan::Plan& plan, MigrationStats* stats = nullptr);
+  // Collective. The overlapped switch: the same state, moved by the same staged redistribution,
+  // but only the parameters (and the moments over options.migration_overlap_bytes) move before
+  // this returns; the Adam moments move in the background of the new engine's first step — its
+  // forward and backward do not read them — polled between micro-batches, and the step waits for
+  // what is left just before its update. The old engine lives on inside the new one holding its
+  // moments, giving each band back once sent. The numerics are migrate()'s, bit for bit. When no
+  // moments would cross ranks in the background (local copies only) they all move first.
+  static std::unique_ptr<Engine> switch_to(std::unique_ptr<Engine> old, const plan::Plan& plan,
+                                           MigrationStats* stats = nullptr);
+  // The figures of the last background move, once finished (then cleared); none otherwise.
+  std::optional<BackgroundStats> take_background_stats();
+  // Collective in effect: waits for a background move still under way (a no-op without one).
+  // Every method that reads or writes the moments calls it first.
+  void finish_background();
 
   // This rank's state as it lies (not collective): what a checkpoint copies out of and reads
   // into. Writing into it is not followed by anything: the engine uses what it finds there.
@@ -199,6 +233,7 @@ class Engine {
   void set_steps_done(int64_t steps);
 
  private:
+  struct Background;  // engine_background.h
   // While `deferred`, the engine's memory is reserved but not booked (a migration books it).
   Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Communicator world,
          const EngineOptions& options, bool deferred);
@@ -221,6 +256,21 @@ class Engine {
   // booking and giving back memory band by band; returns the bytes this rank received.
   int64_t move_state(Engine& next, const layout::StagedRedistribution& staged,
                      const std::vector<layout::StateKind>& kinds);
+  // The same for one kind of state (0: parameters, 1: Adam moments) with a one-kind staged plan.
+  int64_t move_kind(Engine& next, const layout::StagedRedistribution& staged,
+                    const layout::StateKind& kind, int which);
+  // This engine's buffers of state kind `which` (0: parameters, 1: both Adam moments); none idle.
+  std::vector<float*> state_buffers(int which) const;
+  // The kinds of state a migration to `next` moves (layout::migrated_state).
+  std::vector<layout::StateKind> migrated_kinds(const Engine& next) const;
+  // Gives back what the next step recomputes (gradients, activations, workspace, the packing
+  // buffer) before the state moves.
+  void give_back_working_memory();
+  // Makes `old`'s moments of `part` (its bands still to run) this engine's background move.
+  void start_background(std::unique_ptr<Background> background, std::unique_ptr<Engine> old,
+                        layout::StagedRedistribution part);
+  // Between micro-batches of a step: moves on the background move, if any (never waits).
+  void poll_background();
   // Sums gradients over the refinement groups.
   void sync_gradients();
   // On every host's leader (a no-op elsewhere): times the link probe with the other leaders;
@@ -266,6 +316,9 @@ class Engine {
   double work_flops_ = 0;  // per step, of this rank's shard
   backend::Buffer<float> probe_a_, probe_b_, probe_c_;
   std::vector<int32_t> inputs_, targets_;
+  // An overlapped switch's moments still moving into this engine (engine_switch.cpp).
+  std::unique_ptr<Background> background_;
+  std::optional<BackgroundStats> background_stats_;
 };
 
 }  // namespace malleus::runtime

@@ -220,6 +220,14 @@ std::vector<ConfigField> make_fields() {
             "Bytes a live migration may hold per rank above max(its memory before, after): the "
             "state moves band by band within this",
             positive<int64_t>()),
+      field(&C::overlap_switch, "overlap_switch", "--overlap-switch", P::kHonoured,
+            "Move the Adam moments of a switch while the new plan's first step computes "
+            "(--no-overlap-switch: everything moves before it)"),
+      field(&C::migration_overlap_bytes, "migration_overlap_bytes", "--migration-overlap-bytes",
+            P::kHonoured,
+            "Old Adam moments a rank may still hold during the new plan's first step (the rest "
+            "moves before it)",
+            not_negative<int64_t>()),
       field(&C::stragglers, "stragglers", "--straggler", P::kHonoured,
             "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable",
             straggler_specs()),

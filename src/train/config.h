@@ -129,6 +129,11 @@ struct TrainConfig {
   // A migration's extra memory per rank, over max(before, after), stays under this
   // (runtime::EngineOptions::migration_bucket_bytes).
   int64_t migration_bucket_bytes = int64_t{64} << 20;
+  // The overlapped switch (runtime::Engine::switch_to): the Adam moments move while the new plan's
+  // first step computes; false: the synchronous switch (Engine::migrate). The old moments a rank
+  // may still hold during that step (EngineOptions::migration_overlap_bytes).
+  bool overlap_switch = true;
+  int64_t migration_overlap_bytes = int64_t{256} << 20;
   // Injected stragglers for experiments: "RANK:RATE:FROM-TO" entries and/or a trace file.
   std::vector<std::string> stragglers;
   std::string straggler_trace;

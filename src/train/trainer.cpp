@@ -57,6 +57,7 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.adamw = {c.beta1, c.beta2, c.adam_eps, c.weight_decay};
   options.shifted_recompute = c.shifted_recompute;
   options.migration_bucket_bytes = c.migration_bucket_bytes;
+  options.migration_overlap_bytes = c.migration_overlap_bytes;
   options.tp_subpipeline = c.tp_subpipeline;
   options.distributed_optimizer = c.distributed_optimizer;
   return options;
@@ -472,14 +473,35 @@ void Trainer::replan_if_asked(StepStats* out) {
     plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
                    "re-plan");
     runtime::MigrationStats migration;
-    engine_ = engine_->migrate(*decision.plan, &migration);
+    // Timed here, the old engine's end included: what training waits for (an overlapped switch's
+    // background part shows in the next step's time).
+    const auto start = Clock::now();
+    engine_ = config_.overlap_switch
+                  ? runtime::Engine::switch_to(std::move(engine_), *decision.plan, &migration)
+                  : engine_->migrate(*decision.plan, &migration);
+    migration.seconds = seconds_since(start);
     controller_->note_migration_seconds(migration.seconds);
     monitor_.note_replan();
     stats.replan->bytes_moved = migration.bytes_moved;
     stats.replan->migration_s = migration.seconds;
     stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
     stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
+    stats.replan->migration_background_bytes = migration.background_bytes;
   }
+}
+
+// The background part of an overlapped switch, once the step after it has finished it (the same
+// step on every rank): every rank's figures, summed or the most of any.
+void Trainer::collect_switch_background(StepStats* out) {
+  std::optional<runtime::BackgroundStats> mine = engine_->take_background_stats();
+  if (!mine) return;
+  runtime::BackgroundStats all;
+  all.bytes_received = world_.all_reduce_sum(mine->bytes_received);
+  all.poll_seconds = world_.all_reduce_max(mine->poll_seconds);
+  all.wait_seconds = world_.all_reduce_max(mine->wait_seconds);
+  all.peak_extra_bytes =
+      static_cast<int64_t>(world_.all_reduce_max(static_cast<double>(mine->peak_extra_bytes)));
+  out->switch_background = all;
 }
 
 StepStats Trainer::train_step() {
@@ -501,6 +523,7 @@ StepStats Trainer::train_step() {
                     stats.injected[static_cast<size_t>(world_.rank())], before_update);
   consumed_samples_ += config_.global_batch_size;
   ++step_;
+  collect_switch_background(&stats);
 
   // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
   const auto loop_start = Clock::now();
@@ -671,15 +694,29 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
     if (d.switched) {
       std::printf(
           "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %s in %.3f s "
-          "(planning %.3f s)\n",
+          "(planning %.3f s)%s\n",
           static_cast<long long>(s.step), d.old_plan.c_str(), d.new_plan.c_str(), d.predicted_old_s,
           d.predicted_new_s, format_bytes(static_cast<double>(d.bytes_moved)).c_str(),
-          d.migration_s, d.planning_s);
+          d.migration_s, d.planning_s,
+          d.migration_background_bytes > 0
+              ? ("; " + format_bytes(static_cast<double>(d.migration_background_bytes)) +
+                 " of Adam moments move in the background of the next step")
+                    .c_str()
+              : "");
     } else {
       std::printf("re-plan declined at step %lld: %s\n", static_cast<long long>(s.step),
                   d.reason.c_str());
     }
     metrics.write(d);
+  }
+  if (s.switch_background) {
+    const runtime::BackgroundStats& b = *s.switch_background;
+    std::printf(
+        "switch finished in step %lld: %s of Adam moments moved in the background (%s between "
+        "micro-batches, %s waiting before the update; memory %s above before/after)\n",
+        static_cast<long long>(s.step), format_bytes(static_cast<double>(b.bytes_received)).c_str(),
+        format_duration(b.poll_seconds).c_str(), format_duration(b.wait_seconds).c_str(),
+        format_bytes(static_cast<double>(b.peak_extra_bytes)).c_str());
   }
   std::fflush(stdout);
 }

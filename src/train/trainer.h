@@ -34,6 +34,9 @@ class Watchdog;
 // logged) and the controller's decision when it was asked.
 struct StepStats : metrics::StepRecord {
   std::optional<metrics::ReplanRecord> replan;
+  // The background part of an overlapped switch that this step finished: bytes over all ranks,
+  // times and memory the most of any rank's.
+  std::optional<runtime::BackgroundStats> switch_background;
 };
 
 // With memory_checkpoint_every 0, memory checkpoints come every K steps, K the fewest that keep a
@@ -142,6 +145,7 @@ class Trainer {
   void record_measurements(const runtime::StepResult& result, StepStats* stats);
   // The controller's decision on the rates just measured, and the migration it asks for.
   void replan_if_asked(StepStats* stats);
+  void collect_switch_background(StepStats* stats);
   // Rank 0's header of a run on stdout, and <out>/ranks.json.
   void announce(const std::filesystem::path& out, const std::string& plan_text);
   // Hang detection: only with several ranks (one rank waits for nobody). Collective.
