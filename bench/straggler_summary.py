@@ -14,8 +14,15 @@ Prints, per run and as the median over the runs: throughput while slowed with an
 re-planning; its fraction of the ideal (healthy throughput x sum(1/r) / N: the same devices with
 the work split in proportion to their speed); the detection delay (steps from FIRST until every
 slowed rank's rate is within 25 % of its true rate) and the re-plan delay (steps from FIRST to the
-first re-plan, which takes effect on the next step); the cost of each switch in iterations; and
-each plan's measured step time against the cost model's prediction.
+first re-plan, which takes effect on the next step); the cost of each switch in iterations of the
+new plan; and each plan's measured step time against the cost model's prediction.
+
+A switch's cost is the time training waited for it (planning and the migration's blocking part,
+migration_s) plus what the new plan's first step took beyond the new plan's steady step time (the
+median of the 5 steps after it; an overlapped switch's moments arrive during that first step, and
+any switch's new buffers are touched first there), in iterations of that steady step time. A
+switch whose first new-plan step is itself followed at once by another switch, or has no steady
+steps after it, has no cost figure ("-").
 
 Healthy figures come from steps 3 to FIRST - 1 (past 2 warm-up steps, which run slower). In a
 short run, where the slowdown starts at step 3 or earlier, there are none: a line says so and the
@@ -105,17 +112,23 @@ def summarise(run_dir, first, last, world, slowed):
                          None)
     first_replan = next((r["step"] - first for r in replans if r["step"] >= first), None)
     switches = []
-    for r in replans:
-        # The step time before the switch: the 5 steps before it, or the switch's own step when
-        # it comes first.
-        step_time = (median_step_time(ours, max(1, r["step"] - 5), r["step"] - 1) or
-                     median_step_time(ours, r["step"], r["step"]))
+    blocking = {r["step"]: r["migration_s"] + r["planning_s"] for r in replans}
+    boundaries = [r["step"] for r in replans] + [end]
+    for r, stop in zip(replans, boundaries[1:]):
+        first_new = r["step"] + 1
+        # A step that decides the next switch holds its blocking part: not a steady step.
+        last_steady = stop if stop == end else stop - 1
+        steady = median_step_time(ours, first_new + 1, min(first_new + 5, last_steady))
+        cost = None
+        if first_new in ours and steady is not None and first_new < stop:
+            cost = blocking[r["step"]] + ours[first_new]["step_time_s"] - steady
         switches.append({"step": r["step"], "old": r["old_plan"], "new": r["new_plan"],
                          "planning_s": r["planning_s"], "migration_s": r["migration_s"],
                          "bytes": r["bytes_moved"],
-                         "iterations": ratio(r["migration_s"] + r["planning_s"], step_time)})
+                         "background_bytes": r.get("migration_background_bytes", 0),
+                         "first_s": ours.get(first_new, {}).get("step_time_s"),
+                         "steady_s": steady, "iterations": ratio(cost, steady)})
     predictions = []
-    boundaries = [r["step"] for r in replans] + [end]
     for r, stop in zip(replans, boundaries[1:]):
         segment = [ours[s]["step_time_s"] for s in range(r["step"] + 2, stop + 1) if s in ours]
         if len(segment) >= 3:
@@ -185,7 +198,9 @@ def main():
         for s in r["switches"]:
             print(f"run {i}: re-plan at step {s['step']}: {s['old']} -> {s['new']}; planning "
                   f"{s['planning_s'] * 1e3:.1f} ms, migration {s['migration_s'] * 1e3:.0f} ms "
-                  f"({s['bytes'] / 1e6:.1f} MB) = {fmt(s['iterations'], '.2f')} iterations")
+                  f"({s['bytes'] / 1e6:.1f} MB, {s['background_bytes'] / 1e6:.1f} MB in the "
+                  f"background), first step {fmt(s['first_s'], '.3f')} s against "
+                  f"{fmt(s['steady_s'], '.3f')} s = {fmt(s['iterations'], '.2f')} iterations")
         for p in r["predictions"]:
             print(f"run {i}: plan {p['plan']}: measured {p['measured_s']:.3f} s/step, predicted "
                   f"{p['predicted_s']:.3f} s, error {100 * p['error']:+.0f}%")
