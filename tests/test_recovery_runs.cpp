@@ -30,24 +30,30 @@ namespace {
 
 constexpr int kTimeoutS = 240;
 
+// How fast the tiny run steps: slowed, so that a test can act in mid-run, or at full speed.
+enum class Pace { kSlowed, kFull };
+
 // The tiny model on the synthetic corpus, a checkpoint every 2 steps and a constant learning
-// rate. --no-replan: the plan must be the one the job starts with, whatever the timings. Rank 0
-// computes 100 times longer than it would (an injected straggler: timing only, the numerics are
-// untouched), so that a step takes a good part of a second and the test acts in mid-run.
-std::string tiny_flags(const ScratchDir& dir, const std::string& run, int steps) {
+// rate. --no-replan: the plan must be the one the job starts with, whatever the timings. Slowed,
+// rank 0 computes 100 times longer than it would (an injected straggler: timing only, the numerics
+// are untouched), so that a step takes a good part of a second and the test acts in mid-run.
+std::string tiny_flags(const ScratchDir& dir, const std::string& run, int steps,
+                       Pace pace = Pace::kSlowed) {
   return "--model tiny --seq-len 16 --micro-batch 1 --global-batch 12 --threads 1 "
-         "--warmup-steps 1 --min-lr-ratio 1 --val-data '' --checkpoint-every 2 --no-replan "
-         "--straggler 0:100:1- "
-         "--steps " +
+         "--warmup-steps 1 --min-lr-ratio 1 --val-data '' --checkpoint-every 2 --no-replan " +
+         std::string(pace == Pace::kSlowed ? "--straggler 0:100:1- " : "") + "--steps " +
          std::to_string(steps) + " --train-data '" + (dir / "data" / "train_*.bin").string() +
          "' --out " + (dir / run).string();
 }
 
-// `malleus launch` on `ranks` ranks (0: the hostfile's slots, given in `launch_flags`).
+// `malleus launch` on `ranks` ranks (0: the hostfile's slots, given in `launch_flags`), in a
+// session of its own (tests/own_session.sh): the watchdog judges elapsed time, and other sessions'
+// load must not make a step outlast its limit. The command keeps its pid.
 std::string launch_command(int ranks, const std::string& launch_flags, const std::string& train) {
-  return kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_BINARY +
-         " launch" + (ranks > 0 ? " --np " + std::to_string(ranks) : "") + " --mpirun " +
-         MALLEUS_MPIRUN + " --mpirun-args=--oversubscribe " + launch_flags + " -- train " + train;
+  return MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kMpiEnvironment + "timeout " +
+         std::to_string(kTimeoutS) + " " + MALLEUS_BINARY + " launch" +
+         (ranks > 0 ? " --np " + std::to_string(ranks) : "") + " --mpirun " + MALLEUS_MPIRUN +
+         " --mpirun-args=--oversubscribe " + launch_flags + " -- train " + train;
 }
 
 // The last loss logged for every step (a restarted job logs the steps after its checkpoint again)
@@ -80,11 +86,13 @@ bool wait_for_step(BackgroundCommand& job, int step) {
   return job.wait_for_output(text + "/", kTimeoutS);
 }
 
-// Losses of the same run never interrupted, on 4 ranks.
+// Losses of the same run never interrupted, on 4 ranks (at full speed: the injected straggler
+// changes timings only), in a session of its own like the job (tests/own_session.sh).
 std::map<int64_t, double> uninterrupted(const ScratchDir& dir, int steps) {
-  const auto r = run_command(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
-                             MALLEUS_MPIRUN + " --oversubscribe -np 4 " + MALLEUS_BINARY +
-                             " train " + tiny_flags(dir, "straight", steps));
+  const auto r =
+      run_command(MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kMpiEnvironment + "timeout " +
+                  std::to_string(kTimeoutS) + " " + MALLEUS_MPIRUN + " --oversubscribe -np 4 " +
+                  MALLEUS_BINARY + " train " + tiny_flags(dir, "straight", steps, Pace::kFull));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return read_metrics(dir / "straight").losses;
 }

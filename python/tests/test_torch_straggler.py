@@ -2,7 +2,8 @@
 processes (taskset) share rank 1's core from step BUSY_FROM to step BUSY_TO (rank 1 gets a third
 of it). The monitor must see it, the controller move micro-batches off rank 1 within 3 steps, and
 the split must return to even within 3 steps of the busy processes leaving. Judges elapsed time:
-scripts/test.sh runs it once more alone when it fails on a loaded machine."""
+CTest runs it alone, in a session of its own (tests/own_session.sh), so that other sessions' load
+is not read as a slowdown of rank 0."""
 
 import json
 import os
