@@ -66,6 +66,20 @@ void write_copy(const fs::path& dir, const Json& entry, const void* data, int64_
   file.commit();
 }
 
+// Removes `root` and everything under it. Ranks that share /dev/shm (emulated hosts, or a job
+// whose host leaders see one memory) may remove the same tree at once: an entry another rank
+// removed first is not an error, a tree still there afterwards is.
+void remove_tree(const fs::path& root) {
+  std::error_code ec;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    fs::remove_all(root, ec);
+    if (ec != std::errc::no_such_file_or_directory) break;
+  }
+  if (ec == std::errc::no_such_file_or_directory) ec.clear();
+  check(!ec && !fs::exists(root), "cannot remove the memory checkpoints " + root.string() + ": " +
+                                      (ec ? ec.message() : "still there"));
+}
+
 }  // namespace
 
 fs::path memory_checkpoint_base() {
@@ -98,10 +112,7 @@ std::optional<fs::path> latest_memory_checkpoint(const fs::path& run_dir) {
 }
 
 void remove_memory_checkpoints(const fs::path& run_dir) {
-  const fs::path root = memory_checkpoint_root(run_dir);
-  std::error_code ec;
-  fs::remove_all(root, ec);
-  check(!ec, "cannot remove the memory checkpoints " + root.string() + ": " + ec.message());
+  remove_tree(memory_checkpoint_root(run_dir));
 }
 
 MemoryHolders memory_holders(const std::vector<int>& hosts, int rank) {
@@ -250,11 +261,7 @@ void MemoryCheckpointer::commit(const fs::path& dir, const Checkpoint& header,
 
 void MemoryCheckpointer::clear() {
   agree(world_, attempt([&] {
-          if (!host_leader_) return;
-          std::error_code ec;
-          fs::remove_all(root_, ec);
-          check(!ec,
-                "cannot remove the memory checkpoints " + root_.string() + ": " + ec.message());
+          if (host_leader_) remove_tree(root_);
         }));
 }
 
