@@ -57,10 +57,17 @@ bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
     const double was = std::max(1.0, planned), is = std::max(1.0, now);
     return std::abs(is - was) < options_.hysteresis * was ? 0 : is > was ? 1 : -1;
   };
+  // A rank planned for as a straggler that now reads clearly healthy (below halfway to the
+  // threshold) has moved, however close the two rates: a plan for 1.28 is not kept at 1.0.
+  const double clearly_healthy = 1.0 + (options_.straggler_threshold - 1.0) / 2;
+  auto recovered = [&](double planned, double now) {
+    return planned >= options_.straggler_threshold && now <= clearly_healthy;
+  };
   ++steps_since_ask_;
   bool moved = false;
   for (size_t r = 0; r < rates.size(); ++r) {
-    moved = moved || moved_from(planned_rates_[r], rates[r]) != 0;
+    moved = moved || moved_from(planned_rates_[r], rates[r]) != 0 ||
+            recovered(planned_rates_[r], rates[r]);
   }
   calm_steps_ = moved ? 0 : calm_steps_ + 1;
   // On hold, every rank asks again after hold_reask_steps: the record of rates has grown.
@@ -203,7 +210,8 @@ std::vector<size_t> Controller::regimes() const {
 Controller::Regime Controller::regime() const {
   // New rates (no earlier recorded step had them: a load that moves between ranks comes back to
   // the rates it had) or rates that held longer than any earlier run recorded (a load that moves
-  // every few steps never does) persist once they have held for min_samples steps.
+  // every few steps never does) persist once they have held for min_samples steps. So does
+  // health: every rank healthy again is where a straggler's end leads, not a load that moved.
   const std::vector<size_t> runs = regimes();
   if (runs.empty()) return Regime::moving;
   const size_t begins = history_.size() - runs.back();
@@ -211,7 +219,9 @@ Controller::Regime Controller::regime() const {
   for (size_t i = 0; i < begins && !seen; ++i) seen = same_rates(history_[i], history_[begins]);
   const bool outlasted = std::all_of(runs.begin(), runs.end() - 1,
                                      [&](size_t length) { return length < runs.back(); });
-  if (seen && !outlasted) return Regime::moving;
+  const bool healthy = std::all_of(history_[begins].begin(), history_[begins].end(),
+                                   [](double rate) { return rate <= 1.0; });
+  if (seen && !outlasted && !healthy) return Regime::moving;
   return runs.back() >= static_cast<size_t>(std::max(1, options_.min_samples)) ? Regime::persistent
                                                                                : Regime::emerging;
 }
