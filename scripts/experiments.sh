@@ -9,7 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scale=()
 if [[ "${1:-}" == "--scale" ]]; then
-  scale=(--scale-scenarios configs/scenarios/scale/*.json)
+  # Smallest cluster first: 4k, 8k, 16k.
+  mapfile -t files < <(printf "%s\n" configs/scenarios/scale/*.json | sort -V)
+  scale=(--scale-scenarios "${files[@]}")
   shift
 fi
 build="${1:-build}"

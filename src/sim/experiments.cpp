@@ -537,7 +537,11 @@ std::string compose_scale(const ScaleTable& t) {
          "llama-405b (126 layers, hidden 16384) on 512, 1,024 and 2,048 nodes of 8 H100s "
          "(configs/clusters/h100-*x8.json), 16 sequences of 4096 tokens per node and step: the "
          "straggler situations and a trace whose rates change, every strategy as in the first "
-         "table. Our planner re-plans as the controller does: incrementally from the running plan "
+         "table. The base (the baselines' shape) is the best uniform shape of the healthy cluster, "
+         "as `malleus plan --strategy uniform` finds it: dp32 tp8 pp16 and dp64 tp8 pp16 at 4,096 "
+         "and 8,192 devices, dp64 tp4 pp64 at 16,384 (Llama 3's dp128 tp8 pp16 simulates 1.4 % "
+         "slower there). Our planner re-plans as the controller does: incrementally from the "
+         "running plan "
          "when at most 8 devices' rates moved since it last planned, the full search otherwise "
          "(docs/planner.md). Reproduce: `scripts/experiments.sh --scale` (adds `--scale-scenarios "
          "configs/scenarios/scale/*.json`). The planning times are wall times: " +
