@@ -329,11 +329,15 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
   train::Trainer trainer(config, malleus::testing::parallel_test_model(), world);
   TrainingRun run;
   int replans = 0;
+  std::set<std::string> searches;  // how each switch's plan was searched
   std::set<std::string> plans{trainer.engine().plan().summary()};
   for (int s = 0; s < 28; ++s) {
     const train::StepStats stats = trainer.train_step();
     run.losses.push_back(stats.loss);
-    if (stats.replan && stats.replan->switched) ++replans;
+    if (stats.replan && stats.replan->switched) {
+      ++replans;
+      searches.insert(stats.replan->search);
+    }
     if (stats.replan && world.rank() == 0) {
       std::printf("  step %d: %s\n", s + 1, metrics::to_json(*stats.replan).dump().c_str());
     }
@@ -342,6 +346,13 @@ TEST(Runtime, ReplanningAroundAStragglerKeepsTheNumerics) {
   run.params = trainer.snapshot().params;
   EXPECT_GE(replans, 2);
   EXPECT_GE(plans.size(), 2u);
+  // Every switch says how its plan was searched: from the running plan (few rates moved), or the
+  // full search, which on small clusters also checks an incremental plan short of the capacity
+  // left (Controller.ReplansIncrementallyWhenFewRatesMoved shows the incremental one chosen).
+  // The record's planner figures are rank 0's.
+  for (const std::string& search : world.rank() == 0 ? searches : std::set<std::string>{}) {
+    EXPECT_TRUE(search == "incremental" || search == "full") << search;
+  }
   std::printf("  re-plans: %d, plans used: %zu\n", replans, plans.size());
   if (world.rank() == 0) expect_matches(run, reference, "with re-plans");
   remove_shared_dir(world, dir);

@@ -53,6 +53,7 @@ class Decision:
     gain_s: float = 0.0            # (current - proposed) x horizon
     reason: str = ""               # why not, when declined
     planning_s: float = float("nan")
+    incremental: bool = False      # re-planned from the running plan (few devices' rates moved)
     held: bool = False             # on hold, a plan the rule would take was declined
 
 

@@ -32,6 +32,7 @@ py::dict decision_dict(const elastic::Decision& d) {
   x["gain_s"] = d.verdict.gain_s;
   x["reason"] = d.verdict.reason;
   x["planning_s"] = d.planning_s;
+  x["incremental"] = d.incremental;
   x["held"] = d.held;
   return x;
 }

@@ -108,6 +108,7 @@ class MonitorAndController(unittest.TestCase):
         self.assertEqual(split, {0: 6, 1: 2})
         self.assertLess(d.proposed_step_s, d.current_step_s)
         self.assertAlmostEqual(d.gain_s, (d.current_step_s - d.proposed_step_s) * 50)
+        self.assertFalse(d.incremental)  # only the malleus strategy re-plans incrementally
         # Near the end the same gain need not pay: propose() answers whether or not rates moved.
         late = c.propose(even, [1.0, 3.0], 99, 1)
         self.assertEqual(late.horizon_steps, 1)

@@ -96,6 +96,7 @@ constexpr auto fields(const ReplanRecord*) {
       Field<R, std::string>{"old_plan", &R::old_plan},
       Field<R, std::string>{"new_plan", &R::new_plan},
       Field<R, std::string>{"reason", &R::reason},
+      Field<R, std::string>{"search", &R::search},
       Field<R, double>{"predicted_old_s", &R::predicted_old_s},
       Field<R, double>{"predicted_new_s", &R::predicted_new_s},
       Field<R, double>{"predicted_gain_s", &R::predicted_gain_s},

@@ -59,6 +59,9 @@ struct ReplanRecord {
   std::vector<double> link_rates;  // and link rates, per node (empty on one host)
   std::string old_plan, new_plan;
   std::string reason;  // why declined
+  // How the plan was searched: "incremental" (from the running plan: few devices' rates moved) or
+  // "full"; empty when no plan was weighed.
+  std::string search;
   double predicted_old_s = kUnknown, predicted_new_s = kUnknown, predicted_gain_s = kUnknown;
   double predicted_migration_s = kUnknown;
   int64_t horizon_steps = 0;

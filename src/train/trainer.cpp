@@ -107,6 +107,7 @@ ReplanRecord replan_record(const elastic::Decision& d) {
     r.predicted_migration_s = d.question.switch_s;
     r.horizon_steps = static_cast<int64_t>(d.question.horizon_steps);
     r.planning_s = d.planning_s;
+    r.search = d.incremental ? "incremental" : "full";
   }
   return r;
 }
@@ -694,10 +695,10 @@ void Trainer::log_step(StepStats s, double eta, const std::string& plan_text, Me
     if (d.switched) {
       std::printf(
           "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %s in %.3f s "
-          "(planning %.3f s)%s\n",
+          "(planning %.3f s, %s search)%s\n",
           static_cast<long long>(s.step), d.old_plan.c_str(), d.new_plan.c_str(), d.predicted_old_s,
           d.predicted_new_s, format_bytes(static_cast<double>(d.bytes_moved)).c_str(),
-          d.migration_s, d.planning_s,
+          d.migration_s, d.planning_s, d.search.c_str(),
           d.migration_background_bytes > 0
               ? ("; " + format_bytes(static_cast<double>(d.migration_background_bytes)) +
                  " of Adam moments move in the background of the next step")
