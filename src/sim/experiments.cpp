@@ -543,7 +543,11 @@ std::string compose_scale(const ScaleTable& t) {
          "slower there). Our planner re-plans as the controller does: incrementally from the "
          "running plan "
          "when at most 8 devices' rates moved since it last planned, the full search otherwise "
-         "(docs/planner.md). Reproduce: `scripts/experiments.sh --scale` (adds `--scale-scenarios "
+         "(docs/planner.md). In the trace, each change first costs an iteration on the old plan "
+         "at the new rates (detection) or the failure timeout, which the ideal does not pay: at "
+         "55 s an iteration, up to 275 s with a device at 5×, the main reason its end-to-end "
+         "ratios sit below those of the windows after each change. "
+         "Reproduce: `scripts/experiments.sh --scale` (adds `--scale-scenarios "
          "configs/scenarios/scale/*.json`). The planning times are wall times: " +
          t.machine + ".\n\n" + strategy_header(t.strategies) + t.strategies.rows + "\n" +
          strategy_summary(t.strategies) + "\n" + strategy_verdict(t.strategies) +
