@@ -130,7 +130,8 @@ ConfigField field(T TrainConfig::*member, const char* key, const char* flag, OnR
 using P = OnResume;
 using C = TrainConfig;
 
-std::vector<ConfigField> make_fields() {
+// What is trained, on which data, in which batches, for how long.
+std::vector<ConfigField> run_fields() {
   return {
       field(&C::model, "model", "--model", P::kFixed, "Model preset or JSON file", non_empty()),
       field(&C::train_data, "train_data", "--train-data", P::kHonoured,
@@ -145,6 +146,12 @@ std::vector<ConfigField> make_fields() {
       field(&C::steps, "steps", "--steps", P::kHonoured, "Total optimizer steps of the run",
             positive<int64_t>()),
       field(&C::seed, "seed", "--seed", P::kFixed, "Seed of initialisation and data order"),
+  };
+}
+
+// AdamW and its learning-rate schedule.
+std::vector<ConfigField> optimizer_fields() {
+  return {
       field(&C::lr, "lr", "--lr", P::kHonoured, "Peak learning rate", positive<float>()),
       field(&C::min_lr_ratio, "min_lr_ratio", "--min-lr-ratio", P::kHonoured,
             "Final learning rate of the cosine decay, as a fraction of the peak",
@@ -159,6 +166,12 @@ std::vector<ConfigField> make_fields() {
             positive<float>()),
       field(&C::grad_clip, "grad_clip", "--grad-clip", P::kHonoured,
             "Clip the global gradient norm to this (0: no clipping)", not_negative<float>()),
+  };
+}
+
+// Evaluation, checkpoints and the run directory.
+std::vector<ConfigField> output_fields() {
+  return {
       field(&C::eval_every, "eval_every", "--eval-every", P::kHonoured,
             "Evaluate every N steps (0: only at the end)", not_negative<int64_t>()),
       field(&C::eval_samples, "eval_samples", "--eval-samples", P::kHonoured,
@@ -178,6 +191,12 @@ std::vector<ConfigField> make_fields() {
       field(&C::out_dir, "out_dir", "--out", P::kHonoured,
             "Run directory: metrics.jsonl and checkpoints/ (resuming: the resumed run's)",
             non_empty()),
+  };
+}
+
+// Threads, recomputation and the parallel plan.
+std::vector<ConfigField> parallel_fields() {
+  return {
       field(&C::threads, "threads", "--threads", P::kHonoured,
             "Compute threads per rank (0: the node's cores shared among its ranks)",
             not_negative<int>()),
@@ -202,6 +221,12 @@ std::vector<ConfigField> make_fields() {
       field(&C::tp_subpipeline, "tp_subpipeline", "--tp-subpipeline", P::kHonoured,
             "Sub-pipelined tensor parallelism: overlap one half-micro-batch's TP all-reduce with "
             "the other half's compute (--no-tp-subpipeline: whole micro-batches)"),
+  };
+}
+
+// The controller: re-planning around slow ranks and links, and live migration.
+std::vector<ConfigField> elastic_fields() {
+  return {
       field(&C::replan, "replan", "--replan", P::kHonoured,
             "Re-plan around slow ranks (--no-replan keeps the starting plan)"),
       field(&C::replan_links, "replan_links", "--replan-links", P::kHonoured,
@@ -228,6 +253,12 @@ std::vector<ConfigField> make_fields() {
             "Old Adam moments a rank may still hold during the new plan's first step (the rest "
             "moves before it)",
             not_negative<int64_t>()),
+  };
+}
+
+// Injected stragglers, and the watchdog that ends a hung job.
+std::vector<ConfigField> fault_fields() {
+  return {
       field(&C::stragglers, "stragglers", "--straggler", P::kHonoured,
             "Inject a straggler: RANK:RATE:FROM-TO (steps, inclusive); repeatable",
             straggler_specs()),
@@ -240,7 +271,18 @@ std::vector<ConfigField> make_fields() {
             positive<float>()),
       field(&C::watchdog_multiple, "watchdog_multiple", "--watchdog-multiple", P::kHonoured,
             "... or this many times its median duration so far, if longer", at_least(1.0f)),
+
   };
+}
+
+// Every field, section by section: the order of `train --help`'s flags.
+std::vector<ConfigField> make_fields() {
+  std::vector<ConfigField> fields;
+  for (auto section : {run_fields, optimizer_fields, output_fields, parallel_fields, elastic_fields,
+                       fault_fields}) {
+    for (ConfigField& f : section()) fields.push_back(std::move(f));
+  }
+  return fields;
 }
 
 std::string key_in(const std::string& source, const std::string& key) {
