@@ -302,10 +302,8 @@ void run_profile(const std::string& model_name, int micro_batch, int seq_len, in
   std::printf("wrote %s\n", out.c_str());
 }
 
-}  // namespace
-
-void add_planning_commands(CLI::App& app) {
-  // plan
+// plan: the fastest plan for a cluster, written as JSON.
+void add_plan_command(CLI::App& app) {
   struct PlanArgs {
     SetupArgs setup;
     std::string strategy = "malleus", current, out = "plan.json";
@@ -324,8 +322,10 @@ void add_planning_commands(CLI::App& app) {
   plan_cmd->callback([plan_args] {
     run_plan(plan_args->setup, plan_args->strategy, plan_args->current, plan_args->out);
   });
+}
 
-  // simulate
+// simulate: one iteration of a plan, or a scenario against every strategy.
+void add_simulate_command(CLI::App& app) {
   struct SimArgs {
     SetupArgs setup;
     std::string plan, scenario, svg;
@@ -350,8 +350,10 @@ void add_planning_commands(CLI::App& app) {
           "simulate --plan needs --cluster and --model");
     run_simulate_plan(a.setup, a.plan);
   });
+}
 
-  // experiments
+// experiments: scenarios against every strategy, as a markdown table.
+void add_experiments_command(CLI::App& app) {
   auto exp_args = std::make_shared<sim::ExperimentsRequest>();
   exp_args->out = "docs/experiments.md";
   exp_args->svg_dir = "docs/figures";
@@ -367,8 +369,10 @@ void add_planning_commands(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   exp_cmd->callback([exp_args] { write_experiments(*exp_args); });
+}
 
-  // profile
+// profile: this machine's per-layer times for the cost model.
+void add_profile_command(CLI::App& app) {
   struct ProfileArgs {
     std::string model = "demo", out = "profile.json";
     int micro_batch = 1, seq_len = 0, threads = 0, repeats = 5;
@@ -390,8 +394,10 @@ void add_planning_commands(CLI::App& app) {
     run_profile(prof->model, prof->micro_batch, prof->seq_len, prof->threads, prof->repeats,
                 prof->out);
   });
+}
 
-  // clusters
+// clusters: the built-in presets, one line each.
+void add_clusters_command(CLI::App& app) {
   app.add_subcommand("clusters", "List the built-in cluster presets")->callback([] {
     std::printf("%-14s %6s %8s %9s %8s %11s %11s\n", "preset", "nodes", "per node", "memory",
                 "TFLOPS", "intra GB/s", "inter GB/s");
@@ -402,6 +408,16 @@ void add_planning_commands(CLI::App& app) {
                   c.intra_node_bandwidth / 1e9, c.inter_node_bandwidth / 1e9);
     }
   });
+}
+
+}  // namespace
+
+void add_planning_commands(CLI::App& app) {
+  add_plan_command(app);
+  add_simulate_command(app);
+  add_experiments_command(app);
+  add_profile_command(app);
+  add_clusters_command(app);
 }
 
 }  // namespace malleus::cli

@@ -241,8 +241,10 @@ void add_corpus_options(CLI::App& command, data::PrepareOptions& corpus) {
       ->capture_default_str();
 }
 
-void add_training_commands(CLI::App& app) {
-  // train
+namespace {
+
+// train: the training config from --config (or the demo), the field flags on top.
+void add_train_command(CLI::App& app) {
   auto train_args = std::make_shared<TrainArgs>();
   auto* train_cmd = app.add_subcommand("train",
                                        "Train a model (default: the demo model on the "
@@ -262,8 +264,10 @@ void add_training_commands(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   train_args->overrides.add_to(*train_cmd);
   train_cmd->callback([train_args] { run_train(*train_args); });
+}
 
-  // prepare-data
+// prepare-data: text files into token shards.
+void add_prepare_data_command(CLI::App& app) {
   auto prepare = std::make_shared<data::PrepareOptions>();
   prepare->output_dir = "data/fortunes";
   auto* prepare_cmd = app.add_subcommand("prepare-data", "Tokenize text files into token shards");
@@ -292,8 +296,10 @@ void add_training_commands(CLI::App& app) {
         static_cast<long long>(s.train_tokens), static_cast<long long>(s.val_tokens),
         s.shards.size(), prepare->output_dir.c_str(), prepare->tokenizer->describe().c_str());
   });
+}
 
-  // eval
+// eval: a checkpoint's mean loss on token shards.
+void add_eval_command(CLI::App& app) {
   struct EvalArgs {
     std::string checkpoint, data = "data/fortunes/val_*.bin";
     int samples = 1 << 30, micro_batch = 8, seq_len = 0, threads = 0;
@@ -317,8 +323,10 @@ void add_training_commands(CLI::App& app) {
     run_eval(eval_args->checkpoint, eval_args->data, eval_args->samples, eval_args->micro_batch,
              eval_args->seq_len, eval_args->threads);
   });
+}
 
-  // export
+// export: a checkpoint as a Hugging Face directory.
+void add_export_command(CLI::App& app) {
   struct ExportArgs {
     std::string checkpoint, output;
   };
@@ -333,8 +341,10 @@ void add_training_commands(CLI::App& app) {
     hf::export_hf(checkpoint::load_checkpoint(dir, /*with_optimizer=*/false), export_args->output);
     std::printf("exported %s to %s\n", dir.c_str(), export_args->output.c_str());
   });
+}
 
-  // models
+// models: the built-in presets, one line each.
+void add_models_command(CLI::App& app) {
   app.add_subcommand("models", "List the built-in model presets")->callback([] {
     std::printf("%-12s %10s %7s %7s %6s %5s %7s %7s\n", "preset", "params", "layers", "hidden",
                 "heads", "kv", "ffn", "vocab");
@@ -345,6 +355,16 @@ void add_training_commands(CLI::App& app) {
                   c.hidden_size, c.num_heads, c.num_kv_heads, c.ffn_hidden_size, c.vocab_size);
     }
   });
+}
+
+}  // namespace
+
+void add_training_commands(CLI::App& app) {
+  add_train_command(app);
+  add_prepare_data_command(app);
+  add_eval_command(app);
+  add_export_command(app);
+  add_models_command(app);
 }
 
 }  // namespace malleus::cli
