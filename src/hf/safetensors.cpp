@@ -54,6 +54,12 @@ size_t dtype_bytes(const std::string& dtype) {
   return 0;
 }
 
+int64_t elements_of(const TensorRef& tensor) {
+  int64_t elements = 1;
+  for (int64_t d : tensor.shape) elements *= d;
+  return elements;
+}
+
 }  // namespace
 
 void write_safetensors(const fs::path& path, const std::vector<TensorRef>& tensors) {
@@ -63,9 +69,7 @@ void write_safetensors(const fs::path& path, const std::vector<TensorRef>& tenso
   header["__metadata__"] = {{"format", "pt"}};
   int64_t offset = 0;
   for (const auto& tensor : tensors) {
-    int64_t elements = 1;
-    for (int64_t d : tensor.shape) elements *= d;
-    const int64_t bytes = elements * static_cast<int64_t>(sizeof(float));
+    const int64_t bytes = elements_of(tensor) * static_cast<int64_t>(sizeof(float));
     header[tensor.name] = {
         {"dtype", "F32"},
         {"shape", tensor.shape},
@@ -83,9 +87,7 @@ void write_safetensors(const fs::path& path, const std::vector<TensorRef>& tenso
   file.write(length, sizeof length);
   file.write(text);
   for (const auto& tensor : tensors) {
-    int64_t elements = 1;
-    for (int64_t d : tensor.shape) elements *= d;
-    file.write(tensor.data, static_cast<size_t>(elements) * sizeof(float));
+    file.write(tensor.data, static_cast<size_t>(elements_of(tensor)) * sizeof(float));
   }
   file.commit();
 }
@@ -138,19 +140,14 @@ void check_extents(std::vector<Extent> extents, uint64_t data_size, const std::s
               ": the data must end where the last tensor ends");
 }
 
-}  // namespace
+// The header: its length, its JSON (an object beginning with '{'), its metadata (strings), and
+// where the data begins and how long it is.
+struct Header {
+  Json json;
+  uint64_t data_start = 0, data_size = 0;
+};
 
-std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) {
-  const std::string where = path.string();
-  std::error_code ec;
-  check(fs::is_regular_file(path, ec), where + ": no such file");
-  const uint64_t file_size = fs::file_size(path, ec);
-  check(!ec, where + ": cannot stat: " + ec.message());
-  check(file_size >= kLengthBytes,
-        where + ": too short for a safetensors file (" + std::to_string(file_size) + " bytes)");
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), where + ": cannot open");
-
+Header read_header(std::ifstream& in, uint64_t file_size, const std::string& where) {
   unsigned char length[kLengthBytes];
   in.read(reinterpret_cast<char*>(length), sizeof length);
   check(in.good(), where + ": cannot read the header length");
@@ -165,75 +162,116 @@ std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) 
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
   check(in.good(), where + ": cannot read the header");
-  const Json header = parse_json(text, where + " (safetensors header)");
-  check(header.is_object(), where + ": the safetensors header is not a JSON object");
+  Header header;
+  header.json = parse_json(text, where + " (safetensors header)");
+  check(header.json.is_object(), where + ": the safetensors header is not a JSON object");
   check(text.starts_with('{'), where + ": the safetensors header must begin with '{'");
-  if (header.contains("__metadata__")) {
-    const Json& metadata = header["__metadata__"];
+  if (header.json.contains("__metadata__")) {
+    const Json& metadata = header.json["__metadata__"];
     check(metadata.is_object(), where + ": __metadata__ must be an object of strings");
     for (const auto& [key, value] : metadata.items()) {
       check(value.is_string(),
             where + ": __metadata__ \"" + key + "\" is " + value.dump() + ", not a string");
     }
   }
+  header.data_start = kLengthBytes + header_size;
+  header.data_size = file_size - header.data_start;
+  return header;
+}
 
-  const uint64_t data_start = kLengthBytes + header_size;
-  const uint64_t data_size = file_size - data_start;
+// One tensor's header entry, checked: a dtype read, offsets within the data, and a shape whose
+// elements fill them exactly.
+struct TensorEntry {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  Extent extent;
+  size_t width = 0;       // bytes per element
+  uint64_t elements = 0;  // of the shape
+};
+
+TensorEntry read_tensor_entry(const std::string& name, const Json& value, uint64_t data_size,
+                              const std::string& source) {
+  JsonReader reader(value, source);
+  TensorEntry t;
+  t.dtype = reader.required<std::string>("dtype");
+  t.shape = reader.required<std::vector<int64_t>>("shape");
+  const auto offsets = reader.required<std::vector<uint64_t>>("data_offsets");
+  reader.finish();
+  t.width = dtype_bytes(t.dtype);
+  check(t.width > 0,
+        source + ": unsupported dtype \"" + t.dtype + "\" (F32, BF16 and F16 are read)");
+  check(offsets.size() == 2, source + ": data_offsets must be [begin, end]");
+  check(offsets[0] <= offsets[1] && offsets[1] <= data_size,
+        source + ": data_offsets [" + std::to_string(offsets[0]) + ", " +
+            std::to_string(offsets[1]) + "] are out of range (the data is " +
+            std::to_string(data_size) + " bytes)");
+  t.extent = {offsets[0], offsets[1], name};
+  // Bounded by the byte count already known to be in the file, so the product cannot overflow.
+  const uint64_t max_elements = (offsets[1] - offsets[0]) / t.width;
+  t.elements = 1;
+  for (int64_t dim : t.shape) {
+    check(dim >= 0, source + ": negative dimension in shape");
+    const auto d = static_cast<uint64_t>(dim);
+    check(d == 0 || t.elements <= max_elements / d,
+          source + ": shape does not match data_offsets (more elements than bytes)");
+    t.elements *= d;
+  }
+  check(t.elements * t.width == offsets[1] - offsets[0],
+        source + ": shape has " + std::to_string(t.elements) + " elements of " + t.dtype +
+            ", but data_offsets span " + std::to_string(offsets[1] - offsets[0]) + " bytes");
+  return t;
+}
+
+// The tensor's data, converted to float32; `raw` is scratch reused across tensors.
+SafetensorsTensor read_tensor_data(std::ifstream& in, const TensorEntry& t, uint64_t data_start,
+                                   std::vector<char>& raw, const std::string& source) {
+  SafetensorsTensor tensor;
+  tensor.dtype = t.dtype;
+  tensor.shape = t.shape;
+  tensor.data.resize(t.elements);
+  raw.resize(t.elements * t.width);
+  in.seekg(static_cast<std::streamoff>(data_start + t.extent.begin));
+  in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+  check(in.good() || raw.empty(), source + ": cannot read its data");
+  if (raw.empty()) {
+    // An empty tensor: nothing to copy (and memcpy must not see the null pointers).
+  } else if (t.dtype == "F32") {
+    std::memcpy(tensor.data.data(), raw.data(), raw.size());
+  } else {
+    for (size_t i = 0; i < t.elements; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, raw.data() + 2 * i, 2);
+      tensor.data[i] = t.dtype == "BF16" ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+  }
+  return tensor;
+}
+
+}  // namespace
+
+std::map<std::string, SafetensorsTensor> read_safetensors(const fs::path& path) {
+  const std::string where = path.string();
+  std::error_code ec;
+  check(fs::is_regular_file(path, ec), where + ": no such file");
+  const uint64_t file_size = fs::file_size(path, ec);
+  check(!ec, where + ": cannot stat: " + ec.message());
+  check(file_size >= kLengthBytes,
+        where + ": too short for a safetensors file (" + std::to_string(file_size) + " bytes)");
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), where + ": cannot open");
+  const Header header = read_header(in, file_size, where);
+
   std::map<std::string, SafetensorsTensor> tensors;
   std::vector<Extent> extents;
   std::vector<char> raw;
-  for (const auto& [name, value] : header.items()) {
+  for (const auto& [name, value] : header.json.items()) {
     if (name == "__metadata__") continue;
     const std::string source = where + ": tensor \"" + name + "\"";
-    JsonReader reader(value, source);
-    const auto dtype = reader.required<std::string>("dtype");
-    const auto shape = reader.required<std::vector<int64_t>>("shape");
-    const auto offsets = reader.required<std::vector<uint64_t>>("data_offsets");
-    reader.finish();
-    const size_t width = dtype_bytes(dtype);
-    check(width > 0, source + ": unsupported dtype \"" + dtype + "\" (F32, BF16 and F16 are read)");
-    check(offsets.size() == 2, source + ": data_offsets must be [begin, end]");
-    check(offsets[0] <= offsets[1] && offsets[1] <= data_size,
-          source + ": data_offsets [" + std::to_string(offsets[0]) + ", " +
-              std::to_string(offsets[1]) + "] are out of range (the data is " +
-              std::to_string(data_size) + " bytes)");
-    // Bounded by the byte count already known to be in the file, so the product cannot overflow.
-    const uint64_t max_elements = (offsets[1] - offsets[0]) / width;
-    uint64_t elements = 1;
-    for (int64_t dim : shape) {
-      check(dim >= 0, source + ": negative dimension in shape");
-      const auto d = static_cast<uint64_t>(dim);
-      check(d == 0 || elements <= max_elements / d,
-            source + ": shape does not match data_offsets (more elements than bytes)");
-      elements *= d;
-    }
-    check(elements * width == offsets[1] - offsets[0],
-          source + ": shape has " + std::to_string(elements) + " elements of " + dtype +
-              ", but data_offsets span " + std::to_string(offsets[1] - offsets[0]) + " bytes");
-
-    SafetensorsTensor tensor;
-    tensor.dtype = dtype;
-    tensor.shape = shape;
-    tensor.data.resize(elements);
-    raw.resize(elements * width);
-    in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
-    in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
-    check(in.good() || raw.empty(), source + ": cannot read its data");
-    if (raw.empty()) {
-      // An empty tensor: nothing to copy (and memcpy must not see the null pointers).
-    } else if (dtype == "F32") {
-      std::memcpy(tensor.data.data(), raw.data(), raw.size());
-    } else {
-      for (size_t i = 0; i < elements; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, raw.data() + 2 * i, 2);
-        tensor.data[i] = dtype == "BF16" ? bf16_to_float(bits) : f16_to_float(bits);
-      }
-    }
-    tensors.emplace(name, std::move(tensor));
-    extents.push_back({offsets[0], offsets[1], name});
+    const TensorEntry entry = read_tensor_entry(name, value, header.data_size, source);
+    tensors.emplace(name, read_tensor_data(in, entry, header.data_start, raw, source));
+    extents.push_back(entry.extent);
   }
-  check_extents(std::move(extents), data_size, where);
+  check_extents(std::move(extents), header.data_size, where);
   return tensors;
 }
 
