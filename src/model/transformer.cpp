@@ -425,9 +425,6 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
   const Part whole{0, at.batch, 0, at.batch * at.seq};
   // Cached inference runs one part: only whole training sequences (past 0) split.
   const Parts split = at.past == 0 ? parts(at.batch, at.seq) : Parts{{whole}, false};
-  auto row = [](auto* data, const Part& p, int width) {
-    return data + static_cast<size_t>(p.row_begin) * width;
-  };
   std::vector<PendingSum> sums(split.parts.size());
 
   // Attention: q/k/v are column-parallel (this rank's heads), o_proj row-parallel; the partial
@@ -486,89 +483,110 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
 // before the (replicated) norms. Sub-pipelined as the forward.
 template <typename T>
 void Transformer<T>::block_backward(Slot& slot, int index, const T* x, T* dres, bool recomputed) {
-  auto& be = backend_;
   const BlockPointers a = block_storage(slot, index);
   const BlockTensors& w = layout_.block(layout_.shard().layer_begin + index);
-  const int c = config_.hidden_size, hd = config_.head_dim();
-  const int q = heads_ * hd, kv = kv_heads_ * hd;
+  const int c = config_.hidden_size, q = heads_ * config_.head_dim();
   if (!recomputed) block_recompute(a, index, x);
   const Parts split = parts(micro_batch_, seq_len_);
   const Part whole{0, micro_batch_, 0, tokens_per_micro_batch()};
-  auto row = [](auto* data, const Part& p, int width) {
-    return data + static_cast<size_t>(p.row_begin) * width;
-  };
   std::vector<PendingSum> sums(split.parts.size());
+  // Starts the sum over the group of part i's rows of dnorm_.
+  auto start = [&](size_t i) {
+    const Part& p = split.parts[i];
+    sums[i] = start_sum(row(dnorm_.data(), p, c), static_cast<size_t>(p.rows) * c, split);
+  };
 
   // MLP branch: out = mid + down(silu(gate(ln2)) * up(ln2)).
   for (size_t i = 0; i < split.parts.size(); ++i) {
-    const Part& p = split.parts[i];
-    T* dnorm = row(dnorm_.data(), p, c);
-    be.matmul_backward(row(dact_.data(), p, ffn_), grad(w.down_proj), row(dres, p, c),
-                       row(a.act, p, ffn_), param(w.down_proj), p.rows, ffn_, c);
-    be.swiglu_backward(row(dgate_.data(), p, ffn_), row(dup_.data(), p, ffn_),
-                       row(dact_.data(), p, ffn_), row(a.gate, p, ffn_), row(a.up, p, ffn_),
-                       static_cast<size_t>(p.rows) * ffn_);
-    be.matmul_backward(dnorm, grad(w.gate_proj), row(dgate_.data(), p, ffn_), row(a.ln2, p, c),
-                       param(w.gate_proj), p.rows, c, ffn_);
-    be.matmul_backward(row(dnorm2_.data(), p, c), grad(w.up_proj), row(dup_.data(), p, ffn_),
-                       row(a.ln2, p, c), param(w.up_proj), p.rows, c, ffn_);
-    be.add(dnorm, row(dnorm2_.data(), p, c), static_cast<size_t>(p.rows) * c);
-    sums[i] = start_sum(dnorm, static_cast<size_t>(p.rows) * c, split);
+    mlp_backward(a, w, split.parts[i], dres);
+    start(i);
   }
 
   // Attention branch: mid = x + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
-  // The attention core of `core`'s sequences, then the q/k/v projections of part p's rows.
-  auto attention_core = [&](const Part& core) {
-    const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * seq_len_ * seq_len_;
-    be.attention_backward(row(dq_.data(), core, q), row(dk_.data(), core, kv),
-                          row(dv_.data(), core, kv), row(dattn_.data(), core, q), a.probs + probs,
-                          row(a.q, core, q), row(a.k, core, kv), row(a.v, core, kv), core.batch,
-                          seq_len_, heads_, kv_heads_, hd);
-    be.rope_backward(row(dq_.data(), core, q), core.batch, seq_len_, heads_, hd,
-                     config_.rope_theta);
-    be.rope_backward(row(dk_.data(), core, kv), core.batch, seq_len_, kv_heads_, hd,
-                     config_.rope_theta);
-  };
+  // The attention core of `core`'s sequences, then the q/k/v projections of part i's rows.
   auto projections = [&](size_t i) {
-    const Part& p = split.parts[i];
-    const size_t pc = static_cast<size_t>(p.rows) * c;
-    T* dnorm = row(dnorm_.data(), p, c);
-    T* dnorm2 = row(dnorm2_.data(), p, c);
-    be.matmul_backward(dnorm, grad(w.q_proj), row(dq_.data(), p, q), row(a.ln1, p, c),
-                       param(w.q_proj), p.rows, c, q);
-    be.matmul_backward(dnorm2, grad(w.k_proj), row(dk_.data(), p, kv), row(a.ln1, p, c),
-                       param(w.k_proj), p.rows, c, kv);
-    be.add(dnorm, dnorm2, pc);
-    be.matmul_backward(dnorm2, grad(w.v_proj), row(dv_.data(), p, kv), row(a.ln1, p, c),
-                       param(w.v_proj), p.rows, c, kv);
-    be.add(dnorm, dnorm2, pc);
-    sums[i] = start_sum(dnorm, pc, split);
+    qkv_backward(a, w, split.parts[i]);
+    start(i);
   };
   for (size_t i = 0; i < split.parts.size(); ++i) {
     const Part& p = split.parts[i];
     finish(sums[i]);
-    be.rmsnorm_backward(row(dtmp_.data(), p, c), grad(w.mlp_norm), row(dnorm_.data(), p, c),
-                        row(a.mid, p, c), param(w.mlp_norm), row(a.rstd2, p, 1), p.rows, c);
-    be.add(row(dres, p, c), row(dtmp_.data(), p, c), static_cast<size_t>(p.rows) * c);
-    // dres is now dLoss/d(mid)
-    be.matmul_backward(row(dattn_.data(), p, q), grad(w.o_proj), row(dres, p, c), row(a.attn, p, q),
-                       param(w.o_proj), p.rows, q, c);
+    norm_backward(w.mlp_norm, a.mid, a.rstd2, p, dres);  // dres is now dLoss/d(mid)
+    backend_.matmul_backward(row(dattn_.data(), p, q), grad(w.o_proj), row(dres, p, c),
+                             row(a.attn, p, q), param(w.o_proj), p.rows, q, c);
     if (split.by_sequence) {
-      attention_core(p);
+      attention_core_backward(a, p);
       projections(i);
     }
   }
   if (!split.by_sequence) {
-    attention_core(whole);
+    attention_core_backward(a, whole);
     for (size_t i = 0; i < split.parts.size(); ++i) projections(i);
   }
   for (size_t i = 0; i < split.parts.size(); ++i) {
-    const Part& p = split.parts[i];
     finish(sums[i]);
-    be.rmsnorm_backward(row(dtmp_.data(), p, c), grad(w.attn_norm), row(dnorm_.data(), p, c),
-                        row(x, p, c), param(w.attn_norm), row(a.rstd1, p, 1), p.rows, c);
-    be.add(row(dres, p, c), row(dtmp_.data(), p, c), static_cast<size_t>(p.rows) * c);
+    norm_backward(w.attn_norm, x, a.rstd1, split.parts[i], dres);
   }  // dres is now dLoss/dx
+}
+
+template <typename T>
+void Transformer<T>::mlp_backward(const BlockPointers& a, const BlockTensors& w, const Part& p,
+                                  const T* dres) {
+  auto& be = backend_;
+  const int c = config_.hidden_size;
+  T* dnorm = row(dnorm_.data(), p, c);
+  be.matmul_backward(row(dact_.data(), p, ffn_), grad(w.down_proj), row(dres, p, c),
+                     row(a.act, p, ffn_), param(w.down_proj), p.rows, ffn_, c);
+  be.swiglu_backward(row(dgate_.data(), p, ffn_), row(dup_.data(), p, ffn_),
+                     row(dact_.data(), p, ffn_), row(a.gate, p, ffn_), row(a.up, p, ffn_),
+                     static_cast<size_t>(p.rows) * ffn_);
+  be.matmul_backward(dnorm, grad(w.gate_proj), row(dgate_.data(), p, ffn_), row(a.ln2, p, c),
+                     param(w.gate_proj), p.rows, c, ffn_);
+  be.matmul_backward(row(dnorm2_.data(), p, c), grad(w.up_proj), row(dup_.data(), p, ffn_),
+                     row(a.ln2, p, c), param(w.up_proj), p.rows, c, ffn_);
+  be.add(dnorm, row(dnorm2_.data(), p, c), static_cast<size_t>(p.rows) * c);
+}
+
+template <typename T>
+void Transformer<T>::attention_core_backward(const BlockPointers& a, const Part& core) {
+  auto& be = backend_;
+  const int hd = config_.head_dim();
+  const int q = heads_ * hd, kv = kv_heads_ * hd;
+  const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * seq_len_ * seq_len_;
+  be.attention_backward(row(dq_.data(), core, q), row(dk_.data(), core, kv),
+                        row(dv_.data(), core, kv), row(dattn_.data(), core, q), a.probs + probs,
+                        row(a.q, core, q), row(a.k, core, kv), row(a.v, core, kv), core.batch,
+                        seq_len_, heads_, kv_heads_, hd);
+  be.rope_backward(row(dq_.data(), core, q), core.batch, seq_len_, heads_, hd, config_.rope_theta);
+  be.rope_backward(row(dk_.data(), core, kv), core.batch, seq_len_, kv_heads_, hd,
+                   config_.rope_theta);
+}
+
+template <typename T>
+void Transformer<T>::qkv_backward(const BlockPointers& a, const BlockTensors& w, const Part& p) {
+  auto& be = backend_;
+  const int c = config_.hidden_size, hd = config_.head_dim();
+  const int q = heads_ * hd, kv = kv_heads_ * hd;
+  const size_t pc = static_cast<size_t>(p.rows) * c;
+  T* dnorm = row(dnorm_.data(), p, c);
+  T* dnorm2 = row(dnorm2_.data(), p, c);
+  be.matmul_backward(dnorm, grad(w.q_proj), row(dq_.data(), p, q), row(a.ln1, p, c),
+                     param(w.q_proj), p.rows, c, q);
+  be.matmul_backward(dnorm2, grad(w.k_proj), row(dk_.data(), p, kv), row(a.ln1, p, c),
+                     param(w.k_proj), p.rows, c, kv);
+  be.add(dnorm, dnorm2, pc);
+  be.matmul_backward(dnorm2, grad(w.v_proj), row(dv_.data(), p, kv), row(a.ln1, p, c),
+                     param(w.v_proj), p.rows, c, kv);
+  be.add(dnorm, dnorm2, pc);
+}
+
+template <typename T>
+void Transformer<T>::norm_backward(int norm, const T* input, const T* rstd, const Part& p,
+                                   T* dres) {
+  const int c = config_.hidden_size;
+  backend_.rmsnorm_backward(row(dtmp_.data(), p, c), grad(norm), row(dnorm_.data(), p, c),
+                            row(input, p, c), param(norm), row(rstd, p, 1), p.rows, c);
+  backend_.add(row(dres, p, c), row(dtmp_.data(), p, c), static_cast<size_t>(p.rows) * c);
 }
 
 // Vocabulary-parallel head: each rank computes logits for its vocabulary rows; the softmax

@@ -175,6 +175,11 @@ class Transformer {
   // (and finished by finish()) when it is split.
   PendingSum start_sum(T* data, size_t count, const Parts& parts);
   static void finish(PendingSum& sum);
+  // Part p's rows of a [rows, width] buffer.
+  template <typename D>
+  static D* row(D* data, const Part& p, int width) {
+    return data + static_cast<size_t>(p.row_begin) * width;
+  }
 
   void all_reduce_sum(T* data, size_t count);
   std::vector<T> host_losses(const Slot& slot);
@@ -188,6 +193,16 @@ class Transformer {
   // The part of block `index`'s forward that its recomputation repeats, into `a`.
   void block_recompute(const BlockPointers& a, int index, const T* x);
   void block_backward(Slot& slot, int index, const T* x, T* dres, bool recomputed);
+  // block_backward's steps for part p's rows. The MLP branch, from dres = dLoss/d(block output):
+  // this rank's share of dLoss/d(ln2) into dnorm_.
+  void mlp_backward(const BlockPointers& a, const BlockTensors& w, const Part& p, const T* dres);
+  // The attention core of `core`'s sequences: dq_, dk_ (rotated back) and dv_ from dattn_.
+  void attention_core_backward(const BlockPointers& a, const Part& core);
+  // The q/k/v projections: this rank's share of dLoss/d(ln1) into dnorm_.
+  void qkv_backward(const BlockPointers& a, const BlockTensors& w, const Part& p);
+  // A residual's RMSNorm: dres += d(norm input) from dnorm_ (its output's gradient, summed over
+  // the group), with the norm's weight gradient accumulated.
+  void norm_backward(int norm, const T* input, const T* rstd, const Part& p, T* dres);
   // Final norm and this shard's logits for n rows of the stage output x.
   void head_logits(Slot& slot, const T* x, int n);
   double head_forward(Slot& slot);
