@@ -261,6 +261,14 @@ class CheckpointIndex {
                        const std::unordered_map<std::string, int>& index,
                        const model::ParameterLayout& full, size_t buffer_count,
                        const std::string& source);
+  // A piece of a file's entry, read and checked against the model, and the kind it holds.
+  struct ManifestPiece {
+    StoredPiece stored;
+    StateKind kind = StateKind::kParams;
+  };
+  ManifestPiece read_piece(const Json& piece, const std::string& piece_source,
+                           const std::unordered_map<std::string, int>& index,
+                           const model::ParameterLayout& full) const;
   static void check_tiling(std::vector<StoredPiece>& pieces, const model::TensorSpec& spec,
                            int kind, const std::string& source);
 

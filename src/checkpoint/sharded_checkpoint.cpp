@@ -371,54 +371,17 @@ void CheckpointIndex::read_file_entry(const std::string& file, const Json& entry
   check(pieces.is_array(), file_source + ": \"pieces\" must be an array");
   int64_t offset = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
-    JsonReader p(pieces[i], file_source + " pieces[" + std::to_string(i) + "]");
-    StoredPiece stored;
+    const std::string piece_source = file_source + " pieces[" + std::to_string(i) + "]";
+    ManifestPiece piece = read_piece(pieces[i], piece_source, index, full);
+    StoredPiece& stored = piece.stored;
     stored.file = file;
-    // Version 3 stores every piece's parameters and both moments together; version 4 each
-    // kind as pieces of its own.
-    StateKind kind = StateKind::kParams;
-    if (version_ > kShardedVersion3) {
-      const auto state = p.required<std::string>("state");
-      check(state == kKindNames[0] || (state == kKindNames[1] && has_optimizer_),
-            p.source() + ": \"state\" is \"" + state + "\", expected \"params\"" +
-                (has_optimizer_ ? " or \"moments\"" : " (the manifest lists no moments)"));
-      kind = state == kKindNames[0] ? StateKind::kParams : StateKind::kMoments;
-    }
-    const auto tensor = p.required<std::string>("tensor");
-    stored.part.part.begin = p.required<int64_t>("begin");
-    stored.part.part.end = p.required<int64_t>("end");
-    std::optional<std::vector<int64_t>> rows;
-    if (version_ > kShardedVersion3) rows = p.optional<std::vector<int64_t>>("rows", {});
-    stored.offset = p.required<int64_t>("offset");
-    stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
-    p.finish();
-    const auto found = index.find(tensor);
-    check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
-    stored.part.part.tensor = found->second;
-    const auto& spec = full.tensor(stored.part.part.tensor);
-    check(0 <= stored.part.part.begin && stored.part.part.begin < stored.part.part.end &&
-              stored.part.part.end <= axis_extent(spec),
-          p.source() + ": " + piece_text(tensor, stored.part.part) + " is outside the tensor");
-    stored.part = piece_part(full, stored.part.part);
-    if (rows && !rows->empty()) {
-      check(column_sharded(spec), p.source() + ": \"rows\" given for tensor \"" + tensor +
-                                      "\", which is not split by columns");
-      check(rows->size() == 2 && 0 <= (*rows)[0] && (*rows)[0] < (*rows)[1] &&
-                (*rows)[1] <= spec.full_shape[0],
-            p.source() + ": \"rows\" must be [first, end) within the tensor's " +
-                std::to_string(spec.full_shape[0]) + " rows");
-      stored.part.row_begin = (*rows)[0];
-      stored.part.row_end = (*rows)[1];
-      stored.part.elements =
-          (stored.part.part.end - stored.part.part.begin) * (stored.part.row_end - (*rows)[0]);
-    }
-    check(stored.offset == offset, p.source() + ": at byte offset " +
+    check(stored.offset == offset, piece_source + ": at byte offset " +
                                        std::to_string(stored.offset) + ", expected " +
                                        std::to_string(offset));
     const size_t expected_sums =
-        version_ > kShardedVersion3 ? size_t(kind_buffers(kind)) : buffer_count;
+        version_ > kShardedVersion3 ? size_t(kind_buffers(piece.kind)) : buffer_count;
     check(stored.xxh3.size() == expected_sums,
-          p.source() + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
+          piece_source + ": " + std::to_string(stored.xxh3.size()) + " checksums for " +
               std::to_string(expected_sums) + " buffers");
     const int64_t piece_bytes = stored.part.elements * int64_t{sizeof(float)};
     offset += piece_bytes * static_cast<int64_t>(expected_sums);
@@ -431,11 +394,59 @@ void CheckpointIndex::read_file_entry(const std::string& file, const Json& entry
       stored.xxh3.resize(1);
       pieces_[1][t].push_back(std::move(moments));
     }
-    pieces_[static_cast<int>(kind)][t].push_back(std::move(stored));
+    pieces_[static_cast<int>(piece.kind)][t].push_back(std::move(stored));
   }
   check(offset == bytes, file_source + ": its pieces take " + std::to_string(offset) +
                              " bytes, but \"bytes\" says " + std::to_string(bytes));
   file_bytes_[file] = bytes;
+}
+
+// One piece of a file's entry: its kind, tensor, extent along the tensor's axis (and rows, for a
+// column-sharded tensor), offset and checksums; checked to lie within the tensor.
+CheckpointIndex::ManifestPiece CheckpointIndex::read_piece(
+    const Json& piece_json, const std::string& piece_source,
+    const std::unordered_map<std::string, int>& index, const model::ParameterLayout& full) const {
+  JsonReader p(piece_json, piece_source);
+  ManifestPiece piece;
+  StoredPiece& stored = piece.stored;
+  // Version 3 stores every piece's parameters and both moments together; version 4 each kind as
+  // pieces of its own.
+  if (version_ > kShardedVersion3) {
+    const auto state = p.required<std::string>("state");
+    check(state == kKindNames[0] || (state == kKindNames[1] && has_optimizer_),
+          p.source() + ": \"state\" is \"" + state + "\", expected \"params\"" +
+              (has_optimizer_ ? " or \"moments\"" : " (the manifest lists no moments)"));
+    piece.kind = state == kKindNames[0] ? StateKind::kParams : StateKind::kMoments;
+  }
+  const auto tensor = p.required<std::string>("tensor");
+  stored.part.part.begin = p.required<int64_t>("begin");
+  stored.part.part.end = p.required<int64_t>("end");
+  std::optional<std::vector<int64_t>> rows;
+  if (version_ > kShardedVersion3) rows = p.optional<std::vector<int64_t>>("rows", {});
+  stored.offset = p.required<int64_t>("offset");
+  stored.xxh3 = p.required<std::vector<std::string>>("xxh3");
+  p.finish();
+  const auto found = index.find(tensor);
+  check(found != index.end(), p.source() + ": the model has no tensor \"" + tensor + "\"");
+  stored.part.part.tensor = found->second;
+  const auto& spec = full.tensor(stored.part.part.tensor);
+  check(0 <= stored.part.part.begin && stored.part.part.begin < stored.part.part.end &&
+            stored.part.part.end <= axis_extent(spec),
+        p.source() + ": " + piece_text(tensor, stored.part.part) + " is outside the tensor");
+  stored.part = piece_part(full, stored.part.part);
+  if (rows && !rows->empty()) {
+    check(column_sharded(spec), p.source() + ": \"rows\" given for tensor \"" + tensor +
+                                    "\", which is not split by columns");
+    check(rows->size() == 2 && 0 <= (*rows)[0] && (*rows)[0] < (*rows)[1] &&
+              (*rows)[1] <= spec.full_shape[0],
+          p.source() + ": \"rows\" must be [first, end) within the tensor's " +
+              std::to_string(spec.full_shape[0]) + " rows");
+    stored.part.row_begin = (*rows)[0];
+    stored.part.row_end = (*rows)[1];
+    stored.part.elements =
+        (stored.part.part.end - stored.part.part.begin) * (stored.part.row_end - (*rows)[0]);
+  }
+  return piece;
 }
 
 // A kind's pieces of one tensor, sorted into axis order (then row order), tile it exactly.
