@@ -154,6 +154,21 @@ struct BeforeAfterTally {
   double mean_after() const { return situations ? ratio_after / situations : 0; }
 };
 
+// The sentence under a before/after table, in the words of its comparison.
+struct VerdictWords {
+  std::string change;         // what makes the difference
+  std::string faster;         // what follows the count of situations it speeds up
+  std::string before, after;  // the two sides, as the mean ratios name them
+};
+
+std::string before_after_verdict(const BeforeAfterTally& n, const VerdictWords& w) {
+  return "Over " + std::to_string(n.situations) + " single situations, " + w.change + " makes " +
+         std::to_string(n.made_feasible) + " feasible that had no plan without it and speeds up " +
+         std::to_string(n.made_faster) + w.faster + "; mean ratio to ideal " +
+         num(n.mean_before(), 3) + " " + w.before + " (0 where no plan fits), " +
+         num(n.mean_after(), 3) + " " + w.after + ".\n";
+}
+
 // "2 pipelines, 8 stages".
 std::string plan_shape(const plan::Plan& p) {
   size_t stages = 0;
@@ -273,12 +288,10 @@ void add_recompute_row(RecomputeTable& t, const Scenario& sc, double ideal,
 }
 
 std::string recompute_verdict(const RecomputeTable& t) {
-  const BeforeAfterTally& n = t.tally;
-  return "Over " + std::to_string(n.situations) + " single situations, stage-aware recomputation " +
-         "makes " + std::to_string(n.made_feasible) + " feasible that had no plan without it " +
-         "and speeds up " + std::to_string(n.made_faster) + " more; mean ratio to ideal " +
-         num(n.mean_before(), 3) + " without (0 where no plan fits), " + num(n.mean_after(), 3) +
-         " with.\n";
+  return before_after_verdict(t.tally, {.change = "stage-aware recomputation",
+                                        .faster = " more",
+                                        .before = "without",
+                                        .after = "with"});
 }
 
 // ---- the distributed optimizer ---------------------------------------------------------------
@@ -308,12 +321,10 @@ void add_zero_row(ZeroTable& t, const Scenario& sc, double ideal,
 }
 
 std::string zero_verdict(const ZeroTable& t) {
-  const BeforeAfterTally& n = t.tally;
-  return "Over " + std::to_string(n.situations) + " single situations, the distributed " +
-         "optimizer makes " + std::to_string(n.made_feasible) + " feasible that had no plan " +
-         "without it and speeds up " + std::to_string(n.made_faster) + "; mean ratio to ideal " +
-         num(n.mean_before(), 3) + " with whole moments (0 where no plan fits), " +
-         num(n.mean_after(), 3) + " with it.\n";
+  return before_after_verdict(t.tally, {.change = "the distributed optimizer",
+                                        .faster = "",
+                                        .before = "with whole moments",
+                                        .after = "with it"});
 }
 
 // ---- stage-aware recomputation where memory binds --------------------------------------------
