@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "bench_args.h"
+#include "bench_mpi.h"
 #include "comm/communicator.h"
-#include "comm/mpi_session.h"
 #include "common/error.h"
 #include "common/stats.h"
 #include "elastic/monitor.h"
@@ -147,13 +147,5 @@ void run(comm::Communicator& world, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  comm::MpiSession session(&argc, &argv);
-  comm::Communicator world = comm::Communicator::world();
-  try {
-    run(world, argc, argv);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    world.abort(1);
-  }
-  return 0;
+  return bench::mpi_main(argc, argv, run);
 }

@@ -29,8 +29,8 @@
 #include <unistd.h>
 
 #include "bench_args.h"
+#include "bench_mpi.h"
 #include "comm/communicator.h"
-#include "comm/mpi_session.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -324,14 +324,5 @@ void run(comm::Communicator& world, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  comm::MpiSession session(&argc, &argv);
-  comm::Communicator world = comm::Communicator::world();
-  try {
-    run(world, argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: [rank %d] %s\n", world.rank(), e.what());
-    std::fflush(stderr);
-    world.abort(1);
-  }
-  return 0;
+  return bench::mpi_main(argc, argv, run);
 }
