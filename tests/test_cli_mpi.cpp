@@ -68,6 +68,15 @@ std::string write_plan(const ScratchDir& dir, const std::string& name, const std
   return path.string();
 }
 
+// Two ranks training the tiny model for `steps` on the synthetic corpus (written first) under the
+// plan `json`, written as `file`.
+CommandResult train_under_plan(const ScratchDir& dir, int steps, const std::string& file,
+                               const std::string& json) {
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const std::string plan = write_plan(dir, file, json);
+  return run_mpi(2, "train " + tiny_flags(dir, "run", steps) + " --plan " + plan);
+}
+
 // Loss of every step line ("step     3/4 | loss 5.1234 | ...") by step number.
 std::map<int, double> step_losses(const std::string& output) {
   std::map<int, double> losses;
@@ -113,15 +122,13 @@ void expect_clean_failure(const CommandResult& r, std::initializer_list<std::str
 
 TEST(CliMpi, TrainsWithUnevenTensorParallelShares) {
   ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
   // With 2 KV groups of 2 heads, tp2's head shares can only be [2, 2]; the FFN columns and the
   // vocabulary rows carry the uneven split.
-  const std::string plan = write_plan(dir, "uneven.json", R"({
+  const auto r = train_under_plan(dir, 3, "uneven.json", R"({
     "world_size": 2, "micro_batch_size": 2,
     "pipelines": [{"micro_batches": 4, "stages": [
       {"layers": [0, 2], "ranks": [0, 1], "heads": [2, 2], "ffn": [48, 16], "vocab": [200, 57]}]}]
   })");
-  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 3) + " --plan " + plan);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto losses = step_losses(r.output);
   EXPECT_EQ(losses.size(), 3u) << r.output;
@@ -166,13 +173,11 @@ TEST(CliMpi, ResumesUnderAnotherPlan) {
 
 TEST(CliMpi, OverlappingRanksStopTheJob) {
   ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  const std::string plan = write_plan(dir, "overlap.json", R"({
+  const auto r = train_under_plan(dir, 2, "overlap.json", R"({
     "world_size": 2, "micro_batch_size": 2,
     "pipelines": [{"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]}]},
                   {"micro_batches": 2, "stages": [{"layers": [0, 2], "ranks": [0]}]}]
   })");
-  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --plan " + plan);
   expect_clean_failure(r, {"overlap.json: pipeline 1 stage 0: rank 0 is already used by "
                            "pipeline 0 stage 0"});
   EXPECT_FALSE(contains(r.output, "step ")) << r.output;
@@ -180,13 +185,11 @@ TEST(CliMpi, OverlappingRanksStopTheJob) {
 
 TEST(CliMpi, WorldSizeMismatchNamesBothNumbers) {
   ScratchDir dir;
-  malleus::testing::write_synthetic_corpus(dir / "data");
-  const std::string plan = write_plan(dir, "three.json", R"({
+  const auto r = train_under_plan(dir, 2, "three.json", R"({
     "world_size": 3, "micro_batch_size": 2,
     "pipelines": [{"micro_batches": 4, "stages": [
       {"layers": [0, 1], "ranks": [0, 1]}, {"layers": [1, 2], "ranks": [2]}]}]
   })");
-  const auto r = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --plan " + plan);
   expect_clean_failure(r, {"three.json: the plan is for 3 ranks but the job has 2"});
 }
 

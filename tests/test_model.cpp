@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
+#include <utility>
 
 #include "model/transformer.h"
 
@@ -156,6 +158,29 @@ TEST(Model, RefusesOutOfRangeTokensAndSequences) {
   EXPECT_THROW(m.forward(inputs.data(), targets.data()), Error);
 }
 
+namespace {
+
+using Model = model::Transformer<float>;
+
+// A full model of two activation slots (initialised with seed 5, gradients zeroed) with
+// `recompute` (and recomputation ahead), run through `schedule`: the losses of its forwards, and
+// the gradients it accumulated, on the host.
+std::pair<std::vector<double>, std::vector<float>> run_two_slots(
+    const model::ModelConfig& config, backend::Backend<float>& backend, int micro, int seq,
+    model::Recompute recompute, bool ahead,
+    const std::function<std::vector<double>(Model&)>& schedule) {
+  Model m(config, model::ShardSpec::full(config), backend, micro, seq, 2, nullptr, recompute,
+          ahead);
+  m.init_parameters(5);
+  m.zero_grads();
+  const std::vector<double> losses = schedule(m);
+  std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
+  backend.copy_to_host(grads.data(), m.grads(), grads.size());
+  return {losses, grads};
+}
+
+}  // namespace
+
 // Recomputation repeats the same operations on the same inputs, so losses and gradients are
 // bit-identical to keeping every activation: with two micro-batches in flight (two slots, both
 // forwards before either backward, as 1F1B's warm-up does), for each mode and layer count.
@@ -166,18 +191,14 @@ TEST(Model, RecomputationGivesBitIdenticalLossesAndGradients) {
   const Batch first = random_batch(config, micro, seq, 3),
               second = random_batch(config, micro, seq, 4);
   auto run = [&](model::Recompute recompute) {
-    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, micro, seq, 2,
-                                nullptr, recompute);
-    m.init_parameters(5);
-    m.zero_grads();
-    std::vector<double> losses;
-    losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
-    losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
-    m.backward(0, 0.01f);
-    m.backward(1, 0.01f);
-    std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
-    backend->copy_to_host(grads.data(), m.grads(), grads.size());
-    return std::make_pair(losses, grads);
+    return run_two_slots(config, *backend, micro, seq, recompute, /*ahead=*/false, [&](Model& m) {
+      std::vector<double> losses;
+      losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
+      losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
+      m.backward(0, 0.01f);
+      m.backward(1, 0.01f);
+      return losses;
+    });
   };
   const auto plain = run({});
   using model::RecomputeMode;
@@ -202,28 +223,24 @@ TEST(Model, RecomputationAheadGivesBitIdenticalLossesAndGradients) {
   const Batch first = random_batch(config, micro, seq, 3),
               second = random_batch(config, micro, seq, 4);
   auto run = [&](model::Recompute recompute, bool ahead) {
-    model::Transformer<float> m(config, model::ShardSpec::full(config), *backend, micro, seq, 2,
-                                nullptr, recompute, ahead);
-    m.init_parameters(5);
-    m.zero_grads();
-    std::vector<double> losses;
-    losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
-    losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
-    if (ahead) m.recompute_ahead(0);
-    m.backward(0, 0.01f);
-    // The second slot without recomputation ahead: the backward recomputes as usual.
-    m.backward(1, 0.01f);
-    // Again, both ahead, the later slot first (its scratch is filled, then the earlier one's
-    // replaces it only after the backward that used it).
-    losses.push_back(m.forward(0, second.inputs.data(), second.targets.data()));
-    losses.push_back(m.forward(1, first.inputs.data(), first.targets.data()));
-    if (ahead) m.recompute_ahead(1);
-    m.backward(1, 0.01f);
-    if (ahead) m.recompute_ahead(0);
-    m.backward(0, 0.01f);
-    std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
-    backend->copy_to_host(grads.data(), m.grads(), grads.size());
-    return std::make_pair(losses, grads);
+    return run_two_slots(config, *backend, micro, seq, recompute, ahead, [&](Model& m) {
+      std::vector<double> losses;
+      losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
+      losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
+      if (ahead) m.recompute_ahead(0);
+      m.backward(0, 0.01f);
+      // The second slot without recomputation ahead: the backward recomputes as usual.
+      m.backward(1, 0.01f);
+      // Again, both ahead, the later slot first (its scratch is filled, then the earlier one's
+      // replaces it only after the backward that used it).
+      losses.push_back(m.forward(0, second.inputs.data(), second.targets.data()));
+      losses.push_back(m.forward(1, first.inputs.data(), first.targets.data()));
+      if (ahead) m.recompute_ahead(1);
+      m.backward(1, 0.01f);
+      if (ahead) m.recompute_ahead(0);
+      m.backward(0, 0.01f);
+      return losses;
+    });
   };
   using model::RecomputeMode;
   for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
