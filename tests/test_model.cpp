@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <random>
 #include <utility>
 
@@ -162,22 +163,29 @@ namespace {
 
 using Model = model::Transformer<float>;
 
-// A full model of two activation slots (initialised with seed 5, gradients zeroed) with
-// `recompute` (and recomputation ahead), run through `schedule`: the losses of its forwards, and
-// the gradients it accumulated, on the host.
-std::pair<std::vector<double>, std::vector<float>> run_two_slots(
-    const model::ModelConfig& config, backend::Backend<float>& backend, int micro, int seq,
-    model::Recompute recompute, bool ahead,
-    const std::function<std::vector<double>(Model&)>& schedule) {
-  Model m(config, model::ShardSpec::full(config), backend, micro, seq, 2, nullptr, recompute,
-          ahead);
-  m.init_parameters(5);
-  m.zero_grads();
-  const std::vector<double> losses = schedule(m);
-  std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
-  backend.copy_to_host(grads.data(), m.grads(), grads.size());
-  return {losses, grads};
-}
+// Two micro-batches of the small model in flight: a full model of two activation slots
+// (initialised with seed 5, gradients zeroed) with `recompute` (and recomputation ahead) run
+// through a schedule, which returns the losses of its forwards; run() gives them and the
+// gradients it accumulated, on the host.
+struct TwoSlots {
+  model::ModelConfig config = small_config();
+  int micro = 2, seq = 6;
+  std::unique_ptr<backend::Backend<float>> backend = backend::make_cpu_backend<float>(1);
+  Batch first = random_batch(config, micro, seq, 3), second = random_batch(config, micro, seq, 4);
+
+  std::pair<std::vector<double>, std::vector<float>> run(
+      model::Recompute recompute, bool ahead,
+      const std::function<std::vector<double>(Model&)>& schedule) {
+    Model m(config, model::ShardSpec::full(config), *backend, micro, seq, 2, nullptr, recompute,
+            ahead);
+    m.init_parameters(5);
+    m.zero_grads();
+    const std::vector<double> losses = schedule(m);
+    std::vector<float> grads(static_cast<size_t>(m.layout().total_size()));
+    backend->copy_to_host(grads.data(), m.grads(), grads.size());
+    return {losses, grads};
+  }
+};
 
 }  // namespace
 
@@ -185,13 +193,10 @@ std::pair<std::vector<double>, std::vector<float>> run_two_slots(
 // bit-identical to keeping every activation: with two micro-batches in flight (two slots, both
 // forwards before either backward, as 1F1B's warm-up does), for each mode and layer count.
 TEST(Model, RecomputationGivesBitIdenticalLossesAndGradients) {
-  const auto config = small_config();
-  const int micro = 2, seq = 6;
-  auto backend = backend::make_cpu_backend<float>(1);
-  const Batch first = random_batch(config, micro, seq, 3),
-              second = random_batch(config, micro, seq, 4);
+  TwoSlots slots;
+  const auto& [config, micro, seq, backend, first, second] = slots;
   auto run = [&](model::Recompute recompute) {
-    return run_two_slots(config, *backend, micro, seq, recompute, /*ahead=*/false, [&](Model& m) {
+    return slots.run(recompute, /*ahead=*/false, [&](Model& m) {
       std::vector<double> losses;
       losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
       losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
@@ -217,13 +222,10 @@ TEST(Model, RecomputationGivesBitIdenticalLossesAndGradients) {
 // whether or not a slot was recomputed ahead; it costs one scratch per recomputing block (what
 // such a block does not keep per slot).
 TEST(Model, RecomputationAheadGivesBitIdenticalLossesAndGradients) {
-  const auto config = small_config();
-  const int micro = 2, seq = 6;
-  auto backend = backend::make_cpu_backend<float>(1);
-  const Batch first = random_batch(config, micro, seq, 3),
-              second = random_batch(config, micro, seq, 4);
+  TwoSlots slots;
+  const auto& [config, micro, seq, backend, first, second] = slots;
   auto run = [&](model::Recompute recompute, bool ahead) {
-    return run_two_slots(config, *backend, micro, seq, recompute, ahead, [&](Model& m) {
+    return slots.run(recompute, ahead, [&](Model& m) {
       std::vector<double> losses;
       losses.push_back(m.forward(0, first.inputs.data(), first.targets.data()));
       losses.push_back(m.forward(1, second.inputs.data(), second.targets.data()));
