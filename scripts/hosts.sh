@@ -28,7 +28,10 @@
 # memory, as on a real cluster), MALLEUS_HOSTS_PIN (default 1: each host runs on its own share of
 # the machine's CPUs, host i on CPUs [i·C/N, (i+1)·C/N) of C, as separate machines would, through
 # a cpuset cgroup PREFIX-hI that OpenMPI's binding cannot leave; 0, more hosts than CPUs, or no
-# cgroup-v1 cpuset controller: every host may use every CPU).
+# cgroup-v1 cpuset controller: every host may use every CPU). Each host keeps its memory
+# checkpoints (src/checkpoint/memory_checkpoint.h) in a folder of its own, as each machine has its
+# own /dev/shm: its ranks get MALLEUS_MEMORY_CHECKPOINT_DIR=BASE/PREFIX-hI, BASE being
+# $MALLEUS_MEMORY_CHECKPOINT_DIR where given, else /dev/shm; `down` removes these folders.
 # Exit codes: 77 when namespaces cannot be made here (tests skip on it), 2 for bad usage.
 set -euo pipefail
 
@@ -36,6 +39,9 @@ prefix=${MALLEUS_HOSTS_PREFIX:-mh}
 subnet=${MALLEUS_HOSTS_SUBNET:-198.18.12}
 switch_ns="$prefix-sw"
 self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+# Where the hosts' memory-checkpoint folders go; set once by the outermost call (mpirun's own
+# environment, which the launch agent inherits, already names host 0's folder).
+export MALLEUS_HOSTS_SHM=${MALLEUS_HOSTS_SHM:-${MALLEUS_MEMORY_CHECKPOINT_DIR:-/dev/shm}}
 
 die() {
   echo "hosts.sh: $*" >&2
@@ -72,6 +78,10 @@ cmd_down() {
     [[ -d $dir ]] || continue
     xargs -r kill -9 < "$dir/cgroup.procs" 2> /dev/null || true
     rmdir "$dir" 2> /dev/null || { sleep 0.5; rmdir "$dir"; }
+  done
+  # The hosts' memory: lost with them.
+  for dir in "$MALLEUS_HOSTS_SHM/$prefix"-h*; do
+    [[ ! -d $dir ]] || [[ ! $dir =~ /$prefix-h[0-9]+$ ]] || rm -rf -- "$dir"
   done
 }
 
@@ -210,7 +220,8 @@ cmd_agent() {
   for i in $(hosts); do
     if [[ $target == "$(address "$i")" || $target == "$prefix-h$i" ]]; then
       enter_cpuset "$i"
-      exec nsenter --net="/run/netns/$prefix-h$i" unshare --uts /bin/sh -c "hostname $prefix-h$i; $*"
+      exec nsenter --net="/run/netns/$prefix-h$i" unshare --uts /bin/sh -c \
+        "hostname $prefix-h$i; export MALLEUS_MEMORY_CHECKPOINT_DIR='$MALLEUS_HOSTS_SHM/$prefix-h$i'; $*"
     fi
   done
   echo "hosts.sh agent: unknown host '$target'" >&2
@@ -234,7 +245,8 @@ cmd_mpirun() {
   # the agent starts an orted in each other host. OOB and BTL traffic stay on the veth subnet.
   local rc=0
   enter_cpuset 0
-  nsenter --net="/run/netns/$prefix-h0" unshare --uts /bin/sh -c 'hostname "$0-h0"; exec "$@"' \
+  MALLEUS_MEMORY_CHECKPOINT_DIR="$MALLEUS_HOSTS_SHM/$prefix-h0" \
+    nsenter --net="/run/netns/$prefix-h0" unshare --uts /bin/sh -c 'hostname "$0-h0"; exec "$@"' \
     "$prefix" mpirun --hostfile "$hostfile" \
     --mca plm rsh --mca plm_rsh_agent "$self agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl "$btl" --mca btl_tcp_if_include "$subnet.0/24" \

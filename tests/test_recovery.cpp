@@ -7,6 +7,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <map>
 #include <thread>
 
 #include "checkpoint/memory_checkpoint.h"
@@ -193,4 +194,103 @@ TEST(MemoryHolders, PeersAreOnAnotherHostWhereThereIsOne) {
   // first rank sends its own over.
   EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 1}, 3).peer, 2);
   EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 1}, 0).peer, 3);
+}
+
+namespace {
+
+// A host's copy of `step` holding `files` (name, bytes); with a manifest listing the rank files of
+// `listed` shards of 100 bytes each when `listed` > 0.
+checkpoint::HostMemoryCopies::Step step_copy(int64_t step,
+                                             const std::map<std::string, int64_t>& files,
+                                             int listed = 0) {
+  checkpoint::HostMemoryCopies::Step s{step, files, {}};
+  for (int r = 0; r < listed; ++r) {
+    s.listed["rank_0000" + std::to_string(r) + ".bin"] = 100;
+  }
+  return s;
+}
+
+std::map<std::string, int64_t> shards(const std::vector<int>& ranks, bool with_manifest) {
+  std::map<std::string, int64_t> files;
+  for (int r : ranks) files["rank_0000" + std::to_string(r) + ".bin"] = 100;
+  if (with_manifest) {
+    files["manifest.json"] = 40;
+    files["tokenizer_meta.json"] = 7;
+  }
+  return files;
+}
+
+}  // namespace
+
+TEST(MemoryCopyPlan, AHostThatLostItsMemoryIsSentEveryFileManifestLast) {
+  // Two hosts of two ranks: host 1 holds all four shards; host 0 came back empty.
+  const std::vector<checkpoint::HostMemoryCopies> hosts{
+      {}, {{step_copy(5, shards({0, 1, 2, 3}, true), 4)}}};
+  const auto plan = checkpoint::plan_memory_copies(hosts, 4, "/shm/run");
+  ASSERT_TRUE(plan.step.has_value()) << plan.refused;
+  EXPECT_EQ(*plan.step, 5);
+  ASSERT_EQ(plan.transfers.size(), 6u);  // four shards, the tokenizer, the manifest
+  for (const auto& t : plan.transfers) {
+    EXPECT_EQ(t.from, 1);
+    EXPECT_EQ(t.to, 0);
+  }
+  EXPECT_EQ(plan.transfers.back().file, "manifest.json");
+  EXPECT_EQ(plan.bytes, 4 * 100 + 40 + 7);
+  // Nothing to move where every host holds everything.
+  const std::vector<checkpoint::HostMemoryCopies> whole{hosts[1], hosts[1]};
+  const auto none = checkpoint::plan_memory_copies(whole, 4, "/shm/run");
+  EXPECT_EQ(none.step, std::optional<int64_t>(5));
+  EXPECT_TRUE(none.transfers.empty());
+}
+
+TEST(MemoryCopyPlan, SpreadCopiesAreCompletedFromEachHolderInTurn) {
+  // Three hosts, host 0 lost and back empty: host 1 holds shards 0-3, host 2 shards 2-5 (each
+  // host's ranks' own and their peers'); only host 2 has the manifest.
+  const std::vector<checkpoint::HostMemoryCopies> hosts{
+      {},
+      {{step_copy(7, shards({0, 1, 2, 3}, false))}},
+      {{step_copy(7, shards({2, 3, 4, 5}, true), 6)}}};
+  const auto plan = checkpoint::plan_memory_copies(hosts, -1, "/shm/run");
+  ASSERT_EQ(plan.step, std::optional<int64_t>(7)) << plan.refused;
+  std::map<int, std::vector<std::string>> received;
+  std::map<std::string, int> shard_to_0_from;
+  for (const auto& t : plan.transfers) {
+    received[t.to].push_back(t.file);
+    if (t.to == 0) shard_to_0_from[t.file] = t.from;
+    EXPECT_NE(t.from, 0);
+  }
+  EXPECT_EQ(received[0].size(), 8u);  // everything
+  EXPECT_EQ(received[1].size(), 4u);  // shards 4 and 5, tokenizer, manifest
+  EXPECT_EQ(received[2].size(), 2u);  // shards 0 and 1
+  EXPECT_EQ(received[1].back(), "manifest.json");
+  // Shards both hold go from whichever has sent less so far: host 1 had sent shards 0 and 1
+  // (which only it holds), host 2 only the manifest's bytes.
+  EXPECT_EQ(shard_to_0_from["rank_00000.bin"], 1);
+  EXPECT_EQ(shard_to_0_from["rank_00002.bin"], 2);
+  EXPECT_EQ(shard_to_0_from["rank_00003.bin"], 2);
+}
+
+TEST(MemoryCopyPlan, AShardNoHostHoldsIsNamedAndAnOlderCompleteStepTaken) {
+  // Step 6's shard 1 is on no host (both holders gone), nor of the right size; step 5 is whole on
+  // host 1.
+  auto six = shards({0, 2, 3}, true);
+  const std::vector<checkpoint::HostMemoryCopies> partial{
+      {{step_copy(6, {{"rank_00001.bin", 99}})}}, {{step_copy(6, six, 4)}}};
+  const auto refused = checkpoint::plan_memory_copies(partial, 4, "/shm/run");
+  EXPECT_FALSE(refused.step.has_value());
+  EXPECT_EQ(refused.refused,
+            "checkpoint /shm/run/step_00000006: rank_00001.bin is missing on every host");
+  auto with_older = partial;
+  with_older[1].steps.insert(with_older[1].steps.begin(),
+                             step_copy(5, shards({0, 1, 2, 3}, true), 4));
+  const auto older = checkpoint::plan_memory_copies(with_older, 4, "/shm/run");
+  EXPECT_EQ(older.step, std::optional<int64_t>(5));
+  EXPECT_EQ(older.transfers.size(), 6u);
+  // Not later than the disk checkpoint: stale.
+  const auto stale = checkpoint::plan_memory_copies(with_older, 6, "/shm/run");
+  EXPECT_FALSE(stale.step.has_value());
+  EXPECT_EQ(stale.refused,
+            "memory checkpoint /shm/run/step_00000006 is of step 6, not later than the disk's 6");
+  // No memory checkpoint at all: nothing to say.
+  EXPECT_EQ(checkpoint::plan_memory_copies({{}, {}}, 4, "/shm/run").refused, "");
 }

@@ -372,3 +372,133 @@ TEST_F(RecoverySlow, StaleOrUnfinishedMemoryCopiesAreNotTaken) {
   EXPECT_EQ(train::restart_step(run), disk);
   checkpoint::remove_memory_checkpoints(run);
 }
+
+// ---- Two hosts (scripts/hosts.sh): a host whose memory is lost ----
+//
+// A 2-host job of 2 ranks each on the emulated test bed, where each host keeps its memory
+// checkpoints in a folder of its own (<base>/mr-hI: hosts.sh gives each host's ranks its own
+// MALLEUS_MEMORY_CHECKPOINT_DIR, as each machine has its own /dev/shm). Every shard is on both
+// hosts (its rank's and its peer's); host 0's memory is lost, so the restart — rank 0's host empty
+// — completes host 0's copy from host 1's over MPI before it reads it.
+
+namespace {
+
+// The bed's namespaces and addresses, apart from the other tests' (tests/CMakeLists.txt).
+const std::string kBed = kMpiEnvironment +
+                         "MALLEUS_HOSTS_PREFIX=mr MALLEUS_HOSTS_SUBNET=198.18.15 "
+                         "MALLEUS_HOSTS_SLOTS=2 " MALLEUS_SOURCE_DIR "/scripts/hosts.sh ";
+
+// Brings the bed of 2 hosts up (skipped() where namespaces cannot be made) and always down again.
+class TwoHosts {
+ public:
+  TwoHosts() {
+    const auto r = run_command("timeout 60 " + kBed + "up 2");
+    skipped_ = r.exit_code == 77;
+    EXPECT_TRUE(skipped_ || r.exit_code == 0) << r.output;
+  }
+  ~TwoHosts() { run_command("timeout 60 " + kBed + "down"); }
+  TwoHosts(const TwoHosts&) = delete;
+  TwoHosts& operator=(const TwoHosts&) = delete;
+  bool skipped() const { return skipped_; }
+
+  // Host `h`'s memory copies of `run` (checkpoint::memory_checkpoint_root on that host).
+  static fs::path memory_root(int h, const fs::path& run) {
+    return checkpoint::memory_checkpoint_base() / ("mr-h" + std::to_string(h)) /
+           checkpoint::memory_checkpoint_root(run).filename();
+  }
+  // The newest step host `h` holds complete (with a manifest), or -1.
+  static int64_t newest_step(int h, const fs::path& run) {
+    int64_t newest = -1;
+    for (const auto& s : checkpoint::host_memory_copies(memory_root(h, run)).steps) {
+      if (!s.listed.empty()) newest = std::max(newest, s.step);
+    }
+    return newest;
+  }
+
+ private:
+  bool skipped_ = false;
+};
+
+constexpr int kHostSteps = 16;
+
+// `malleus train` across the bed's 4 ranks, `train` its arguments.
+std::string on_bed(const std::string& train) {
+  return "timeout " + std::to_string(kTimeoutS) + " " + kBed + "mpirun -np 4 " + MALLEUS_BINARY +
+         " train " + train;
+}
+
+// The tiny run across both hosts with a memory checkpoint every step and a disk one every
+// `disk_every`, killed (rank 1, on host 0) once both hosts hold a memory checkpoint of step 5 or
+// later; then host 0's memory is lost. Returns the step host 1 holds.
+int64_t lose_host_zero(const ScratchDir& dir, const fs::path& run, int disk_every) {
+  BackgroundCommand job(on_bed(tiny_flags(dir, "run", kHostSteps) + " --memory-checkpoint-every 1" +
+                               " --checkpoint-every " + std::to_string(disk_every)),
+                        dir / "killed.out");
+  EXPECT_TRUE(wait_for_step(job, 5)) << job.output();
+  for (int i = 0; i < 20 * kTimeoutS; ++i) {
+    if (std::min(TwoHosts::newest_step(0, run), TwoHosts::newest_step(1, run)) >= 5) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(::kill(rank_pid(run, 1), SIGKILL), 0);
+  EXPECT_NE(job.wait(kTimeoutS), 0) << job.output();
+  const int64_t step = TwoHosts::newest_step(1, run);
+  // Each host held every shard of it: its ranks' own and their peers' (on the other host).
+  const fs::path held = checkpoint::checkpoint_dir(TwoHosts::memory_root(1, run), step);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(fs::exists(held / ("rank_0000" + std::to_string(r) + ".bin"))) << r;
+  }
+  fs::remove_all(checkpoint::memory_checkpoint_base() / "mr-h0");
+  return step;
+}
+
+}  // namespace
+
+TEST_F(RecoverySlow, LostHostIsSentTheOtherHostsMemoryCopyAndTheRunResumesFromIt) {
+  TwoHosts bed;
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  // No disk checkpoint before the loss: the restart can only come from memory.
+  const int64_t step = lose_host_zero(dir, run, 100);
+  ASSERT_GE(step, 5);
+  const auto r = run_command(on_bed("--resume " + run.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Host 0 (rank 0's) was sent all six files: 4 shards, the tokenizer, the manifest.
+  EXPECT_NE(r.output.find("memory checkpoint of step " + std::to_string(step) +
+                          " completed on every host: 6 files"),
+            std::string::npos)
+      << r.output;
+  const fs::path copy = checkpoint::checkpoint_dir(TwoHosts::memory_root(0, run), step);
+  EXPECT_NE(r.output.find("resuming from " + copy.string() + " (a memory checkpoint) at step " +
+                          std::to_string(step)),
+            std::string::npos)
+      << r.output;
+  // The finished run removed its copies on both hosts.
+  EXPECT_FALSE(fs::exists(TwoHosts::memory_root(0, run)));
+  EXPECT_FALSE(fs::exists(TwoHosts::memory_root(1, run)));
+  expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kHostSteps), kHostSteps);
+}
+
+TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
+  TwoHosts bed;
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  const int64_t step = lose_host_zero(dir, run, 4);
+  ASSERT_GE(step, 5);
+  // Rank 1's shard was on host 0 (its own copy) and host 1 (its peer's, rank 3): both gone.
+  EXPECT_EQ(checkpoint::memory_holders({0, 0, 1, 1}, 1).peer, 3);
+  for (const auto& s : fs::directory_iterator(TwoHosts::memory_root(1, run))) {
+    fs::remove(s.path() / "rank_00001.bin");
+  }
+  const fs::path disk = *checkpoint::latest_checkpoint(run / "checkpoints");
+  ASSERT_LT(train::checkpoint_dir_step(disk), step);
+  const auto r = run_command(on_bed("--resume " + run.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path copy = checkpoint::checkpoint_dir(TwoHosts::memory_root(0, run), step);
+  EXPECT_NE(r.output.find("not resuming from memory: checkpoint " + copy.string() +
+                          ": rank_00001.bin is missing on every host"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("resuming from " + disk.string() + " at step " +
+                          std::to_string(train::checkpoint_dir_step(disk))),
+            std::string::npos)
+      << r.output;
+  expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kHostSteps), kHostSteps);
+}

@@ -247,6 +247,8 @@ class CheckpointIndex {
   // or not of its size (what read() checks of the files it opens, for all of them, reading
   // nothing).
   void check_files() const;
+  // Sharded checkpoints: every file the manifest lists, with its size in bytes.
+  const std::map<std::string, int64_t>& file_bytes() const { return file_bytes_; }
 
  private:
   struct StoredPiece {

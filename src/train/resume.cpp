@@ -1,23 +1,23 @@
 #include "train/resume.h"
 
+#include <chrono>
 #include <cstdio>
 
 #include "checkpoint/memory_checkpoint.h"
 #include "common/error.h"
+#include "runtime/parallel_state.h"
 
 namespace malleus::train {
 
 namespace fs = std::filesystem;
 
-std::optional<fs::path> usable_memory_checkpoint(const fs::path& run_dir, int64_t disk_step,
-                                                 std::string* refused) {
-  const std::optional<fs::path> memory = checkpoint::latest_memory_checkpoint(run_dir);
-  if (!memory) return std::nullopt;
+std::optional<fs::path> usable_memory_copy(const fs::path& memory, int64_t disk_step,
+                                           std::string* refused) {
   try {
-    const checkpoint::CheckpointIndex index(*memory);
-    check(index.sharded(), "checkpoint " + memory->string() + ": not a sharded checkpoint");
+    const checkpoint::CheckpointIndex index(memory);
+    check(index.sharded(), "checkpoint " + memory.string() + ": not a sharded checkpoint");
     if (index.header().step <= disk_step) {
-      *refused = "memory checkpoint " + memory->string() + " is of step " +
+      *refused = "memory checkpoint " + memory.string() + " is of step " +
                  std::to_string(index.header().step) + ", not later than the disk's " +
                  std::to_string(disk_step);
       return std::nullopt;
@@ -28,6 +28,13 @@ std::optional<fs::path> usable_memory_checkpoint(const fs::path& run_dir, int64_
     return std::nullopt;
   }
   return memory;
+}
+
+std::optional<fs::path> usable_memory_checkpoint(const fs::path& run_dir, int64_t disk_step,
+                                                 std::string* refused) {
+  const std::optional<fs::path> memory = checkpoint::latest_memory_checkpoint(run_dir);
+  if (!memory) return std::nullopt;
+  return usable_memory_copy(*memory, disk_step, refused);
 }
 
 int64_t checkpoint_dir_step(const fs::path& dir) {
@@ -51,21 +58,49 @@ std::optional<int64_t> restart_step(const fs::path& run_dir) {
 
 namespace {
 
-// Rank 0's choice of a memory copy for `point` (its path, or ""), and why one was refused.
-std::string choose_memory(const ResumePoint& point, const fs::path& given,
-                          comm::Communicator& world) {
-  std::string chosen, refused;
+// Collective: the hosts' memory copies gathered (checkpoint::gather_memory_copies) and the step
+// of the one rank 0 then finds usable (its own host's copy checked as usable_memory_copy does),
+// or nothing, with a line saying why a copy was not taken. Every rank reads the step's directory
+// on its own host.
+std::optional<int64_t> choose_memory(const ResumePoint& point, const fs::path& given,
+                                     comm::Communicator& world) {
   std::error_code ec;
   const bool names_run = !fs::exists(given / "manifest.json", ec) && point.run_dir;
-  if (world.rank() == 0 && names_run) {
-    const int64_t disk_step = point.disk ? checkpoint_dir_step(*point.disk) : -1;
-    if (auto memory = usable_memory_checkpoint(*point.run_dir, disk_step, &refused)) {
-      chosen = memory->string();
-    } else if (!refused.empty()) {
+  // Rank 0's view decides, so that every rank enters the collectives below or none does.
+  int64_t consider = world.rank() == 0 && names_run ? 1 : 0;
+  if (world.size() > 1) world.broadcast(&consider, sizeof consider, 0);
+  if (consider == 0) return std::nullopt;
+  const int64_t disk_step = point.disk ? checkpoint_dir_step(*point.disk) : -1;
+  const auto start = std::chrono::steady_clock::now();
+  checkpoint::MemoryCopyPlan plan;
+  try {
+    plan = checkpoint::gather_memory_copies(
+        world, *point.run_dir, runtime::host_leaders(runtime::host_indices(world)), disk_step);
+  } catch (const Error& e) {
+    plan.refused = e.what();  // every rank has the same error
+  }
+  int64_t chosen = -1;
+  if (world.rank() == 0) {
+    std::string refused = plan.refused;
+    if (plan.step && !plan.transfers.empty()) {
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      std::printf(
+          "memory checkpoint of step %lld completed on every host: %zu files, %.2f MiB "
+          "sent between hosts in %.3f s\n",
+          static_cast<long long>(*plan.step), plan.transfers.size(),
+          static_cast<double>(plan.bytes) / (1 << 20), took.count());
+    }
+    if (plan.step) {
+      const fs::path dir = checkpoint::checkpoint_dir(
+          checkpoint::memory_checkpoint_root(*point.run_dir), *plan.step);
+      if (usable_memory_copy(dir, disk_step, &refused)) chosen = *plan.step;
+    }
+    if (chosen < 0 && !refused.empty()) {
       std::printf("not resuming from memory: %s\n", refused.c_str());
     }
   }
-  return world.size() > 1 ? world.broadcast_text(chosen, 0) : chosen;
+  if (world.size() > 1) world.broadcast(&chosen, sizeof chosen, 0);
+  return chosen < 0 ? std::nullopt : std::optional<int64_t>(chosen);
 }
 
 }  // namespace
@@ -83,10 +118,12 @@ ResumePoint find_resume_point(const fs::path& given, comm::Communicator& world) 
     std::error_code ec;
     if (fs::is_directory(given, ec)) point.run_dir = given;
   }
-  if (const std::string chosen = choose_memory(point, given, world); !chosen.empty()) {
+  if (const std::optional<int64_t> step = choose_memory(point, given, world)) {
+    const fs::path chosen =
+        checkpoint::checkpoint_dir(checkpoint::memory_checkpoint_root(*point.run_dir), *step);
     try {
       point.checkpoint = load_checkpoint_on_root(chosen, world);
-      point.memory = fs::path(chosen);
+      point.memory = chosen;
       return point;
     } catch (const Error& e) {
       if (world.rank() == 0) std::printf("not resuming from memory: %s\n", e.what());

@@ -1,13 +1,15 @@
 // Where a resumed run continues from: the latest complete checkpoint on disk, or the run's newest
 // memory checkpoint (checkpoint/memory_checkpoint.h) when that is of a later step, complete and
-// verified. A memory copy that cannot be used — a file missing or of the wrong size (its holder's
-// host gone, a segment removed), a checksum that does not match (a torn or damaged copy), a
-// manifest that does not verify — is refused with a line saying why, and the disk checkpoint is
-// read instead.
+// verified; on several hosts, the newest whose every file some host holds, the files a host lacks
+// first sent to it (checkpoint::gather_memory_copies). A memory copy that cannot be used — a file
+// missing or of the wrong size (its holder's host gone, a segment removed), a checksum that does
+// not match (a torn or damaged copy), a manifest that does not verify — is refused with a line
+// saying why, and the disk checkpoint is read instead.
 #pragma once
 
 #include <filesystem>
 #include <optional>
+#include <string>
 
 #include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
@@ -34,6 +36,11 @@ int64_t checkpoint_dir_step(const std::filesystem::path& dir);
 // Not collective: what malleus launch reports before it restarts the job.
 std::optional<int64_t> restart_step(const std::filesystem::path& run_dir);
 
+// `memory` (a memory checkpoint's step directory on this host) if it is of a later step than
+// `disk_step` and its manifest verifies and lists files that are all present with their sizes;
+// else nothing, with the reason in `*refused`. Not collective.
+std::optional<std::filesystem::path> usable_memory_copy(const std::filesystem::path& memory,
+                                                        int64_t disk_step, std::string* refused);
 // The memory checkpoint `run_dir` has on this host if it is of a later step than `disk_step` and
 // its manifest verifies and lists files that are all present with their sizes; else nothing,
 // with the reason in `*refused` when there was a copy. Not collective.
@@ -42,7 +49,10 @@ std::optional<std::filesystem::path> usable_memory_checkpoint(const std::filesys
                                                               std::string* refused);
 
 // Collective. `given`: what --resume names. Memory copies are considered only when it names a
-// run directory (or its checkpoint root), not one checkpoint; rank 0's host decides.
+// run directory (or its checkpoint root), not one checkpoint: first the hosts' copies are
+// gathered (checkpoint::gather_memory_copies: every host is sent the files of the newest step
+// complete across the hosts that it lacks), then rank 0's host checks the step's copy as
+// usable_memory_copy does, and every rank reads the copy on its own host.
 ResumePoint find_resume_point(const std::filesystem::path& given, comm::Communicator& world);
 
 // Collective: restores `point` into `trainer`. When the memory copy fails to read on any rank,
