@@ -11,11 +11,11 @@
 #include <fstream>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "model/config.h"
 #include "test_util.h"
-#include "checkpoint/checkpoint.h"
 #include "train/config.h"
 #include "train_config_samples.h"
 
@@ -178,6 +178,23 @@ TEST(Cli, StragglerOnARankOutsideTheJobIsRefused) {
     expect_error(r, {"--straggler: straggler \"" + std::string(spec) + "\"", "[1, 100]"});
   }
   EXPECT_FALSE(fs::exists(dir / "run"));
+}
+
+// `malleus profile` as planner.md shows it, without --threads: 0, the default, is every core
+// (it once reached the backend as 0 threads and stopped). Too many threads are refused naming
+// the value, and nothing is written then.
+TEST(Cli, ProfileRunsWithTheDefaultThreadsAndRefusesTooMany) {
+  ScratchDir dir;
+  const std::string out = (dir / "profile.json").string();
+  const auto r = run_malleus("profile --model tiny --repeats 1 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Json profile = read_json_file(out);
+  EXPECT_GE(profile.at("threads").get<int>(), 1) << profile.dump();
+  EXPECT_GT(profile.at("layer_forward_flops_per_s").get<double>(), 0) << profile.dump();
+  const std::string other = (dir / "other.json").string();
+  expect_error(run_malleus("profile --model tiny --repeats 1 --threads 100000 --out " + other),
+               {"\"threads\" is 100000"});
+  EXPECT_FALSE(fs::exists(other));
 }
 
 TEST(Cli, SyntaxOfFlagsIsCheckedBeforeTheData) {
@@ -535,7 +552,8 @@ TEST(Cli, NonFiniteStepStopsTheRunAndKeepsTheLastCheckpoint) {
   }
 
   // A checkpoint with NaN weights: eval exits non-zero naming the loss.
-  checkpoint::Checkpoint c = checkpoint::load_checkpoint(dir / "run" / "checkpoints" / "step_00000001", true);
+  checkpoint::Checkpoint c =
+      checkpoint::load_checkpoint(dir / "run" / "checkpoints" / "step_00000001", true);
   for (size_t i = 0; i < c.params.size(); i += 97) c.params[i] = std::nanf("");
   checkpoint::save_checkpoint(dir / "nan", c);
   expect_error(run_malleus("eval --checkpoint " + (dir / "nan").string() + " --data '" +

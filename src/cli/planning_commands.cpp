@@ -25,6 +25,7 @@
 #include "sim/experiments.h"
 #include "sim/scenario.h"
 #include "sim/simulator.h"
+#include "train/trainer.h"
 
 namespace malleus::cli {
 
@@ -245,7 +246,9 @@ void run_profile(const std::string& model_name, int micro_batch, int seq_len, in
   check(seq_len <= base.max_seq_len, "--seq-len " + std::to_string(seq_len) +
                                          " exceeds the model's " +
                                          std::to_string(base.max_seq_len));
-  auto backend = backend::make_cpu_backend<float>(threads);
+  // --threads 0 (the default) is every core of the machine, as its help says; more threads
+  // than CPUs are refused naming the value, as `train` refuses them.
+  auto backend = backend::make_cpu_backend<float>(train::resolve_threads(threads, 1));
   const size_t tokens = static_cast<size_t>(micro_batch) * static_cast<size_t>(seq_len);
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> token(0, base.vocab_size - 1);
