@@ -1,6 +1,10 @@
 """Installs the Python package malleus (python/malleus and its pybind11 module _malleus).
 
-    /usr/bin/python3 -m pip install --no-build-isolation .
+    /usr/bin/python3 -m venv --system-site-packages /tmp/malleus-env
+    MALLEUS_BUILD_DIR=build /tmp/malleus-env/bin/pip install --no-build-isolation --no-index .
+
+(Debian's own interpreter refuses packages installed beside its own, PEP 668; the virtual
+environment sees Debian's PyTorch. docs/python.md, "Build and import".)
 
 The module is built by the project's CMake build: into build-python/ (configured without tests
 and benchmarks), or into an existing build directory named by MALLEUS_BUILD_DIR (e.g. build),

@@ -2,6 +2,7 @@
 why (in a one-process gloo group, no launcher needed)."""
 
 import os
+import subprocess
 import sys
 import unittest
 
@@ -84,6 +85,19 @@ class Arguments(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "not a data-parallel plan"):
             mt.split_of_plan(pp, 2)
         self.assertEqual(mt.split_of_plan(mt.plan_of_split([3, 0, 5], 1, 4), 3), [3, 0, 5])
+
+
+class WithoutTorch(unittest.TestCase):
+    def test_import_names_the_interpreter_and_the_package(self):
+        # An interpreter that cannot import torch (the pyenv python3 earlier on PATH than
+        # Debian's): the error says which interpreter and where PyTorch comes from.
+        code = ("import sys; sys.modules['torch'] = None\n"
+                "try:\n    import malleus.torch\n"
+                "except ImportError as e:\n    print(e)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+        self.assertIn(f"malleus.torch needs PyTorch, which {sys.executable} cannot import", out)
+        self.assertIn("python3-torch", out)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,19 @@ group (gloo on CPU, NCCL on GPU). Each step:
 See docs/python.md.
 """
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as e:  # most often a python3 earlier on PATH than Debian's, which has torch
+    raise ImportError(
+        f"malleus.torch needs PyTorch, which {sys.executable} cannot import ({e}); Debian's is "
+        "python3-torch (scripts/setup.sh), for /usr/bin/python3: run that interpreter "
+        "(docs/python.md)") from e
 
 import malleus
 from malleus import _malleus
