@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A few lines the demo model writes before and after training (README, "The main command"): three
+# A few lines the demo model writes before and after training (docs/demo.md): three
 # samples from the model as training initialises it, then three from the run's last checkpoint.
 # Each sample starts a new fortune (the prompt is empty) and ends at the end-of-text token.
 # Usage: scripts/demo_samples.sh [RUN_DIR] (default runs/demo); run after scripts/demo.sh.
