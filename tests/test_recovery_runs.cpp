@@ -365,11 +365,19 @@ TEST_F(RecoverySlow, StaleOrUnfinishedMemoryCopiesAreNotTaken) {
                          " bytes, manifest says " + std::to_string(size)),
             std::string::npos)
       << refused;
+  // What malleus launch restarts from: on one host the unusable copy does not count; on several,
+  // a copy with its manifest does though files are short or missing here (the others hold them,
+  // and the restart gathers them).
+  EXPECT_EQ(train::restart_step(run), disk);
+  EXPECT_EQ(train::restart_step(run, train::MemoryHosts::kSeveral), step);
+  fs::remove(shard);
+  EXPECT_EQ(train::restart_step(run, train::MemoryHosts::kSeveral), step);
   // Unfinished: a step directory without its manifest (a save a rank died in) is not a
   // checkpoint at all; the restart step is then the disk's.
   fs::remove(memory / "manifest.json");
   EXPECT_FALSE(checkpoint::latest_memory_checkpoint(run).has_value());
   EXPECT_EQ(train::restart_step(run), disk);
+  EXPECT_EQ(train::restart_step(run, train::MemoryHosts::kSeveral), disk);
   checkpoint::remove_memory_checkpoints(run);
 }
 

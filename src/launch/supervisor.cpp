@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "checkpoint/checkpoint.h"
@@ -404,7 +405,10 @@ class Supervisor {
                                          : (lost.size() == 1 ? "rank " : "ranks ") +
                                                joined(lost, ", ") + " " + outcome.reason;
     const int64_t failed_at_step = last_logged_step(run_dir_ / "metrics.jsonl");
-    const int64_t from = restart_step(who, failed_at_step);
+    const std::set<std::string> hosts(ranks.begin(), ranks.end());
+    const int64_t from = restart_step(
+        who, failed_at_step,
+        hosts.size() > 1 ? train::MemoryHosts::kSeveral : train::MemoryHosts::kThisHost);
     if (from >= config_.at("steps").get<int64_t>()) {
       // Lost after its last step was saved (while the job was ending): nothing is left to do.
       std::printf("launch: %s after the run's last step (%lld) was saved: the run finished\n",
@@ -448,9 +452,11 @@ class Supervisor {
     return std::nullopt;
   }
 
-  // The step of the latest complete checkpoint, on disk or in memory (Error when there is none).
-  int64_t restart_step(const std::string& who, int64_t failed_at_step) const {
-    const std::optional<int64_t> step = train::restart_step(run_dir_);
+  // The step of the latest complete checkpoint, on disk or in memory (Error when there is none);
+  // on several hosts, this host's memory copy counts though other hosts hold some of its files.
+  int64_t restart_step(const std::string& who, int64_t failed_at_step,
+                       train::MemoryHosts hosts) const {
+    const std::optional<int64_t> step = train::restart_step(run_dir_, hosts);
     check(step.has_value(),
           "launch: " + who + " at step " + std::to_string(failed_at_step) +
               ", before the run's first checkpoint: nothing to restart from (checkpoint more "

@@ -44,13 +44,19 @@ int64_t checkpoint_dir_step(const fs::path& dir) {
   return std::stoll(name.substr(5));
 }
 
-std::optional<int64_t> restart_step(const fs::path& run_dir) {
+std::optional<int64_t> restart_step(const fs::path& run_dir, MemoryHosts hosts) {
   std::optional<int64_t> step;
   if (auto latest = checkpoint::latest_checkpoint(run_dir / "checkpoints")) {
     step = checkpoint_dir_step(*latest);
   }
-  std::string refused;
-  if (auto memory = usable_memory_checkpoint(run_dir, step.value_or(-1), &refused)) {
+  std::optional<fs::path> memory;
+  if (hosts == MemoryHosts::kSeveral) {
+    memory = checkpoint::latest_memory_checkpoint(run_dir);
+  } else {
+    std::string refused;
+    memory = usable_memory_checkpoint(run_dir, step.value_or(-1), &refused);
+  }
+  if (memory && checkpoint_dir_step(*memory) > step.value_or(-1)) {
     step = checkpoint_dir_step(*memory);
   }
   return step;

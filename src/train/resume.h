@@ -31,10 +31,18 @@ struct ResumePoint {
 // 0 for another name (a checkpoint made by import).
 int64_t checkpoint_dir_step(const std::filesystem::path& dir);
 
-// The step a restart of `run_dir` continues from, as find_resume_point would choose on this host:
-// the newer of the latest disk checkpoint and a usable memory checkpoint (nothing if neither).
-// Not collective: what malleus launch reports before it restarts the job.
-std::optional<int64_t> restart_step(const std::filesystem::path& run_dir);
+// Which hosts a restart's memory copies may come from (restart_step).
+enum class MemoryHosts {
+  kThisHost,  // the job runs on this host alone: a file missing here is missing everywhere
+  kSeveral,   // the job spans hosts: this host holds only some shards; the others hold the rest
+};
+// The step a restart of `run_dir` continues from: the newer of the latest disk checkpoint and the
+// newest memory checkpoint on this host — usable here (kThisHost, as find_resume_point would
+// choose), or with a manifest, which a host gets only once every shard is on two hosts
+// (kSeveral: the restart gathers the files it lacks from the others, gather_memory_copies).
+// Nothing if neither. Not collective: what malleus launch reports before it restarts the job.
+std::optional<int64_t> restart_step(const std::filesystem::path& run_dir,
+                                    MemoryHosts hosts = MemoryHosts::kThisHost);
 
 // `memory` (a memory checkpoint's step directory on this host) if it is of a later step than
 // `disk_step` and its manifest verifies and lists files that are all present with their sizes;
