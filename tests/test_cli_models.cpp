@@ -157,6 +157,12 @@ TEST(CliModels, ErrorsAreNamed) {
   expect_error(run_malleus("train-tokenizer --input " + d + "/data/train_000000.bin --output " + d +
                            "/t.model"),
                {"no text"});
+  // The inputs are train-tokenizer's as much as prepare-data's: the message names the flag, not
+  // the other command.
+  const auto missing =
+      run_malleus("train-tokenizer --input " + d + "/missing.txt --output " + d + "/t.model");
+  expect_error(missing, {"--input " + d + "/missing.txt: no such file or directory"});
+  EXPECT_EQ(missing.output.find("prepare-data"), std::string::npos) << missing.output;
 
   // A checkpoint trained on byte-tokenized data generates bytes; sampling options are checked.
   const std::string run =

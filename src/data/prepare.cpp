@@ -96,11 +96,11 @@ std::vector<fs::path> collect_inputs(const std::vector<std::string>& inputs,
                                      std::vector<std::string>& skipped) {
   std::vector<fs::path> candidates;
   for (const auto& input : inputs) {
-    check(!input.empty(), "prepare-data: an input path is empty");
+    check(!input.empty(), "--input: a path is empty");
     const fs::path path(input);
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);  // follows symlinks
-    check(fs::exists(status), "prepare-data input " + input + ": no such file or directory");
+    check(fs::exists(status), "--input " + input + ": no such file or directory");
     if (fs::is_directory(status)) {
       std::vector<fs::path> found;
       try {
@@ -116,14 +116,14 @@ std::vector<fs::path> collect_inputs(const std::vector<std::string>& inputs,
           found.push_back(entry.path());
         }
       } catch (const fs::filesystem_error& e) {
-        throw Error("prepare-data input " + input + ": cannot list directory: " + e.what());
+        throw Error("--input " + input + ": cannot list directory: " + e.what());
       }
       std::sort(found.begin(), found.end());
       candidates.insert(candidates.end(), found.begin(), found.end());
     } else if (fs::is_regular_file(status)) {
       candidates.push_back(path);
     } else {
-      throw Error("prepare-data input " + input + ": not a regular file or directory");
+      throw Error("--input " + input + ": not a regular file or directory");
     }
   }
 
@@ -169,7 +169,7 @@ void split_documents(std::string_view text, const std::string& separator, F&& on
 
 void for_each_document(const PrepareOptions& options, PrepareSummary& summary,
                        const std::function<void(std::string_view)>& on_document) {
-  check(!options.inputs.empty(), "prepare-data: no inputs given");
+  check(!options.inputs.empty(), "--input: no inputs given");
   // Inputs are listed before anything is written, so shards from an earlier run in a directory
   // that is also an input are never read back as text.
   const std::vector<fs::path> files = collect_inputs(options.inputs, summary.skipped);
@@ -207,9 +207,8 @@ std::shared_ptr<const tokenizer::Tokenizer> checked_encoder(const PrepareOptions
   // Checked before the output directory is touched.
   for (const auto& input : options.inputs) {
     std::error_code ec;
-    check(!input.empty(), "prepare-data: an input path is empty");
-    check(fs::exists(fs::status(input, ec)),
-          "prepare-data input " + input + ": no such file or directory");
+    check(!input.empty(), "--input: a path is empty");
+    check(fs::exists(fs::status(input, ec)), "--input " + input + ": no such file or directory");
   }
   return encoder;
 }
