@@ -194,6 +194,8 @@ TEST(Cli, ProfileRunsWithTheDefaultThreadsAndRefusesTooMany) {
   const std::string other = (dir / "other.json").string();
   expect_error(run_malleus("profile --model tiny --repeats 1 --threads 100000 --out " + other),
                {"\"threads\" is 100000"});
+  expect_error(run_malleus("profile --model tiny --repeats 1 --threads -3 --out " + other),
+               {"--threads must not be negative (got -3)"});
   EXPECT_FALSE(fs::exists(other));
 }
 

@@ -248,6 +248,7 @@ void run_profile(const std::string& model_name, int micro_batch, int seq_len, in
                                          std::to_string(base.max_seq_len));
   // --threads 0 (the default) is every core of the machine, as its help says; more threads
   // than CPUs are refused naming the value, as `train` refuses them.
+  check(threads >= 0, "--threads must not be negative (got " + std::to_string(threads) + ")");
   auto backend = backend::make_cpu_backend<float>(train::resolve_threads(threads, 1));
   const size_t tokens = static_cast<size_t>(micro_batch) * static_cast<size_t>(seq_len);
   std::mt19937 rng(1);
