@@ -199,6 +199,32 @@ TEST(Cli, ProfileRunsWithTheDefaultThreadsAndRefusesTooMany) {
   EXPECT_FALSE(fs::exists(other));
 }
 
+// `malleus clusters`: one line per preset, in columns however long a preset's name (the
+// cpu-bed-2x2-turns line once overflowed its column), and the CPU presets' TFLOPS not rounded
+// away to 0.0.
+TEST(Cli, ClustersListsEveryPresetInColumns) {
+  const auto r = run_malleus("clusters");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> lines;
+  for (size_t begin = 0; begin < r.output.size();) {
+    const size_t end = r.output.find('\n', begin);
+    lines.push_back(r.output.substr(begin, end - begin));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
+  ASSERT_GE(lines.size(), 3u) << r.output;
+  for (const auto& line : lines) EXPECT_EQ(line.size(), lines[0].size()) << r.output;
+  bool found = false;
+  for (const auto& line : lines) {
+    if (line.rfind("cpu-local ", 0) == 0) {
+      found = true;
+      EXPECT_NE(line.find(" 0.045 "), std::string::npos) << line;
+    }
+  }
+  EXPECT_TRUE(found) << r.output;
+}
+
 TEST(Cli, SyntaxOfFlagsIsCheckedBeforeTheData) {
   ScratchDir dir;
   // Both the data and the straggler spec are wrong: the cheap syntactic error comes first.

@@ -403,11 +403,16 @@ void add_profile_command(CLI::App& app) {
 // clusters: the built-in presets, one line each.
 void add_clusters_command(CLI::App& app) {
   app.add_subcommand("clusters", "List the built-in cluster presets")->callback([] {
-    std::printf("%-14s %6s %8s %9s %8s %11s %11s\n", "preset", "nodes", "per node", "memory",
+    // The name column as wide as the longest name, and three significant digits, so that the
+    // CPU presets' 0.045 TFLOPS does not read as 0.0.
+    const std::vector<std::string> names = plan::cluster_preset_names();
+    int width = 6;
+    for (const auto& name : names) width = std::max(width, static_cast<int>(name.size()));
+    std::printf("%-*s %6s %8s %10s %8s %11s %11s\n", width, "preset", "nodes", "per node", "memory",
                 "TFLOPS", "intra GB/s", "inter GB/s");
-    for (const auto& name : plan::cluster_preset_names()) {
+    for (const auto& name : names) {
       const plan::ClusterSpec c = plan::load_cluster(name);
-      std::printf("%-14s %6d %8d %9s %8.1f %11.1f %11.1f\n", name.c_str(), c.nodes,
+      std::printf("%-*s %6d %8d %10s %8.3g %11.3g %11.3g\n", width, name.c_str(), c.nodes,
                   c.devices_per_node, format_bytes(c.memory_bytes).c_str(), c.flops() / 1e12,
                   c.intra_node_bandwidth / 1e9, c.inter_node_bandwidth / 1e9);
     }
