@@ -247,6 +247,20 @@ TEST(TrainConfig, RoundTripsThroughJsonWithEveryField) {
   EXPECT_FLOAT_EQ(back.lr, 0.0005f);
 }
 
+TEST(TrainConfig, FloatsAreWrittenAsTheirShortestDecimal) {
+  // A float field is shown as the decimal it was given, not the double nearest the float
+  // (9.99999993922529e-09 for 1e-8), and reads back as the same float.
+  const TrainConfig defaults;
+  const Json json = defaults.to_json();
+  EXPECT_EQ(json.at("adam_eps").dump(), "1e-08");
+  EXPECT_EQ(json.at("lr").dump(), "0.002");
+  EXPECT_EQ(json.at("beta2").dump(), "0.95");
+  TrainConfig odd;
+  odd.lr = std::nextafter(3e-4f, 1.0f);  // needs 9 digits
+  const TrainConfig back = TrainConfig::from_json(odd.to_json(), "odd");
+  EXPECT_EQ(back.lr, odd.lr);
+}
+
 TEST(TrainConfig, StrictFieldsNameFileKeyAndValue) {
   struct Case {
     Json json;

@@ -1,6 +1,7 @@
 #include "train/config.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <type_traits>
 
@@ -23,6 +24,18 @@ std::string shown(const T& value) {
   } else {
     return std::to_string(value);
   }
+}
+
+// A float as the shortest decimal that reads back as the same float (1e-08, not the double
+// nearest the float, 9.99999993922529e-09): what config files and --print-config show.
+double shortest_decimal(float value) {
+  char text[32];
+  for (int digits = 6; digits < 9; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, static_cast<double>(value));
+    if (std::strtof(text, nullptr) == value) return std::strtod(text, nullptr);
+  }
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(value));
+  return std::strtod(text, nullptr);
 }
 
 template <typename T>
@@ -100,7 +113,13 @@ ConfigField field(T TrainConfig::*member, const char* key, const char* flag, OnR
     if (limits) limits(v, what);
     c.*member = std::move(v);
   };
-  f.write = [member](const TrainConfig& c) { return Json(c.*member); };
+  f.write = [member](const TrainConfig& c) {
+    if constexpr (std::is_same_v<T, float>) {
+      return Json(shortest_decimal(c.*member));
+    } else {
+      return Json(c.*member);
+    }
+  };
   f.check = [member, limits](const TrainConfig& c, const std::string& what) {
     if (limits) limits(c.*member, what);
   };
