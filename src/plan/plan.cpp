@@ -274,9 +274,10 @@ Plan uniform_plan(const model::ModelConfig& model, int dp, int tp, int pp, int g
                                       std::to_string(model.num_kv_heads) + " KV heads");
   Plan plan;
   plan.world_size = world_size > 0 ? world_size : dp * tp * pp;
-  check(plan.world_size >= dp * tp * pp, "dp × tp × pp = " + std::to_string(dp * tp * pp) +
-                                             " ranks exceed the world of " +
-                                             std::to_string(plan.world_size));
+  check(plan.world_size >= dp * tp * pp,
+        "dp × tp × pp = " + std::to_string(dp) + " × " + std::to_string(tp) + " × " +
+            std::to_string(pp) + " = " + std::to_string(dp * tp * pp) +
+            " ranks exceed the world of " + std::to_string(plan.world_size));
   plan.micro_batch_size = micro_batch_size;
   const auto layers = even_shares(model.num_layers, pp);
   const auto batches = even_shares(micro_batches, dp);
