@@ -788,6 +788,13 @@ TEST(Latest, DirectoryNamesAndLatestPointer) {
   EXPECT_EQ(checkpoint_dir(root, 100), root / "step_00000100");
   EXPECT_EQ(checkpoint_dir(root, 123456789), root / "step_123456789");
   EXPECT_THROW(checkpoint_dir(root, -1), Error);
+  // And back: the step in such a name, nothing for any other name.
+  EXPECT_EQ(checkpoint_dir_step(checkpoint_dir(root, 100)), 100);
+  EXPECT_EQ(checkpoint_dir_step(checkpoint_dir(root, 123456789) / ""), 123456789);
+  for (const char* other :
+       {"imported", "step_", "step_12a", "step_00000100.tmp.42", "step_1234567890123456789012"}) {
+    EXPECT_EQ(checkpoint_dir_step(root / other), std::nullopt) << other;
+  }
 
   fs::create_directories(root);
   EXPECT_EQ(latest_checkpoint(root), std::nullopt);

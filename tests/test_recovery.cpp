@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_gather.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "launch/supervisor.h"

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_gather.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "metrics/metrics.h"
@@ -255,7 +256,7 @@ fs::path killed_with_memory_copies(const ScratchDir& dir, const fs::path& run) {
   // Killed once the memory checkpoint of step 5 is complete: newer than the disk's of step 4.
   for (int i = 0; i < 20 * kTimeoutS; ++i) {
     const auto memory = checkpoint::latest_memory_checkpoint(run);
-    if (memory && train::checkpoint_dir_step(*memory) >= 5) break;
+    if (memory && checkpoint::checkpoint_dir_step(*memory).value_or(0) >= 5) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_EQ(::kill(rank_pid(run, 3), SIGKILL), 0);
@@ -312,7 +313,7 @@ TEST_F(RecoverySlow, MemoryCopyWhoseHolderIsGoneFallsBackToDisk) {
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("resuming from " + disk.string() + " at step " +
-                          std::to_string(train::checkpoint_dir_step(disk))),
+                          std::to_string(checkpoint::checkpoint_dir_step(disk).value_or(0))),
             std::string::npos)
       << r.output;
   expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kSteps), kSteps);
@@ -345,9 +346,10 @@ TEST_F(RecoverySlow, DamagedMemoryCopyIsRefusedAndTheDiskRead) {
 TEST_F(RecoverySlow, StaleOrUnfinishedMemoryCopiesAreNotTaken) {
   const fs::path memory = killed_with_memory_copies(dir, run);
   ASSERT_FALSE(memory.empty());
-  const int64_t step = train::checkpoint_dir_step(memory);
+  const int64_t step = checkpoint::checkpoint_dir_step(memory).value_or(0);
   const int64_t disk =
-      train::checkpoint_dir_step(*checkpoint::latest_checkpoint(run / "checkpoints"));
+      checkpoint::checkpoint_dir_step(*checkpoint::latest_checkpoint(run / "checkpoints"))
+          .value_or(0);
   ASSERT_GT(step, disk);
   std::string refused;
   EXPECT_EQ(train::usable_memory_checkpoint(run, disk, &refused), memory) << refused;
@@ -496,7 +498,7 @@ TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
     fs::remove(s.path() / "rank_00001.bin");
   }
   const fs::path disk = *checkpoint::latest_checkpoint(run / "checkpoints");
-  ASSERT_LT(train::checkpoint_dir_step(disk), step);
+  ASSERT_LT(checkpoint::checkpoint_dir_step(disk).value_or(0), step);
   const auto r = run_command(on_bed("--resume " + run.string()));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const fs::path copy = checkpoint::checkpoint_dir(TwoHosts::memory_root(0, run), step);
@@ -505,7 +507,7 @@ TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("resuming from " + disk.string() + " at step " +
-                          std::to_string(train::checkpoint_dir_step(disk))),
+                          std::to_string(checkpoint::checkpoint_dir_step(disk).value_or(0))),
             std::string::npos)
       << r.output;
   expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kHostSteps), kHostSteps);

@@ -402,6 +402,14 @@ fs::path checkpoint_dir(const fs::path& root, int64_t step) {
   return root / name;
 }
 
+std::optional<int64_t> checkpoint_dir_step(const fs::path& dir) {
+  const std::string name = normalized(dir).filename().string();
+  const size_t digits = name.size() - std::min<size_t>(name.size(), 5);
+  if (name.rfind("step_", 0) != 0 || digits == 0 || digits > 18) return std::nullopt;
+  if (name.find_first_not_of("0123456789", 5) != std::string::npos) return std::nullopt;
+  return std::stoll(name.substr(5));
+}
+
 CheckpointSource locate_checkpoint(const fs::path& given) {
   const fs::path path = given.lexically_normal();
   // <run>/checkpoints is a checkpoint root inside a run directory.

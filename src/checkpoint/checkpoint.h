@@ -66,6 +66,9 @@ std::vector<std::string> clean_stale_temporaries(const std::filesystem::path& ro
 
 // <root>/step_00000100
 std::filesystem::path checkpoint_dir(const std::filesystem::path& root, int64_t step);
+// The step in a name checkpoint_dir gives (step_00000100: 100); nothing for another name (a
+// checkpoint made by import, a temporary).
+std::optional<int64_t> checkpoint_dir_step(const std::filesystem::path& dir);
 // What a command's checkpoint argument names: a checkpoint directory, or a run directory or
 // checkpoint root whose latest checkpoint is meant; and the run directory it belongs to, if any.
 struct CheckpointSource {

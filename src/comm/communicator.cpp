@@ -525,4 +525,22 @@ void Communicator::abort(int code) const {
   std::abort();  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
 
+std::string error_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void agree_on_error(const Communicator& world, const std::string& error) {
+  if (world.all_reduce_sum(int64_t{error.empty() ? 0 : 1}) == 0) return;
+  std::string first;
+  for (const std::string& e : world.gather_text(error, 0)) {
+    if (first.empty()) first = e;
+  }
+  throw Error(world.broadcast_text(first, 0));
+}
+
 }  // namespace malleus::comm

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -155,5 +156,15 @@ class Communicator {
 
   std::shared_ptr<const State> state_;
 };
+
+// One rank's failure known to all: a collective step that may fail on some ranks only (a file
+// that one rank cannot read) runs as `agree_on_error(world, error_of([&] { ... }))`, and either
+// every rank goes on or every rank throws the same Error.
+//
+// What `body` threw (its message), or "" when it returned. Not collective.
+std::string error_of(const std::function<void()>& body);
+// Collective: when `error` is non-empty on any rank, every rank throws Error with the message of
+// the lowest failing rank; otherwise returns on every rank.
+void agree_on_error(const Communicator& world, const std::string& error);
 
 }  // namespace malleus::comm

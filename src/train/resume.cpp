@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_gather.h"
 #include "common/error.h"
 #include "runtime/parallel_state.h"
 
@@ -37,17 +38,10 @@ std::optional<fs::path> usable_memory_checkpoint(const fs::path& run_dir, int64_
   return usable_memory_copy(*memory, disk_step, refused);
 }
 
-int64_t checkpoint_dir_step(const fs::path& dir) {
-  const std::string name = dir.filename().string();
-  if (name.size() <= 5 || name.rfind("step_", 0) != 0) return 0;
-  if (name.find_first_not_of("0123456789", 5) != std::string::npos) return 0;
-  return std::stoll(name.substr(5));
-}
-
 std::optional<int64_t> restart_step(const fs::path& run_dir, MemoryHosts hosts) {
   std::optional<int64_t> step;
   if (auto latest = checkpoint::latest_checkpoint(run_dir / "checkpoints")) {
-    step = checkpoint_dir_step(*latest);
+    step = checkpoint::checkpoint_dir_step(*latest).value_or(0);
   }
   std::optional<fs::path> memory;
   if (hosts == MemoryHosts::kSeveral) {
@@ -56,8 +50,8 @@ std::optional<int64_t> restart_step(const fs::path& run_dir, MemoryHosts hosts) 
     std::string refused;
     memory = usable_memory_checkpoint(run_dir, step.value_or(-1), &refused);
   }
-  if (memory && checkpoint_dir_step(*memory) > step.value_or(-1)) {
-    step = checkpoint_dir_step(*memory);
+  if (memory && checkpoint::checkpoint_dir_step(*memory).value_or(0) > step.value_or(-1)) {
+    step = checkpoint::checkpoint_dir_step(*memory).value_or(0);
   }
   return step;
 }
@@ -76,7 +70,8 @@ std::optional<int64_t> choose_memory(const ResumePoint& point, const fs::path& g
   int64_t consider = world.rank() == 0 && names_run ? 1 : 0;
   if (world.size() > 1) world.broadcast(&consider, sizeof consider, 0);
   if (consider == 0) return std::nullopt;
-  const int64_t disk_step = point.disk ? checkpoint_dir_step(*point.disk) : -1;
+  const int64_t disk_step =
+      point.disk ? checkpoint::checkpoint_dir_step(*point.disk).value_or(0) : -1;
   const auto start = std::chrono::steady_clock::now();
   checkpoint::MemoryCopyPlan plan;
   try {

@@ -27,10 +27,6 @@ struct ResumePoint {
   std::filesystem::path dir() const { return memory ? *memory : *disk; }
 };
 
-// The step of a checkpoint directory from its name (checkpoint::checkpoint_dir: step_00000100);
-// 0 for another name (a checkpoint made by import).
-int64_t checkpoint_dir_step(const std::filesystem::path& dir);
-
 // Which hosts a restart's memory copies may come from (restart_step).
 enum class MemoryHosts {
   kThisHost,  // the job runs on this host alone: a file missing here is missing everywhere

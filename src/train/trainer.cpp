@@ -370,27 +370,16 @@ void Trainer::restore(const Checkpoint& checkpoint) {
     // world size that wrote them, straight into where it keeps them (the Adam moments into its
     // optimizer shard when they are split); nothing goes through rank 0 or is scattered.
     const runtime::HeldState held = engine_->held_state();
-    std::string error;
     state_ready_ = false;  // until every rank has read all of its part
-    try {
-      if (held.layout != nullptr) {
-        const layout::Blocks params =
-            layout::local_blocks(model::ParameterLayout(model_config_), *held.layout);
-        const StateTarget moments{held.moment_blocks, {held.adam_m, held.adam_v}};
-        checkpoint.sharded->read({&params, {held.params}}, &moments);
-      }
-    } catch (const Error& e) {
-      error = e.what();
-    }
     // One rank's damaged or missing file stops every rank with its message.
-    const int64_t failed = world_.all_reduce_sum(int64_t{error.empty() ? 0 : 1});
-    if (failed > 0) {
-      std::string first;
-      for (const std::string& e : world_.gather_text(error, 0)) {
-        if (first.empty()) first = e;
-      }
-      throw Error(world_.broadcast_text(first, 0));
-    }
+    comm::agree_on_error(
+        world_, comm::error_of([&] {
+          if (held.layout == nullptr) return;
+          const layout::Blocks params =
+              layout::local_blocks(model::ParameterLayout(model_config_), *held.layout);
+          const StateTarget moments{held.moment_blocks, {held.adam_m, held.adam_v}};
+          checkpoint.sharded->read({&params, {held.params}}, &moments);
+        }));
     engine_->set_steps_done(checkpoint.step);
   } else {
     runtime::FullState full;
