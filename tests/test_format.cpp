@@ -73,3 +73,10 @@ TEST(Format, NumbersThatAreNotFiniteReadNA) {
     EXPECT_EQ(format_duration(x), "n/a");
   }
 }
+
+TEST(Format, CountedNounsArePluralUnlessThereIsOne) {
+  EXPECT_EQ(format_counted(1, "rank"), "1 rank");
+  EXPECT_EQ(format_counted(3, "rank"), "3 ranks");
+  EXPECT_EQ(format_counted(0, "step"), "0 steps");
+  EXPECT_EQ(format_counted(-1, "step"), "-1 steps");
+}

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 namespace malleus {
 
@@ -59,6 +60,10 @@ std::string format_duration(double seconds) {
     std::snprintf(text, sizeof text, "%s%lldh%02lldm", sign, whole / 3600, whole / 60 % 60);
   }
   return text;
+}
+
+std::string format_counted(long long count, const std::string& noun) {
+  return std::to_string(count) + " " + noun + (count == 1 ? "" : "s");
 }
 
 }  // namespace malleus

@@ -19,4 +19,7 @@ std::string format_bytes(double bytes);
 // beyond; negative ones with a minus sign ("-250 ms"). "n/a" when not finite.
 std::string format_duration(double seconds);
 
+// A number of things, the noun in the plural unless there is one: "1 rank", "3 ranks", "0 steps".
+std::string format_counted(long long count, const std::string& noun);
+
 }  // namespace malleus

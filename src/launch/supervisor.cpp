@@ -21,6 +21,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "metrics/metrics.h"
 #include "train/resume.h"
 #include "train/stop_signal.h"
@@ -287,7 +288,7 @@ class Supervisor {
     for (int attempt = 0;; ++attempt) {
       const std::vector<std::string> ranks = devices_.next_job();
       const int n = static_cast<int>(ranks.size());
-      check(n >= o_.min_ranks, "launch: " + std::to_string(n) + " device" + (n == 1 ? "" : "s") +
+      check(n >= o_.min_ranks, "launch: " + format_counted(n, "device") +
                                    " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
                                    ": not starting the job");
       int status = 0;
@@ -368,11 +369,8 @@ class Supervisor {
   // were lost.
   std::optional<int> ended(const Outcome& outcome, const Forwarded& forwarded, int status) const {
     if (outcome.kind == Outcome::Kind::kFinished) {
-      std::printf("launch: the run finished%s\n", restarts_ == 0
-                                                      ? ""
-                                                      : (" after " + std::to_string(restarts_) +
-                                                         " restart" + (restarts_ == 1 ? "" : "s"))
-                                                            .c_str());
+      std::printf("launch: the run finished%s\n",
+                  restarts_ == 0 ? "" : (" after " + format_counted(restarts_, "restart")).c_str());
       return 0;
     }
     if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
@@ -419,8 +417,8 @@ class Supervisor {
           "launch: " + who + " again before the run checkpointed past step " +
               std::to_string(from) + ": the same failure repeats, not restarting (" +
               outcome.detail + ")");
-    check(restarts_ < o_.max_restarts, "launch: " + who + " after " + std::to_string(restarts_) +
-                                           " restart" + (restarts_ == 1 ? "" : "s") +
+    check(restarts_ < o_.max_restarts, "launch: " + who + " after " +
+                                           format_counted(restarts_, "restart") +
                                            ", the most --max-restarts allows: not restarting");
     // A hostfile changed since the last exclusions brings those devices back; the ones just lost
     // are out either way.
@@ -428,7 +426,7 @@ class Supervisor {
     for (int r : lost) devices_.exclude(ranks[static_cast<size_t>(r)]);
     const int left = static_cast<int>(devices_.next_job().size());
     check(left >= o_.min_ranks,
-          "launch: " + who + "; " + std::to_string(left) + " device" + (left == 1 ? "" : "s") +
+          "launch: " + who + "; " + format_counted(left, "device") +
               " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
               ": not restarting (the run can be continued from its checkpoint of step " +
               std::to_string(from) + " with malleus launch ... -- train --resume " +
@@ -467,12 +465,12 @@ class Supervisor {
   void report_restart(const metrics::RestartRecord& record, const std::string& who) const {
     metrics::MetricsLog(run_dir_ / "metrics.jsonl").write(record);
     std::printf(
-        "restart %lld at step %lld: %s; resuming from the checkpoint of step %lld on %lld "
-        "rank%s (%lld step%s lost)\n",
+        "restart %lld at step %lld: %s; resuming from the checkpoint of step %lld on %s (%s "
+        "lost)\n",
         static_cast<long long>(record.restart), static_cast<long long>(record.failed_at_step),
         who.c_str(), static_cast<long long>(record.step),
-        static_cast<long long>(record.ranks_after), record.ranks_after == 1 ? "" : "s",
-        static_cast<long long>(record.steps_lost), record.steps_lost == 1 ? "" : "s");
+        format_counted(record.ranks_after, "rank").c_str(),
+        format_counted(record.steps_lost, "step").c_str());
     if (!record.detail.empty()) std::printf("  (%s)\n", record.detail.c_str());
     std::fflush(stdout);
   }

@@ -609,11 +609,10 @@ void Trainer::save_to_memory_if_due(double step_s) {
   }
   if (is_root() && (memory_save_s_.size() == 1 || memory_every_ != before)) {
     std::printf(
-        "memory checkpoint of step %lld: %s per rank in %.3f s (step %.3f s); every %lld "
-        "step%s%s; rank 0's copy on rank %d\n",
+        "memory checkpoint of step %lld: %s per rank in %.3f s (step %.3f s); every %s%s; rank "
+        "0's copy on rank %d\n",
         static_cast<long long>(step_), format_bytes(static_cast<double>(stats.bytes)).c_str(),
-        figures[0], figures[1], static_cast<long long>(memory_every_),
-        memory_every_ == 1 ? "" : "s",
+        figures[0], figures[1], format_counted(memory_every_, "step").c_str(),
         config_.memory_checkpoint_every == 0 ? " (chosen from the cost)" : "",
         memory_->holders().peer);
     std::fflush(stdout);
@@ -717,14 +716,16 @@ void Trainer::announce(const std::filesystem::path& out, const std::string& plan
   std::printf(
       "model %s: %s parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d)\n"
       "data %s: %s tokens; global batch %d × %d tokens (micro-batches of %d)\n"
-      "plan on %d ranks × %d threads: %s\n"
+      "plan on %s × %s: %s\n"
       "cores: %s\n",
       mc.name.c_str(), format_count(static_cast<double>(mc.num_parameters())).c_str(),
       mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.ffn_hidden_size,
       mc.vocab_size, config_.train_data.c_str(),
       format_count(static_cast<double>(train_data_.num_tokens())).c_str(),
-      config_.global_batch_size, config_.seq_len, config_.micro_batch_size, world_.size(),
-      engine_options_.threads, plan_text.c_str(), cores_.summary.c_str());
+      config_.global_batch_size, config_.seq_len, config_.micro_batch_size,
+      format_counted(world_.size(), "rank").c_str(),
+      format_counted(engine_options_.threads, "thread").c_str(), plan_text.c_str(),
+      cores_.summary.c_str());
   std::fflush(stdout);
   // Where each rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
   Json ranks = Json::array();
