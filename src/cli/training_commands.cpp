@@ -120,6 +120,7 @@ void run_train(const TrainArgs& args) {
   // before any file is read.
   const train::ConfigValues flags = args.overrides.values();
   std::string diverged;  // Trainer::run's message when a step was not finite (every rank's)
+  bool said = false;     // ... and rank 0 has printed it already (several ranks)
   bool root = true;
   const int stop_signal = with_mpi([&](comm::Communicator& world) -> int {
     // Installed before the long setup: a stop asked for meanwhile acts after the first step.
@@ -181,12 +182,22 @@ void run_train(const TrainArgs& args) {
       return trainer.run();
     } catch (const train::Diverged& e) {
       diverged = e.what();  // every rank stopped at the same step: no abort
+      said = world.size() > 1;
+      if (said) {
+        // Said once, by rank 0, before any rank exits: mpirun ends the whole job, rank 0 included,
+        // as soon as one rank exits with a non-zero status.
+        if (root) {
+          std::fprintf(stderr, "error: %s\n", diverged.c_str());
+          std::fflush(stderr);
+        }
+        world.barrier();
+      }
       return 0;
     }
   });
   // After MPI_Finalize, which every rank reaches together.
   if (!diverged.empty()) {
-    if (root) throw Error(diverged);  // said once
+    if (root && !said) throw Error(diverged);  // one rank: said by main
     throw ExitStatus{1};
   }
   if (stop_signal != 0) throw ExitStatus{128 + stop_signal};
