@@ -1,5 +1,6 @@
 #include "train/resume.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -50,8 +51,8 @@ std::optional<int64_t> restart_step(const fs::path& run_dir, MemoryHosts hosts) 
     std::string refused;
     memory = usable_memory_checkpoint(run_dir, step.value_or(-1), &refused);
   }
-  if (memory && checkpoint::checkpoint_dir_step(*memory).value_or(0) > step.value_or(-1)) {
-    step = checkpoint::checkpoint_dir_step(*memory).value_or(0);
+  if (memory) {
+    step = std::max(step.value_or(-1), checkpoint::checkpoint_dir_step(*memory).value_or(0));
   }
   return step;
 }
