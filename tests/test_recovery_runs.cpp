@@ -266,6 +266,19 @@ fs::path killed_with_memory_copies(const ScratchDir& dir, const fs::path& run) {
   return memory.value_or(fs::path());
 }
 
+// A restart's output says why it did not take the memory copy `copy` (`why`, e.g.
+// "rank_00003.bin is missing") and that it resumed from the disk checkpoint `disk` instead.
+void expect_resumed_from_disk(const std::string& output, const fs::path& copy,
+                              const std::string& why, const fs::path& disk) {
+  EXPECT_NE(output.find("not resuming from memory: checkpoint " + copy.string() + ": " + why),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("resuming from " + disk.string() + " at step " +
+                        std::to_string(checkpoint::checkpoint_dir_step(disk).value_or(0))),
+            std::string::npos)
+      << output;
+}
+
 // `malleus train --resume run` on 3 ranks, to the end of the run.
 malleus::testing::CommandResult resume_on_three(const fs::path& run) {
   return run_command(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
@@ -308,14 +321,7 @@ TEST_F(RecoverySlow, MemoryCopyWhoseHolderIsGoneFallsBackToDisk) {
   const fs::path disk = *checkpoint::latest_checkpoint(run / "checkpoints");
   const auto r = resume_on_three(run);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("not resuming from memory: checkpoint " + memory.string() +
-                          ": rank_00003.bin is missing"),
-            std::string::npos)
-      << r.output;
-  EXPECT_NE(r.output.find("resuming from " + disk.string() + " at step " +
-                          std::to_string(checkpoint::checkpoint_dir_step(disk).value_or(0))),
-            std::string::npos)
-      << r.output;
+  expect_resumed_from_disk(r.output, memory, "rank_00003.bin is missing", disk);
   expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kSteps), kSteps);
 }
 
@@ -502,13 +508,6 @@ TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
   const auto r = run_command(on_bed("--resume " + run.string()));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const fs::path copy = checkpoint::checkpoint_dir(TwoHosts::memory_root(0, run), step);
-  EXPECT_NE(r.output.find("not resuming from memory: checkpoint " + copy.string() +
-                          ": rank_00001.bin is missing on every host"),
-            std::string::npos)
-      << r.output;
-  EXPECT_NE(r.output.find("resuming from " + disk.string() + " at step " +
-                          std::to_string(checkpoint::checkpoint_dir_step(disk).value_or(0))),
-            std::string::npos)
-      << r.output;
+  expect_resumed_from_disk(r.output, copy, "rank_00001.bin is missing on every host", disk);
   expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kHostSteps), kHostSteps);
 }
