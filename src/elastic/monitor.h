@@ -105,7 +105,7 @@ class Monitor {
 // slowed later. Without it, each rank's own (the lowest median of `block` steps). An exchange
 // runs at the pace of the slower of its two links, so with three or more nodes the fastest
 // exchange of a node with a healthy link is fast and only a slow node reads slow
-// (docs/elastic.md, "Slow links"); with two, both nodes read the one link between them.
+// (docs/slow-links.md); with two, both nodes read the one link between them.
 class LinkMonitor {
  public:
   // `node_of_rank`: the cluster node of each rank (the cost model's numbering);
