@@ -1,5 +1,5 @@
 // A redistribution run band by band, so that a live migration never holds two whole copies of
-// a rank's state: its extra memory is bounded by a configured bucket (docs/runtime.md, "Bounded
+// a rank's state: its extra memory is bounded by a configured bucket (docs/elastic.md, "Bounded
 // migration memory").
 //
 // Every tensor is cut into bands of whole rows (rows of the full tensor along its sharded axis,

@@ -3,7 +3,7 @@
 // attribute value it writes is escaped, so names that come from files and command lines (plans,
 // scenarios, titles) cannot break the document. Kept in C++ rather than moved to a plotting library
 // so that `malleus report`, which the main command runs at the end of every demo, needs nothing
-// beyond the binary (docs/planner.md, "Charts").
+// beyond the binary (docs/cost-model.md, "Charts").
 #pragma once
 
 #include <string>
