@@ -359,8 +359,8 @@ void add_simulate_command(CLI::App& app) {
 // experiments: scenarios against every strategy, as a markdown table.
 void add_experiments_command(CLI::App& app) {
   auto exp_args = std::make_shared<sim::ExperimentsRequest>();
-  exp_args->out = "docs/experiments.md";
-  exp_args->svg_dir = "docs/figures";
+  exp_args->out = "bench/results/experiments.md";
+  exp_args->svg_dir = "bench/results/figures";
   auto* exp_cmd = app.add_subcommand(
       "experiments", "Run scenarios against every strategy and write the markdown table");
   exp_cmd->add_option("--scenarios", exp_args->files, "Scenario files")->required();

@@ -1,5 +1,5 @@
 // The experiments report: one function per table, each fed one scenario at a time, and one that
-// joins them into docs/experiments.md.
+// joins them into bench/results/experiments.md.
 #include "sim/experiments.h"
 
 #include <algorithm>
@@ -605,7 +605,8 @@ std::string compose_markdown(const Tables& t) {
          "the trace compares samples over the whole horizon, counting detection, re-planning, "
          "migration and restarts. All times are simulated (docs/planner.md has the model).\n\n"
          "Reproduce: `scripts/experiments.sh` (runs `malleus experiments --scenarios "
-         "configs/scenarios/*.json --out docs/experiments.md --svg-dir docs/figures`); one "
+         "configs/scenarios/*.json --out bench/results/experiments.md --svg-dir "
+         "bench/results/figures`); one "
          "scenario alone: `malleus simulate --scenario configs/scenarios/<name>.json`.\n\n" +
          strategy_header(t.strategies) + t.strategies.rows + "\n" + strategy_summary(t.strategies) +
          "\n" + strategy_verdict(t.strategies) +

@@ -1,8 +1,9 @@
-// The experiments report (docs/experiments.md, `malleus experiments`, scripts/experiments.sh):
-// every straggler scenario run through the simulator against every strategy, then the planner's
-// stage-aware recomputation, the distributed optimizer and recomputation under harder memory
-// conditions on each single situation; optionally the same strategies at 4,096-16,384 devices with
-// the planning times. One function builds each table; the report joins them.
+// The experiments report (bench/results/experiments.md, `malleus experiments`,
+// scripts/experiments.sh): every straggler scenario run through the simulator against every
+// strategy, then the planner's stage-aware recomputation, the distributed optimizer and
+// recomputation under harder memory conditions on each single situation; optionally the same
+// strategies at 4,096-16,384 devices with the planning times. One function builds each table; the
+// report joins them.
 #pragma once
 
 #include <string>
