@@ -35,6 +35,20 @@ if(MALLEUS_HAVE_XXH3_DISPATCH)
   target_compile_definitions(malleus_xxhash INTERFACE MALLEUS_XXH3_DISPATCH=1)
 endif()
 
+# Compressed corpora (src/data): gzip through zlib, xz through liblzma, zstd through libzstd
+# (Debian packages zlib1g-dev, liblzma-dev, libzstd-dev).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(MALLEUS_ZLIB IMPORTED_TARGET zlib)
+pkg_check_modules(MALLEUS_LZMA IMPORTED_TARGET liblzma)
+pkg_check_modules(MALLEUS_ZSTD IMPORTED_TARGET libzstd)
+if(NOT MALLEUS_ZLIB_FOUND OR NOT MALLEUS_LZMA_FOUND OR NOT MALLEUS_ZSTD_FOUND)
+  message(FATAL_ERROR "zlib, liblzma or libzstd not found: run scripts/setup.sh "
+                      "(Debian packages zlib1g-dev, liblzma-dev, libzstd-dev)")
+endif()
+add_library(malleus_compression INTERFACE)
+target_link_libraries(malleus_compression INTERFACE PkgConfig::MALLEUS_ZLIB PkgConfig::MALLEUS_LZMA
+                      PkgConfig::MALLEUS_ZSTD)
+
 if(MALLEUS_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -8,6 +8,9 @@ packages=(
   libopenmpi-dev openmpi-bin  # the multi-rank runtime
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   libsentencepiece-dev  # SentencePiece tokenizers (read, train; LLaMA-2's tokenizer.model format)
+  zlib1g-dev liblzma-dev libzstd-dev  # prepare-data reads gzip, xz and zstd corpora
+  gzip xz-utils zstd  # the tests compress their corpora with the command-line tools
+  sentencepiece  # spm_encode: the tests' and bench/'s reference tokenization
   libgtest-dev libgmock-dev
   fortunes  # the default training corpus (plain-text English)
   python3 python3-numpy  # the independent Hugging Face reference used by the export test

@@ -2,6 +2,8 @@
 // sampler, and prepare_data (text files to shards).
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include "test_util.h"
 
@@ -13,15 +15,21 @@
 #include <functional>
 #include <initializer_list>
 #include <iterator>
+#include <map>
 #include <set>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
 #include "common/files.h"
 #include "data/dataset.h"
+#include "data/decompress.h"
+#include "data/ordered_pipeline.h"
 #include "data/prepare.h"
 #include "data/shard.h"
+#include "data/utf8.h"
 #include "tokenizer/byte_tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -606,4 +614,706 @@ TEST(PrepareData, Errors) {
   options.val_fraction = 0.1;
   options.shard_tokens = 0;
   expect_error([&] { prepare_data(options); }, {"shard_tokens"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressed input (DecompressingReader). The files are made by the command-line tools (gzip,
+// xz, zstd), independent of the library calls that read them.
+
+namespace {
+
+using malleus::testing::run_command;
+
+void shell(const std::string& command) {
+  const auto result = run_command(command);
+  ASSERT_EQ(result.exit_code, 0) << command << "\n" << result.output;
+}
+
+// `tool` is "gzip", "xz" or "zstd"; writes the compressed form of `in` to `out`.
+void compress(const std::string& tool, const fs::path& in, const fs::path& out) {
+  const std::string flags = tool == "zstd" ? " -q -c " : " -c ";
+  shell(tool + flags + in.string() + " > " + out.string());
+}
+
+std::string read_all(const fs::path& path, size_t chunk = 7919) {
+  DecompressingReader reader(path);
+  std::string text, buffer(chunk, '\0');
+  while (size_t n = reader.read(buffer.data(), buffer.size())) text.append(buffer.data(), n);
+  return text;
+}
+
+// About 400 KB of varied text: more than one read of the file and of the decoders' buffers.
+std::string varied_text(int lines) {
+  std::string text;
+  for (int i = 0; i < lines; ++i) {
+    text += "line " + std::to_string(i) + ": " +
+            std::string(static_cast<size_t>(i % 97), static_cast<char>('a' + i % 26)) +
+            " ünïcödé €" + std::to_string(i * 7919 % 1000) + "\n";
+  }
+  return text;
+}
+
+const std::vector<std::string> kTools = {"gzip", "xz", "zstd"};
+
+}  // namespace
+
+TEST(Decompress, ReadsGzipXzAndZstdAsTheTextTheyHoldWhateverTheName) {
+  TempDir dir;
+  const std::string text = varied_text(5000);
+  // Names that lie: the content decides.
+  write_bytes(dir / "plain.gz", text);
+  EXPECT_EQ(read_all(dir / "plain.gz"), text);
+  EXPECT_EQ(DecompressingReader(dir / "plain.gz").compression(), Compression::none);
+  for (const auto& tool : kTools) {
+    const fs::path packed = dir / (tool + ".txt");
+    compress(tool, dir / "plain.gz", packed);
+    ASSERT_LT(fs::file_size(packed), text.size() / 2) << tool;
+    EXPECT_EQ(read_all(packed), text) << tool;
+    EXPECT_EQ(read_all(packed, 1), text.substr(0, 0) + text) << tool << " read a byte at a time";
+    DecompressingReader reader(packed);
+    EXPECT_EQ(compression_name(reader.compression()), tool);
+    EXPECT_EQ(reader.file_size(), fs::file_size(packed));
+  }
+  // An empty file is an empty plain text.
+  write_bytes(dir / "empty", "");
+  EXPECT_EQ(read_all(dir / "empty"), "");
+}
+
+TEST(Decompress, ReadsConcatenatedStreamsAsOneText) {
+  TempDir dir;
+  write_bytes(dir / "a", "first part\n");
+  write_bytes(dir / "b", varied_text(3000));
+  for (const auto& tool : kTools) {
+    compress(tool, dir / "a", dir / "a.packed");
+    compress(tool, dir / "b", dir / "b.packed");
+    shell("cat " + (dir / "a.packed").string() + " " + (dir / "b.packed").string() + " " +
+          (dir / "a.packed").string() + " > " + (dir / "all.packed").string());
+    EXPECT_EQ(read_all(dir / "all.packed"), "first part\n" + varied_text(3000) + "first part\n")
+        << tool;
+  }
+}
+
+TEST(Decompress, TruncatedStreamsAreErrorsNamingTheFile) {
+  TempDir dir;
+  write_bytes(dir / "text", varied_text(3000));
+  for (const auto& tool : kTools) {
+    compress(tool, dir / "text", dir / "full");
+    const std::string full = read_bytes(dir / "full");
+    // Cut in the middle, and only the very last byte (the end of a checksum or trailer).
+    for (size_t keep : {full.size() / 2, full.size() - 1}) {
+      const fs::path cut = dir / (tool + "_cut_" + std::to_string(keep));
+      write_bytes(cut, full.substr(0, keep));
+      const std::string message = malleus::testing::error_of([&] { read_all(cut); });
+      EXPECT_NE(message.find(cut.string()), std::string::npos) << message;
+      EXPECT_NE(message.find("truncated " + tool), std::string::npos) << tool << ": " << message;
+    }
+  }
+}
+
+TEST(Decompress, CorruptDataIsAnErrorNamingTheFile) {
+  TempDir dir;
+  write_bytes(dir / "text", varied_text(3000));
+  for (const auto& tool : kTools) {
+    compress(tool, dir / "text", dir / "full");
+    std::string bytes = read_bytes(dir / "full");
+    bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x55);
+    const fs::path bad = dir / (tool + "_corrupt");
+    write_bytes(bad, bytes);
+    const std::string message = malleus::testing::error_of([&] { read_all(bad); });
+    EXPECT_NE(message.find(bad.string()), std::string::npos) << message;
+    EXPECT_NE(message.find("corrupt " + tool), std::string::npos) << tool << ": " << message;
+  }
+}
+
+TEST(Decompress, OtherCompressionsAreRefusedByName) {
+  TempDir dir;
+  write_bytes(dir / "text", "some text\n");
+  write_bytes(dir / "text.bz2", "BZh91AY&SY\x01\x02 the start of a bzip2 file");
+  const std::string message =
+      malleus::testing::error_of([&] { DecompressingReader reader(dir / "text.bz2"); });
+  EXPECT_NE(message.find((dir / "text.bz2").string()), std::string::npos) << message;
+  EXPECT_NE(message.find("bzip2-compressed"), std::string::npos) << message;
+  EXPECT_EQ(detect_compression("PK\x03\x04rest"), Compression::unsupported);
+  // Text that merely starts like a magic number is text.
+  EXPECT_EQ(detect_compression("BZh, said the bee"), Compression::none);
+  EXPECT_EQ(detect_compression("\x1f"), Compression::none);
+}
+
+// ---------------------------------------------------------------------------------------------
+// UTF-8, against Python's strict decoder (the position of its first error).
+
+TEST(Utf8, FirstInvalidByteAgreesWithPython) {
+  std::vector<std::string> cases = {"",
+                                    "plain ascii",
+                                    "caf\xc3\xa9",
+                                    "\xe2\x82\xac euro",
+                                    "\xf0\x9f\x98\x80 emoji",
+                                    "\xc3",
+                                    "ab\xc3",
+                                    "\xe2\x82",
+                                    "\xf0\x9f\x98",
+                                    "\x80",
+                                    "a\xbf",
+                                    "\xc0\xaf",
+                                    "\xc1\xbf",
+                                    "\xe0\x80\xaf",
+                                    "\xe0\x9f\xbf",
+                                    "\xe0\xa0\x80",
+                                    "\xed\x9f\xbf",
+                                    "\xed\xa0\x80",
+                                    "\xed\xbf\xbf",
+                                    "\xee\x80\x80",
+                                    "\xf0\x8f\xbf\xbf",
+                                    "\xf0\x90\x80\x80",
+                                    "\xf4\x8f\xbf\xbf",
+                                    "\xf4\x90\x80\x80",
+                                    "\xf5\x80\x80\x80",
+                                    "\xff",
+                                    "\xfe",
+                                    "\xe2\x28\xa1",
+                                    "\xe2\x82\x28",
+                                    "12345678\xc3\xa9"
+                                    "12345678\xe2",
+                                    "0123456789abcdef\x80",
+                                    std::string("nul\0ok", 6)};
+  // And random bytes, mostly ASCII with some high bytes (seeded, so reproducible).
+  uint64_t state = 12345;
+  for (int c = 0; c < 300; ++c) {
+    std::string s;
+    for (int i = 0; i < 24; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      const auto r = static_cast<unsigned>(state >> 33);
+      s += static_cast<char>(r % 4 == 0 ? 0x80 + (r >> 8) % 128 : 0x20 + (r >> 8) % 95);
+    }
+    cases.push_back(s);
+  }
+  TempDir dir;
+  std::string hex_lines;
+  for (const auto& s : cases) {
+    for (unsigned char ch : s) {
+      char h[3];
+      std::snprintf(h, sizeof(h), "%02x", ch);
+      hex_lines += h;
+    }
+    hex_lines += "\n";
+  }
+  write_bytes(dir / "cases", hex_lines);
+  const auto result = run_command(std::string(MALLEUS_PYTHON) +
+                                  " -c 'import sys\n"
+                                  "for line in open(sys.argv[1]):\n"
+                                  "  b = bytes.fromhex(line.strip())\n"
+                                  "  try:\n"
+                                  "    b.decode(\"utf-8\"); print(-1)\n"
+                                  "  except UnicodeDecodeError as e: print(e.start)' " +
+                                  (dir / "cases").string());
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  std::istringstream expected(result.output);
+  for (const auto& s : cases) {
+    long long python = 0;
+    ASSERT_TRUE(expected >> python);
+    const size_t ours = invalid_utf8_offset(s);
+    EXPECT_EQ(ours == std::string_view::npos ? -1 : static_cast<long long>(ours), python)
+        << "case of " << s.size() << " bytes: " << s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// prepare_data on JSON Lines and compressed corpora
+
+namespace {
+
+// A JSON string literal for `text`, written by Python's json.dumps (an encoder independent of
+// the parser that reads it back).
+std::vector<std::string> python_json_lines(const fs::path& dir,
+                                           const std::vector<std::string>& texts,
+                                           const std::string& key = "text") {
+  std::string joined_texts;
+  for (const auto& t : texts) joined_texts += t + '\x1e';  // record separator between texts
+  write_bytes(dir / "texts.raw", joined_texts);
+  const auto result = run_command(
+      std::string(MALLEUS_PYTHON) +
+      " -c 'import sys, json\n"
+      "texts = open(sys.argv[1], encoding=\"utf-8\", newline=\"\").read().split(\"\\x1e\")[:-1]\n"
+      "for i, t in enumerate(texts): print(json.dumps({\"id\": i, sys.argv[2]: t, \"meta\": "
+      "{\"n\": [1, 2.5, None]}}))' " +
+      (dir / "texts.raw").string() + " " + key);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  std::vector<std::string> lines;
+  std::istringstream in(result.output);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+std::string lines_of(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += line + "\n";
+  return text;
+}
+
+PrepareOptions options_for(const fs::path& input, const fs::path& out) {
+  PrepareOptions options;
+  options.inputs = {input.string()};
+  options.output_dir = out.string();
+  options.val_fraction = 0.25;
+  options.shard_tokens = 500;
+  return options;
+}
+
+// Every file of a directory, name to bytes.
+std::map<std::string, std::string> directory_bytes(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) {
+      files[fs::relative(entry.path(), dir).string()] = read_bytes(entry.path());
+    }
+  }
+  return files;
+}
+
+std::vector<std::string> sample_texts(int n) {
+  std::vector<std::string> texts;
+  for (int i = 0; i < n; ++i) {
+    texts.push_back("Document " + std::to_string(i) +
+                    " says \"hi\"\n\twith a tab, a backslash \\ " + "and ünïcödé ✓ 😀" +
+                    std::string(static_cast<size_t>(i % 13), '.') + "\n");
+  }
+  return texts;
+}
+
+}  // namespace
+
+TEST(PrepareData, EveryInputFormGivesTheSameShards) {
+  TempDir dir;
+  const auto texts = sample_texts(40);
+  write_bytes(dir / "corpus.jsonl", lines_of(python_json_lines(dir.path(), texts)));
+  write_bytes(dir / "corpus.txt", fortune_file(texts));
+  std::vector<std::pair<fs::path, std::string>> forms = {{dir / "corpus.jsonl", ""},
+                                                         {dir / "corpus.txt", "%"}};
+  for (const auto& tool : kTools) {
+    // Named as if plain: the content decides.
+    compress(tool, dir / "corpus.jsonl", dir / (tool + "_jsonl.json"));
+    compress(tool, dir / "corpus.txt", dir / (tool + "_text.txt"));
+    forms.push_back({dir / (tool + "_jsonl.json"), ""});
+    forms.push_back({dir / (tool + "_text.txt"), "%"});
+  }
+  std::map<std::string, std::string> first;
+  for (const auto& [input, separator] : forms) {
+    PrepareOptions options = options_for(input, dir / "out");
+    options.document_separator = separator;
+    const auto summary = prepare_data(options);
+    EXPECT_EQ(summary.documents, 40) << input;
+    const auto shards = directory_bytes(dir / "out");
+    if (first.empty()) {
+      first = shards;
+      std::vector<std::string> train, val;
+      for (size_t k = 0; k < texts.size(); ++k)
+        ((k + 1) % 4 == 0 ? val : train).push_back(texts[k]);
+      EXPECT_EQ(decode_split(dir / "out", "train"), joined(train));
+      EXPECT_EQ(decode_split(dir / "out", "val"), joined(val));
+    } else {
+      EXPECT_EQ(shards, first) << input << " gives other shards than " << forms[0].first;
+    }
+  }
+}
+
+TEST(PrepareData, JsonLinesDecodeAsPythonWroteThem) {
+  TempDir dir;
+  const std::vector<std::string> texts = {"quotes \" and \\ backslashes",
+                                          "controls \x01\x1f and \t tabs\nnew lines\r\n",
+                                          "BMP ünïcödé ĀĒĪ 中文",
+                                          "astral 😀 𝄞 (surrogate pairs in \\u form)",
+                                          "/ slash </script>",
+                                          std::string("a NUL \0 inside", 14)};
+  auto lines = python_json_lines(dir.path(), texts);
+  // Python wrote ASCII with \u escapes; also give one line as raw UTF-8, one with CRLF, blank
+  // lines around, and a byte order mark at the start.
+  lines.push_back("{\"text\": \"raw ünïcödé 😀\", \"other\": 1}\r");
+  lines.insert(lines.begin() + 2, "   ");
+  lines.push_back("");
+  write_bytes(dir / "corpus.jsonl", "\xEF\xBB\xBF" + lines_of(lines) + "\n\n");
+  PrepareOptions options = options_for(dir / "corpus.jsonl", dir / "out");
+  options.val_fraction = 0;
+  const auto summary = prepare_data(options);
+  std::vector<std::string> expected = texts;
+  expected.push_back("raw ünïcödé 😀");
+  EXPECT_EQ(summary.documents, static_cast<int64_t>(expected.size()));
+  EXPECT_EQ(decode_split(dir / "out", "train"), joined(expected));
+}
+
+TEST(PrepareData, JsonKeyChoosesTheMemberAndEmptyTextsAreLeftOut) {
+  TempDir dir;
+  write_bytes(dir / "c.jsonl",
+              "{\"text\": \"not this\", \"content\": \"this\"}\n"
+              "{\"content\": \"   \"}\n"
+              "{\"content\": \"\"}\n"
+              "{\"content\": \"and this\", \"text\": 5}\n");
+  PrepareOptions options = options_for(dir / "c.jsonl", dir / "out");
+  options.json_key = "content";
+  options.val_fraction = 0;
+  const auto summary = prepare_data(options);
+  EXPECT_EQ(summary.documents, 2);
+  EXPECT_EQ(decode_split(dir / "out", "train"), joined({"this", "and this"}));
+}
+
+TEST(PrepareData, FormatIsToldFromTheTextUnlessGiven) {
+  TempDir dir;
+  write_bytes(dir / "code.txt", "{ looks like JSON but is C }\n%\nint main() {}\n");
+  PrepareOptions options = options_for(dir / "code.txt", dir / "out");
+  options.document_separator = "%";
+  options.val_fraction = 0;
+  const std::string message = malleus::testing::error_of([&] { prepare_data(options); });
+  EXPECT_NE(message.find((dir / "code.txt").string() + ":1: not JSON"), std::string::npos)
+      << message;
+  options.format = InputFormat::text;
+  EXPECT_EQ(prepare_data(options).documents, 2);
+  // --format jsonl reads a file that does not start with "{" as JSON Lines too.
+  write_bytes(dir / "late.jsonl", "\n\n  {\"text\": \"x\"}\n");
+  options = options_for(dir / "late.jsonl", dir / "out");
+  options.val_fraction = 0;
+  EXPECT_EQ(prepare_data(options).documents, 1);  // auto: white space before "{" is fine
+  options.format = InputFormat::jsonl;
+  EXPECT_EQ(prepare_data(options).documents, 1);
+  EXPECT_EQ(parse_input_format("jsonl"), InputFormat::jsonl);
+  EXPECT_NE(malleus::testing::error_of([] { parse_input_format("csv"); }).find("csv"),
+            std::string::npos);
+}
+
+namespace {
+
+struct BadCase {
+  std::string line;  // a JSON line, or for text: the document
+  bool json;
+  std::string problem;  // part of the message
+  int64_t line_number;  // reported
+};
+
+}  // namespace
+
+TEST(PrepareData, BadInputStopsNamingFileAndLineAndLeavesTheOutputAsItWas) {
+  TempDir dir;
+  const fs::path out = dir / "out";
+  write_bytes(dir / "good.jsonl", "{\"text\": \"earlier run\"}\n");
+  prepare_data(options_for(dir / "good.jsonl", out));
+  const auto before = directory_bytes(out);
+
+  const std::vector<BadCase> cases = {
+      {"{\"text\": \"unterminated}", true, "not JSON", 3},
+      {"[\"text\", \"an array\"]", true, "a JSON array, not an object", 3},
+      {"\"text\"", true, "a JSON string, not an object", 3},
+      {"{\"txt\": \"typo\"}", true, "no key \"text\"", 3},
+      {"{\"text\": 42}", true, "\"text\" holds a number, not a string", 3},
+      {"{\"text\": null}", true, "\"text\" holds a null, not a string", 3},
+      {"{\"text\": [\"a\"]}", true, "\"text\" holds a array, not a string", 3},
+      {"{\"text\": \"Latin-1 caf\xe9\"}", true, "not valid UTF-8 (byte 22 of the line)", 3},
+      {"{\"text\": \"lone \\ud800 surrogate\"}", true, "not JSON", 3},
+      {"{\"text\": 1e999}", true, "not JSON", 3},
+      {"fine line\nLatin-1 caf\xe9\n", false, "not valid UTF-8 (byte 12 of the line)", 4},
+  };
+  for (const auto& c : cases) {
+    // Many good documents first, so shards fill and are written before the bad one is met.
+    std::string text;
+    if (c.json) {
+      text = "{\"text\": \"first\"}\n\n" + c.line + "\n{\"text\": \"after\"}\n";
+    } else {
+      text = "first\n%\n" + c.line + "%\nafter\n";
+    }
+    write_bytes(dir / "bad", text);
+    PrepareOptions options = options_for(dir / "bad", out);
+    options.document_separator = "%";
+    options.shard_tokens = 1;  // a shard per token: written before the bad document is reached
+    const std::string message = malleus::testing::error_of([&] { prepare_data(options); });
+    const std::string where = (dir / "bad").string() + ":" + std::to_string(c.line_number) + ": ";
+    EXPECT_NE(message.find(where + c.problem), std::string::npos)
+        << "expected \"" << where << c.problem << "\" in: " << message;
+    EXPECT_NE(message.find("--skip-bad"), std::string::npos) << message;
+    EXPECT_EQ(directory_bytes(out), before) << "after: " << message;
+  }
+}
+
+TEST(PrepareData, SkipBadLeavesBadDocumentsOutAndCountsThem) {
+  TempDir dir;
+  write_bytes(dir / "a.jsonl",
+              "{\"text\": \"one\"}\n"
+              "not json\n"
+              "{\"text\": \"two\"}\n"
+              "{\"body\": \"no key\"}\n"
+              "{\"text\": 3}\n"
+              "also not json\n"
+              "{\"text\": \"caf\xe9\"}\n"
+              "{\"text\": \"three\"}\n");
+  write_bytes(dir / "b.txt", "four\n%\nbad \xff byte\n%\nfive\n");
+  PrepareOptions options;
+  options.inputs = {(dir / "a.jsonl").string(), (dir / "b.txt").string()};
+  options.output_dir = (dir / "out").string();
+  options.document_separator = "%";
+  options.val_fraction = 0;
+  options.skip_bad = true;
+  const auto summary = prepare_data(options);
+  EXPECT_EQ(summary.documents, 5);
+  EXPECT_EQ(summary.bad_documents, 6);
+  EXPECT_EQ(decode_split(dir / "out", "train"),
+            joined({"one", "two", "three", "four\n", "five\n"}));
+  const std::string a = (dir / "a.jsonl").string();
+  EXPECT_EQ(summary.bad_summary, "2 not JSON (first: " + a + ":2), 1 without the key (first: " + a +
+                                     ":4), 1 not a string at the key (first: " + a +
+                                     ":5), 2 not UTF-8 (first: " + a + ":7)");
+}
+
+TEST(PrepareData, TruncatedCompressedInputStopsAndLeavesTheOutputAsItWas) {
+  TempDir dir;
+  const fs::path out = dir / "out";
+  write_bytes(dir / "good.txt", "an earlier run\n");
+  prepare_data(options_for(dir / "good.txt", out));
+  // A stale staging directory of a run that was killed: removed by the next run.
+  fs::create_directories(out / ".prepare-data.partial");
+  write_bytes(out / ".prepare-data.partial" / "train_000000.bin", "half");
+  const auto before = directory_bytes(out);
+
+  write_bytes(dir / "corpus.jsonl", lines_of(python_json_lines(dir.path(), sample_texts(3000))));
+  for (const auto& tool : kTools) {
+    compress(tool, dir / "corpus.jsonl", dir / "full");
+    const std::string full = read_bytes(dir / "full");
+    write_bytes(dir / "cut", full.substr(0, full.size() * 3 / 4));
+    PrepareOptions options = options_for(dir / "cut", out);
+    options.threads = 2;
+    options.batch_bytes = 4096;
+    const std::string message = malleus::testing::error_of([&] { prepare_data(options); });
+    EXPECT_NE(message.find((dir / "cut").string() + ": truncated " + tool), std::string::npos)
+        << message;
+    auto after = directory_bytes(out);
+    EXPECT_FALSE(fs::exists(out / ".prepare-data.partial")) << tool;
+    after[".prepare-data.partial/train_000000.bin"] = "half";
+    EXPECT_EQ(after, before) << tool;
+  }
+}
+
+TEST(PrepareData, ShardsAreTheSameBytesForAnyThreadCount) {
+  TempDir dir;
+  // Documents of very different lengths, bad lines among them, several files.
+  std::vector<std::string> texts;
+  for (int i = 0; i < 3000; ++i) {
+    texts.push_back(
+        "doc " + std::to_string(i) + " " +
+        std::string(static_cast<size_t>((i * 7919) % 3000), static_cast<char>('a' + i % 26)));
+  }
+  auto lines = python_json_lines(dir.path(), texts);
+  for (size_t i = 100; i < lines.size(); i += 397) lines[i] = "{broken";
+  fs::create_directories(dir / "in");
+  write_bytes(dir / "in" / "part1.jsonl",
+              lines_of(std::vector<std::string>(lines.begin(), lines.begin() + 1500)));
+  write_bytes(dir / "in" / "part0.jsonl",
+              lines_of(std::vector<std::string>(lines.begin() + 1500, lines.end())));
+  compress("zstd", dir / "in" / "part1.jsonl", dir / "in" / "part1.jsonl.zst");
+  fs::remove(dir / "in" / "part1.jsonl");
+
+  std::map<std::string, std::string> reference;
+  for (int threads : {1, 2, 3, 8}) {
+    PrepareOptions options = options_for(dir / "in", dir / ("out" + std::to_string(threads)));
+    options.threads = threads;
+    options.batch_bytes = 10000;
+    options.shard_tokens = 300'000;
+    options.val_fraction = 0.1;
+    options.skip_bad = true;
+    const auto summary = prepare_data(options);
+    EXPECT_EQ(summary.documents + summary.bad_documents, 3000);
+    EXPECT_EQ(summary.bad_documents, 8);
+    const auto shards = directory_bytes(options.output_dir);
+    EXPECT_GT(shards.size(), 10u);
+    if (threads == 1) {
+      reference = shards;
+    } else {
+      EXPECT_TRUE(shards == reference) << threads << " threads give other shards than 1";
+    }
+  }
+  // Without --skip-bad the first bad line is the one reported, whatever the thread count.
+  for (int threads : {1, 3}) {
+    PrepareOptions options = options_for(dir / "in", dir / "out");
+    options.threads = threads;
+    options.batch_bytes = 5000;
+    const std::string message = malleus::testing::error_of([&] { prepare_data(options); });
+    EXPECT_NE(message.find((dir / "in" / "part0.jsonl").string() + ":" +
+                           std::to_string(1688 - 1500 + 1) + ": not JSON"),
+              std::string::npos)
+        << message;
+  }
+}
+
+TEST(PrepareData, DirectoriesAreReadDepthFirstInByteOrderOfNames) {
+  TempDir dir;
+  const fs::path in = dir / "in";
+  for (const char* sub : {"a/b", ".git", ".cache/x"}) fs::create_directories(in / sub);
+  write_bytes(in / "b", "b\n");
+  write_bytes(in / "a" / "z", "a/z\n");
+  write_bytes(in / "a" / "b" / "c", "a/b/c\n");
+  write_bytes(in / "a.txt", "a.txt\n");
+  write_bytes(in / "A", "A\n");
+  write_bytes(in / ".hidden", "hidden\n");
+  write_bytes(in / ".git" / "HEAD", "ref: refs/heads/main\n");
+  write_bytes(in / ".cache" / "x" / "y", "cached\n");
+  PrepareOptions options = options_for(in, dir / "out");
+  options.val_fraction = 0;
+  const auto summary = prepare_data(options);
+  EXPECT_EQ(decode_split(dir / "out", "train"),
+            joined({"A\n", "a/b/c\n", "a/z\n", "a.txt\n", "b\n"}));
+  EXPECT_EQ(summary.skipped.size(), 3u);  // .cache, .git, .hidden
+  for (const auto& s : summary.skipped) EXPECT_NE(s.find("(hidden)"), std::string::npos) << s;
+}
+
+TEST(PrepareData, BinaryIsJudgedOnTheDecompressedText) {
+  TempDir dir;
+  write_bytes(dir / "blob", std::string("bin\0ary", 7) + std::string(100, 'x'));
+  compress("gzip", dir / "blob", dir / "blob.gz");
+  write_bytes(dir / "text", "words\n");
+  PrepareOptions options;
+  options.inputs = {(dir / "blob.gz").string(), (dir / "text").string()};
+  options.output_dir = (dir / "out").string();
+  const auto summary = prepare_data(options);
+  EXPECT_EQ(summary.files, 1);
+  ASSERT_EQ(summary.skipped.size(), 1u);
+  EXPECT_NE(summary.skipped[0].find("decompressed from gzip"), std::string::npos)
+      << summary.skipped[0];
+}
+
+TEST(PrepareData, ADocumentOverTheLimitStopsTheRun) {
+  TempDir dir;
+  write_bytes(dir / "long.txt",
+              "short\n%\n" + std::string(3000, 'x') + "\n" + std::string(3000, 'y') + "\n");
+  PrepareOptions options = options_for(dir / "long.txt", dir / "out");
+  options.document_separator = "%";
+  options.max_document_bytes = 5000;
+  std::string message = malleus::testing::error_of([&] { prepare_data(options); });
+  EXPECT_NE(message.find((dir / "long.txt").string() + ":3: the document starting here is over"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("--max-document-mb"), std::string::npos) << message;
+  options.skip_bad = true;  // not a bad document to skip: it bounds memory
+  EXPECT_NE(malleus::testing::error_of([&] { prepare_data(options); }), "");
+
+  write_bytes(dir / "long.jsonl",
+              "{\"text\": \"ok\"}\n{\"text\": \"" + std::string(9000, 'z') + "\"}\n");
+  options = options_for(dir / "long.jsonl", dir / "out");
+  options.max_document_bytes = 5000;
+  message = malleus::testing::error_of([&] { prepare_data(options); });
+  EXPECT_NE(message.find((dir / "long.jsonl").string() + ":2: a line of more than"),
+            std::string::npos)
+      << message;
+  options.max_document_bytes = 10000;
+  EXPECT_EQ(prepare_data(options).documents, 2);
+}
+
+TEST(PrepareData, ASecondRunOnTheSameOutputIsRefused) {
+  TempDir dir;
+  write_bytes(dir / "t", "text\n");
+  fs::create_directories(dir / "out");
+  const int fd = ::open((dir / "out").c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);  // as a running prepare-data holds it
+  const std::string message =
+      malleus::testing::error_of([&] { prepare_data(options_for(dir / "t", dir / "out")); });
+  EXPECT_NE(message.find("another prepare-data is writing to " + (dir / "out").string()),
+            std::string::npos)
+      << message;
+  ::close(fd);
+  EXPECT_EQ(prepare_data(options_for(dir / "t", dir / "out")).documents, 1);
+}
+
+TEST(PrepareData, ReportsProgressInOrder) {
+  TempDir dir;
+  write_bytes(dir / "c.jsonl", lines_of(python_json_lines(dir.path(), sample_texts(2000))));
+  compress("xz", dir / "c.jsonl", dir / "c.jsonl.xz");
+  PrepareOptions options = options_for(dir / "c.jsonl.xz", dir / "out");
+  options.threads = 2;
+  options.batch_bytes = 8192;
+  options.progress_seconds = 0;
+  std::vector<PrepareProgress> seen;
+  options.on_progress = [&](const PrepareProgress& p) { seen.push_back(p); };
+  const auto summary = prepare_data(options);
+  ASSERT_GT(seen.size(), 5u);
+  for (size_t i = 1; i < seen.size(); ++i) {
+    EXPECT_GT(seen[i].documents, seen[i - 1].documents);
+    EXPECT_GT(seen[i].tokens, seen[i - 1].tokens);
+    EXPECT_GE(seen[i].input_bytes_read, seen[i - 1].input_bytes_read);
+    EXPECT_GE(seen[i].seconds, seen[i - 1].seconds);
+  }
+  EXPECT_EQ(seen.back().documents, summary.documents);
+  EXPECT_EQ(seen.back().tokens, summary.train_tokens + summary.val_tokens);
+  EXPECT_EQ(seen.back().input_bytes, fs::file_size(dir / "c.jsonl.xz"));
+  EXPECT_EQ(seen.back().input_bytes_read, seen.back().input_bytes);
+  // The documents' bytes: every line but its line break.
+  EXPECT_EQ(seen.back().text_bytes, fs::file_size(dir / "c.jsonl") - 2000);
+
+  PrepareProgress p;
+  p.documents = 1'200'000;
+  p.tokens = 456'700'000;
+  p.text_bytes = 800'000'000;
+  p.seconds = 100;
+  p.input_bytes = 1000;
+  p.input_bytes_read = 250;
+  EXPECT_EQ(format_progress(p),
+            "1.2M documents, 457M tokens, 8.0 MB/s, 25 % of 1000 B read, ETA 5m00s");
+}
+
+// ---------------------------------------------------------------------------------------------
+// run_ordered
+
+TEST(OrderedPipeline, ConsumesInTheOrderProducedWhateverTheThreads) {
+  for (int threads : {1, 2, 5}) {
+    int next = 0;
+    std::vector<int> consumed;
+    std::atomic<int> in_flight{0}, most{0};
+    run_ordered<std::pair<int, int>>(
+        threads, 3,
+        [&](std::pair<int, int>& b) {
+          if (next == 200) return false;
+          b.first = next++;
+          most = std::max(most.load(), ++in_flight);
+          return true;
+        },
+        [&](std::pair<int, int>& b) {
+          // Later batches often finish first.
+          std::this_thread::sleep_for(std::chrono::microseconds((200 - b.first) % 7 * 50));
+          b.second = b.first * b.first;
+        },
+        [&](std::pair<int, int>& b) {
+          EXPECT_EQ(b.second, b.first * b.first);
+          consumed.push_back(b.first);
+          --in_flight;
+        });
+    std::vector<int> expected(200);
+    for (int i = 0; i < 200; ++i) expected[static_cast<size_t>(i)] = i;
+    EXPECT_EQ(consumed, expected) << threads << " threads";
+    EXPECT_LE(most.load(), threads <= 1 ? 1 : 4) << "in flight: 3, and one being produced";
+  }
+}
+
+TEST(OrderedPipeline, AnErrorComesAfterEveryEarlierBatch) {
+  for (int threads : {1, 3}) {
+    for (const std::string stage : {"produce", "work", "consume"}) {
+      int next = 0;
+      std::vector<int> consumed;
+      auto fail_at = [&](const std::string& here, int i) {
+        if (here == stage && i == 50) throw Error(stage + " failed at 50");
+      };
+      const std::string message = malleus::testing::error_of([&] {
+        run_ordered<int>(
+            threads, 4,
+            [&](int& b) {
+              if (next == 100) return false;
+              fail_at("produce", next);
+              b = next++;
+              return true;
+            },
+            [&](int& b) {
+              if (b < 50) std::this_thread::sleep_for(std::chrono::microseconds(200));
+              fail_at("work", b);
+            },
+            [&](int& b) {
+              fail_at("consume", b);
+              consumed.push_back(b);
+            });
+      });
+      EXPECT_EQ(message, stage + " failed at 50");
+      EXPECT_EQ(consumed.size(), 50u) << stage << " on " << threads << " threads";
+    }
+  }
 }

@@ -5,7 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "data/prepare.h"
+#include "data/corpus.h"
 
 namespace malleus::cli {
 
@@ -15,9 +15,10 @@ struct ExitStatus {
   int code = 1;
 };
 
-// The text a command reads (prepare-data, train-tokenizer): --input and --separator, with the
-// built-in default of Debian's fortunes, one fortune per document.
-void add_corpus_options(CLI::App& command, data::PrepareOptions& corpus);
+// The corpus a command reads (prepare-data, train-tokenizer): --input, --format, --json-key,
+// --separator, --skip-bad and --max-document-mb, with the built-in default of Debian's fortunes,
+// one fortune per document.
+void add_corpus_options(CLI::App& command, data::CorpusOptions& corpus);
 
 // train, prepare-data, eval, export, models
 void add_training_commands(CLI::App& app);

@@ -6,7 +6,7 @@
 
 #include "cli/commands.h"
 #include "common/files.h"
-#include "data/prepare.h"
+#include "data/corpus.h"
 #include "tokenizer/sentencepiece_tokenizer.h"
 #include "train/trainer.h"
 
@@ -14,7 +14,7 @@ namespace malleus::cli {
 
 void add_tokenizer_command(CLI::App& app) {
   struct TokenizerArgs {
-    data::PrepareOptions corpus;
+    data::CorpusOptions corpus;
     tokenizer::SentencePieceTraining training;
     std::string output = "data/tokenizer.model";
     int threads = 0;
@@ -36,18 +36,19 @@ void add_tokenizer_command(CLI::App& app) {
     args->training.threads = train::resolve_threads(args->threads, 1);
     // Sentences are the corpus's non-empty lines, as SentencePiece's own trainer reads files.
     std::vector<std::string> lines;
-    data::PrepareSummary summary;
-    data::for_each_document(args->corpus, summary, [&](std::string_view doc) {
-      size_t begin = 0;
-      while (begin < doc.size()) {
-        size_t end = doc.find('\n', begin);
-        if (end == std::string_view::npos) end = doc.size();
-        std::string_view line = doc.substr(begin, end - begin);
-        if (line.ends_with('\r')) line.remove_suffix(1);
-        if (!line.empty()) lines.emplace_back(line);
-        begin = end + 1;
-      }
-    });
+    data::BadInput bad(args->corpus.skip_bad);
+    const data::CorpusCounts counts =
+        data::for_each_document(args->corpus, bad, [&](std::string_view doc) {
+          size_t begin = 0;
+          while (begin < doc.size()) {
+            size_t end = doc.find('\n', begin);
+            if (end == std::string_view::npos) end = doc.size();
+            std::string_view line = doc.substr(begin, end - begin);
+            if (line.ends_with('\r')) line.remove_suffix(1);
+            if (!line.empty()) lines.emplace_back(line);
+            begin = end + 1;
+          }
+        });
     check(!lines.empty(), "train-tokenizer: no text found in the inputs");
     size_t next = 0;
     const std::string model = tokenizer::train_sentencepiece(
@@ -62,7 +63,11 @@ void add_tokenizer_command(CLI::App& app) {
     if (out.has_parent_path()) fs::create_directories(out.parent_path());
     write_file_atomic(out, model);
     std::printf("trained a %s on %zu lines of %lld files: %s\n", args->training.model_type.c_str(),
-                lines.size(), static_cast<long long>(summary.files), trained->describe().c_str());
+                lines.size(), static_cast<long long>(counts.files), trained->describe().c_str());
+    if (bad.total() > 0) {
+      std::printf("left out %lld bad documents (--skip-bad): %s\n",
+                  static_cast<long long>(bad.total()), bad.describe().c_str());
+    }
     std::printf("wrote %s\n", args->output.c_str());
   });
 }

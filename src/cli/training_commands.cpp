@@ -1,10 +1,12 @@
 // train, prepare-data, eval, export, models.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "checkpoint/checkpoint.h"
 #include "cli/commands.h"
@@ -242,14 +244,41 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
 
 }  // namespace
 
-void add_corpus_options(CLI::App& command, data::PrepareOptions& corpus) {
+void add_corpus_options(CLI::App& command, data::CorpusOptions& corpus) {
   corpus.inputs = {"/usr/share/games/fortunes"};
   corpus.document_separator = "%";
-  command.add_option("--input", corpus.inputs, "Text files or directories")->capture_default_str();
+  command
+      .add_option("--input", corpus.inputs,
+                  "Files or directories: plain text or JSON Lines, plain or gzip/xz/zstd "
+                  "compressed (told from the content)")
+      ->capture_default_str();
+  command
+      .add_option_function<std::string>(
+          "--format",
+          [&corpus](const std::string& name) { corpus.format = data::parse_input_format(name); },
+          "auto (JSON Lines where a file's text starts with \"{\"), text or jsonl")
+      ->check(CLI::IsMember({"auto", "text", "jsonl"}))
+      ->default_str("auto");
+  command.add_option("--json-key", corpus.json_key, "JSON Lines: the key holding the text")
+      ->capture_default_str();
   command
       .add_option("--separator", corpus.document_separator,
-                  "A line equal to this ends a document (\"\": one file, one document)")
+                  "Plain text: a line equal to this ends a document (\"\": one file, one "
+                  "document)")
       ->capture_default_str();
+  command.add_flag("--skip-bad", corpus.skip_bad,
+                   "Leave out and count bad documents (not JSON, no key, not a string, not "
+                   "UTF-8) instead of stopping at the first");
+  command
+      .add_option_function<int64_t>(
+          "--max-document-mb",
+          [&corpus](int64_t mb) {
+            check(mb > 0 && mb <= (int64_t{1} << 20),
+                  "--max-document-mb must be in [1, 1048576], got " + std::to_string(mb));
+            corpus.max_document_bytes = mb << 20;
+          },
+          "Largest document (or line) in MiB; a larger one stops the run")
+      ->default_str(std::to_string(corpus.max_document_bytes >> 20));
 }
 
 namespace {
@@ -277,35 +306,97 @@ void add_train_command(CLI::App& app) {
   train_cmd->callback([train_args] { run_train(*train_args); });
 }
 
-// prepare-data: text files into token shards.
+// Prints what prepare-data did: counts, files passed over, bad documents left out.
+void print_prepare_summary(const data::PrepareSummary& s, const data::PrepareOptions& options,
+                           double seconds) {
+  std::printf(
+      "prepared %lld documents from %lld files: %lld train tokens, %lld val tokens in %zu "
+      "shards under %s (%s)\n",
+      static_cast<long long>(s.documents), static_cast<long long>(s.files),
+      static_cast<long long>(s.train_tokens), static_cast<long long>(s.val_tokens), s.shards.size(),
+      options.output_dir.c_str(), options.tokenizer->describe().c_str());
+  std::printf("read %s of text in %s (%.1f MB/s) on %s\n",
+              format_bytes(static_cast<double>(s.text_bytes)).c_str(),
+              format_duration(seconds).c_str(),
+              seconds > 0 ? static_cast<double>(s.text_bytes) / 1e6 / seconds : 0.0,
+              format_counted(options.threads, "tokenizing thread").c_str());
+  if (s.bad_documents > 0) {
+    std::printf("left out %s (--skip-bad): %s\n",
+                format_counted(s.bad_documents, "bad document").c_str(), s.bad_summary.c_str());
+  }
+  if (!s.skipped.empty()) {
+    // Grouped by reason ("path (reason)"), each with its first file.
+    std::vector<std::pair<std::string, std::pair<long long, std::string>>> reasons;
+    for (const auto& entry : s.skipped) {
+      const size_t open = entry.rfind(" (");
+      const std::string reason = open == std::string::npos ? "" : entry.substr(open + 2);
+      auto it = std::find_if(reasons.begin(), reasons.end(),
+                             [&](const auto& r) { return r.first == reason; });
+      if (it == reasons.end()) {
+        reasons.push_back({reason, {1, entry.substr(0, open)}});
+      } else {
+        ++it->second.first;
+      }
+    }
+    std::printf("passed over %s:",
+                format_counted(static_cast<long long>(s.skipped.size()), "input file").c_str());
+    for (size_t i = 0; i < reasons.size(); ++i) {
+      const auto& [reason, count_first] = reasons[i];
+      std::printf("%s %lld (%s e.g. %s", i == 0 ? "" : ",", count_first.first, reason.c_str(),
+                  count_first.second.c_str());
+    }
+    std::printf("\n");
+  }
+}
+
+// prepare-data: a corpus into token shards.
 void add_prepare_data_command(CLI::App& app) {
-  auto prepare = std::make_shared<data::PrepareOptions>();
-  prepare->output_dir = "data/fortunes";
-  auto* prepare_cmd = app.add_subcommand("prepare-data", "Tokenize text files into token shards");
-  add_corpus_options(*prepare_cmd, *prepare);
-  prepare_cmd->add_option("--output", prepare->output_dir, "Output directory")
+  struct PrepareArgs {
+    data::PrepareOptions options;
+    std::string tokenizer = "byte";
+    int threads = 0;
+  };
+  auto args = std::make_shared<PrepareArgs>();
+  data::PrepareOptions& prepare = args->options;
+  prepare.output_dir = "data/fortunes";
+  auto* prepare_cmd = app.add_subcommand("prepare-data", "Tokenize a corpus into token shards");
+  add_corpus_options(*prepare_cmd, prepare);
+  prepare_cmd->add_option("--output", prepare.output_dir, "Output directory")
       ->capture_default_str();
   prepare_cmd
-      ->add_option("--val-fraction", prepare->val_fraction, "Share of documents for validation")
+      ->add_option("--val-fraction", prepare.val_fraction, "Share of documents for validation")
       ->check(CLI::Range(0.0, 0.5))
       ->capture_default_str();
-  prepare_cmd->add_option("--shard-tokens", prepare->shard_tokens, "Maximum tokens per shard")
+  prepare_cmd->add_option("--shard-tokens", prepare.shard_tokens, "Maximum tokens per shard")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  auto tokenizer_name = std::make_shared<std::string>("byte");
   prepare_cmd
-      ->add_option("--tokenizer", *tokenizer_name,
+      ->add_option("--tokenizer", args->tokenizer,
                    "\"byte\" or a SentencePiece .model file (e.g. from train-tokenizer)")
       ->capture_default_str();
-  prepare_cmd->callback([prepare, tokenizer_name] {
-    prepare->tokenizer = tokenizer::load_tokenizer(*tokenizer_name);
-    const data::PrepareSummary s = data::prepare_data(*prepare);
-    std::printf(
-        "prepared %lld documents from %lld files: %lld train tokens, %lld val tokens in %zu "
-        "shards under %s (%s)\n",
-        static_cast<long long>(s.documents), static_cast<long long>(s.files),
-        static_cast<long long>(s.train_tokens), static_cast<long long>(s.val_tokens),
-        s.shards.size(), prepare->output_dir.c_str(), prepare->tokenizer->describe().c_str());
+  prepare_cmd
+      ->add_option("--threads", args->threads,
+                   "Tokenizing threads (0: all cores); the shards are the same for any")
+      ->check(CLI::NonNegativeNumber);
+  prepare_cmd
+      ->add_option("--progress-seconds", prepare.progress_seconds,
+                   "Seconds between progress lines on stderr")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  prepare_cmd->callback([args] {
+    data::PrepareOptions& options = args->options;
+    options.tokenizer = tokenizer::load_tokenizer(args->tokenizer);
+    options.threads = args->threads > 0
+                          ? args->threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    options.on_progress = [](const data::PrepareProgress& p) {
+      std::fprintf(stderr, "prepare-data: %s\n", data::format_progress(p).c_str());
+    };
+    const auto start = std::chrono::steady_clock::now();
+    const data::PrepareSummary s = data::prepare_data(options);
+    print_prepare_summary(
+        s, options,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   });
 }
 

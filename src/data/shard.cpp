@@ -1,6 +1,7 @@
 #include "data/shard.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <array>
 #include <bit>
@@ -92,16 +93,72 @@ void append_shard(const std::filesystem::path& path, std::vector<uint16_t>& out)
   }
 }
 
-void write_shard(const std::filesystem::path& path, const std::vector<uint16_t>& tokens) {
-  // The header stores the count as int32: llm.c's readers would misread a larger shard.
-  check(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-        path.string() + ": " + std::to_string(tokens.size()) +
+namespace {
+
+// The header of a shard of `count` tokens. The header stores the count as int32: llm.c's readers
+// would misread a larger shard.
+std::array<unsigned char, kHeaderBytes> shard_header(const std::filesystem::path& path,
+                                                     uint64_t count) {
+  check(count <= static_cast<uint64_t>(std::numeric_limits<int32_t>::max()),
+        path.string() + ": " + std::to_string(count) +
             " tokens do not fit one shard (the header's count is an int32)");
   std::array<unsigned char, kHeaderBytes> header{};
   put_le32(&header[0], kShardMagic);
   put_le32(&header[4], kShardVersion);
-  put_le32(&header[8], static_cast<int32_t>(tokens.size()));
+  put_le32(&header[8], static_cast<int32_t>(count));
+  return header;
+}
 
+}  // namespace
+
+ShardFileWriter::ShardFileWriter(std::filesystem::path path) : path_(std::move(path)) {
+  file_ = std::fopen(path_.c_str(), "wb");
+  check(file_ != nullptr, path_.string() + ": cannot create: " + std::strerror(errno));
+  const std::array<unsigned char, kHeaderBytes> placeholder{};
+  check(std::fwrite(placeholder.data(), 1, placeholder.size(), file_) == placeholder.size(),
+        path_.string() + ": write error: " + std::strerror(errno));
+}
+
+ShardFileWriter::~ShardFileWriter() {
+  if (file_ == nullptr) return;
+  std::fclose(file_);
+  std::error_code ignored;
+  std::filesystem::remove(path_, ignored);
+}
+
+void ShardFileWriter::write(std::span<const uint16_t> tokens) {
+  check(file_ != nullptr, path_.string() + ": written after finish()");
+  shard_header(path_, static_cast<uint64_t>(tokens_) + tokens.size());  // checks the count
+  size_t written;
+  if constexpr (kBigEndianHost) {
+    std::vector<uint16_t> swapped(tokens.begin(), tokens.end());
+    for (auto& t : swapped) t = swap16(t);
+    written = std::fwrite(swapped.data(), sizeof(uint16_t), swapped.size(), file_);
+  } else {
+    written = std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), file_);
+  }
+  check(written == tokens.size(), path_.string() + ": write error: " + std::strerror(errno));
+  tokens_ += static_cast<int64_t>(tokens.size());
+}
+
+void ShardFileWriter::finish() {
+  check(file_ != nullptr, path_.string() + ": finished twice");
+  const auto header = shard_header(path_, static_cast<uint64_t>(tokens_));
+  const bool ok = std::fseek(file_, 0, SEEK_SET) == 0 &&
+                  std::fwrite(header.data(), 1, header.size(), file_) == header.size() &&
+                  std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
+  const int err = errno;
+  const bool closed = std::fclose(file_) == 0;
+  file_ = nullptr;
+  if (!ok || !closed) {
+    std::error_code ignored;
+    std::filesystem::remove(path_, ignored);
+    throw Error(path_.string() + ": write error: " + std::strerror(ok ? errno : err));
+  }
+}
+
+void write_shard(const std::filesystem::path& path, const std::vector<uint16_t>& tokens) {
+  const auto header = shard_header(path, tokens.size());
   AtomicFile file(path);
   file.write(header.data(), header.size());
   if constexpr (kBigEndianHost) {

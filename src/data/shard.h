@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <span>
 #include <vector>
 
 namespace malleus::data {
@@ -16,6 +18,28 @@ constexpr int kShardHeaderInts = 256;
 // Written atomically (temporary file + rename), so a reader never sees half a shard. Throws Error
 // if the tokens do not fit the header's int32 count.
 void write_shard(const std::filesystem::path& path, const std::vector<uint16_t>& tokens);
+
+// One shard written as its tokens arrive, so a shard never has to be held in memory: the header's
+// count is filled in by finish(). A writer destroyed before finish() removes its file. Writes in
+// place (not atomically): prepare-data writes into a staging directory and renames finished
+// shards into place.
+class ShardFileWriter {
+ public:
+  explicit ShardFileWriter(std::filesystem::path path);
+  ~ShardFileWriter();
+  ShardFileWriter(const ShardFileWriter&) = delete;
+  ShardFileWriter& operator=(const ShardFileWriter&) = delete;
+  // Throws Error naming the file on a write error, or past the header's int32 count.
+  void write(std::span<const uint16_t> tokens);
+  // Writes the header, fsyncs and closes.
+  void finish();
+  int64_t tokens() const { return tokens_; }
+
+ private:
+  std::filesystem::path path_;
+  std::FILE* file_ = nullptr;
+  int64_t tokens_ = 0;
+};
 
 // Throws Error naming the file for: missing file ("no such file"), a file shorter than the header
 // ("truncated header"), wrong magic ("not a token shard: bad magic N"), an unsupported version,
