@@ -17,6 +17,8 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/vector_math.h"
+#include "backend/cuda/storage_map.h"
+#include "common/error.h"
 #include "common/host_pages.h"
 
 namespace malleus::backend {
@@ -219,9 +221,10 @@ Tensors attention_grad(Device<T>& d, const Vector& q, const Vector& k, const Vec
   auto dq = d.zeros(s.q_size());
   auto dk = d.zeros(s.kv_size());
   auto dv = d.zeros(s.kv_size());
-  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dob.data(), forward.probs.data(),
-                                forward.q.data(), forward.k.data(), forward.v.data(), s.batch,
-                                s.seq, s.q_heads, s.kv_heads, s.head_dim);
+  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dob.data(), forward.out.data(),
+                                forward.probs.data(), forward.q.data(), forward.k.data(),
+                                forward.v.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
+                                s.head_dim);
   return {d.get_double(dq), d.get_double(dk), d.get_double(dv)};
 }
 
@@ -964,9 +967,9 @@ Outputs backward_outputs(int threads) {
   auto dv = d.zeros(s.kv_size());
   d.backend->attention_forward(att.data(), probs.data(), q.data(), k.data(), v.data(), s.batch,
                                s.seq, 0, s.q_heads, s.kv_heads, s.head_dim);
-  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs.data(),
-                                q.data(), k.data(), v.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
-                                s.head_dim);
+  d.backend->attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), att.data(),
+                                probs.data(), q.data(), k.data(), v.data(), s.batch, s.seq,
+                                s.q_heads, s.kv_heads, s.head_dim);
   // Large enough for OpenBLAS to split the products between threads.
   const int ic = 300, oc = 200;
   auto mw = d.put(random_vector(oc * ic, 78));
@@ -1134,3 +1137,67 @@ TEST(HostPages, LargeBuffersAreZeroMappingsBackedByHugePagesWhereOffered) {
 
 }  // namespace
 }  // namespace malleus::backend
+
+// ---- the CUDA backend's storage map (plain C++: tested here, used on the GPU) -----------------
+namespace malleus::backend::cuda {
+namespace {
+
+TEST(CudaStorageMap, ResolvesPointersInsideHandlesToElementsOfTheirStorage) {
+  // Stand-ins for device memory: only addresses are compared, nothing is dereferenced.
+  std::vector<float> handle_a(100), handle_b(50);
+  std::vector<uint16_t> bf16_a(100);
+  std::vector<float> wide_b(50);
+  StorageMap map;
+  map.add({handle_a.data(), 100, Storage::kBf16, bf16_a.data(), nullptr, false});
+  map.add({handle_b.data(), 50, Storage::kFloat, wide_b.data(), nullptr, false});
+
+  // Element 37 of a bf16 buffer is 74 bytes into its storage, not 148.
+  const Resolved a = map.resolve(handle_a.data() + 37, 10);
+  EXPECT_EQ(a.index, 37u);
+  EXPECT_EQ(a.address(), static_cast<void*>(bf16_a.data() + 37));
+  const Resolved b = map.resolve(handle_b.data() + 49, 1);
+  EXPECT_EQ(b.address(), static_cast<void*>(wide_b.data() + 49));
+  EXPECT_EQ(map.resolve(handle_a.data(), 100).index, 0u);
+  EXPECT_EQ(map.resolve(handle_a.data() + 100, 0).index, 100u);  // an empty range at the end
+}
+
+TEST(CudaStorageMap, RefusesRangesOutsideItsBuffersByAddress) {
+  std::vector<float> handle(64);
+  std::vector<uint16_t> storage(64);
+  StorageMap map;
+  map.add({handle.data(), 60, Storage::kBf16, storage.data(), nullptr, false});
+  const auto message = [&](const float* pointer, size_t count) -> std::string {
+    try {
+      map.resolve(pointer, count);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message(handle.data() + 50, 11).find("not inside a buffer"), std::string::npos);
+  EXPECT_NE(message(handle.data() + 61, 1), "");
+  EXPECT_NE(message(handle.data() - 1, 1), "");
+  const char* unaligned = reinterpret_cast<const char*>(handle.data()) + 2;
+  EXPECT_NE(message(reinterpret_cast<const float*>(unaligned), 1), "");
+  // Released buffers resolve no more, and a second release is refused.
+  const StoredBuffer removed = map.remove(handle.data());
+  EXPECT_EQ(removed.data, static_cast<void*>(storage.data()));
+  EXPECT_NE(message(handle.data(), 1), "");
+  EXPECT_THROW(map.remove(handle.data()), Error);
+  EXPECT_TRUE(map.empty());
+}
+
+TEST(CudaStorageMap, AddressesTheShadowOfAFloatBufferByTheSameIndex) {
+  std::vector<float> values(32);
+  std::vector<uint16_t> shadow(32);
+  StorageMap map;
+  map.add({values.data(), 32, Storage::kFloat, values.data(), shadow.data(), true});
+  const Resolved r = map.resolve(values.data() + 5, 3);
+  EXPECT_EQ(r.address(), static_cast<void*>(values.data() + 5));
+  EXPECT_EQ(r.shadow_address(), static_cast<void*>(shadow.data() + 5));
+  EXPECT_TRUE(r.buffer->shadow_stale);
+  EXPECT_THROW(map.add({values.data(), 32, Storage::kFloat, values.data(), nullptr, false}), Error);
+}
+
+}  // namespace
+}  // namespace malleus::backend::cuda

@@ -10,6 +10,11 @@
 //  - Reductions (sum_squares) accumulate in double and are deterministic for a fixed thread count,
 //    which bit-exact resume relies on.
 //  - Pointers refer to memory obtained from the same backend (host memory for the CPU backend).
+//  - A buffer allocated with Precision::kCompute may be stored in the backend's narrower compute
+//    format (bf16 on the CUDA backend's bf16 mode): its values read back rounded to it. Pointer
+//    arithmetic is in elements of T whatever the storage, so a slice of a buffer is its pointer
+//    plus an offset, as always. kExact buffers (parameters, gradients, optimizer moments, norms'
+//    rstd, losses) are stored in T everywhere.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +38,16 @@ struct AdamWStep {
   int64_t step = 1;      // 1-based update count, for bias correction
 };
 
+// How a buffer is stored: in T, or in the backend's compute format (see the conventions above).
+enum class Precision { kExact, kCompute };
+
+// The precision a buffer of `kind` gets unless its owner says otherwise: activations and their
+// gradients (workspace) in the compute format, everything else exact.
+constexpr Precision default_precision(MemoryKind kind) {
+  return kind == MemoryKind::kActivations || kind == MemoryKind::kWorkspace ? Precision::kCompute
+                                                                            : Precision::kExact;
+}
+
 template <typename T>
 class Backend {
  public:
@@ -42,8 +57,13 @@ class Backend {
   virtual int num_threads() const = 0;
 
   // ---- memory ------------------------------------------------------------------------------
-  // Zero-initialised storage for `count` elements of T (or of int32 tokens).
-  virtual T* allocate(size_t count) = 0;
+  // Zero-initialised storage for `count` elements of T (or of int32 tokens), of `kind` (a backend
+  // may keep more for some kinds: the CUDA backend's bf16 copy of the parameters).
+  virtual T* allocate(size_t count, MemoryKind kind, Precision precision) = 0;
+  // The device bytes such an allocation takes: what the memory ledger books for it.
+  virtual size_t allocation_bytes(size_t count, MemoryKind, Precision) const {
+    return count * sizeof(T);
+  }
   virtual int32_t* allocate_tokens(size_t count) = 0;
   virtual void release(void* pointer) = 0;
   // Returns the whole pages inside [data, data + bytes) of one allocation to the system; their
@@ -76,6 +96,13 @@ class Backend {
                                float eps) = 0;
   virtual void rmsnorm_backward(T* din, T* dweight, const T* dout, const T* in, const T* weight,
                                 const T* rstd, int n, int c) = 0;
+  // The residual add and the norm after it, in one pass where the backend fuses them:
+  // sum += residual, then out = rmsnorm(sum) · weight as rmsnorm_forward.
+  virtual void add_rmsnorm_forward(T* sum, T* out, T* rstd, const T* residual, const T* weight,
+                                   int n, int c, float eps) {
+    add(sum, residual, static_cast<size_t>(n) * c);
+    rmsnorm_forward(out, rstd, sum, weight, n, c, eps);
+  }
 
   // out[n, oc] = in[n, ic] · weight[oc, ic]ᵀ
   virtual void matmul_forward(T* out, const T* in, const T* weight, int n, int ic, int oc) = 0;
@@ -97,12 +124,17 @@ class Backend {
   // seq - 1 and query t sees keys 0 .. past + t: training runs whole sequences (past = 0), cached
   // inference appends new positions to the keys and values of earlier ones (past > 0).
   // q, out: [batch, seq, q_heads, head_dim]; k, v: [batch, past + seq, kv_heads, head_dim].
-  // probs [batch, q_heads, seq, past + seq] keeps the softmax for backward (which takes past = 0).
-  virtual void attention_forward(T* out, T* probs, const T* q, const T* k, const T* v, int batch,
+  // `state` keeps what backward needs besides q, k, v and out (backward takes past = 0): its size
+  // is the backend's, attention_state_size() elements for `batch` sequences, linear in batch so
+  // that sequence b's state starts at attention_state_size(b, ...). The CPU backend keeps the
+  // softmax [batch, q_heads, seq, past + seq]; a fused (flash) kernel keeps one log-sum-exp per
+  // query row and recomputes the softmax in backward.
+  virtual size_t attention_state_size(int batch, int seq, int keys, int q_heads) const = 0;
+  virtual void attention_forward(T* out, T* state, const T* q, const T* k, const T* v, int batch,
                                  int seq, int past, int q_heads, int kv_heads, int head_dim) = 0;
-  virtual void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* probs, const T* q,
-                                  const T* k, const T* v, int batch, int seq, int q_heads,
-                                  int kv_heads, int head_dim) = 0;
+  virtual void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* state,
+                                  const T* q, const T* k, const T* v, int batch, int seq,
+                                  int q_heads, int kv_heads, int head_dim) = 0;
 
   // SwiGLU: out = silu(gate) * up, elementwise over `count` values.
   virtual void swiglu_forward(T* out, const T* gate, const T* up, size_t count) = 0;
@@ -170,13 +202,18 @@ class Buffer {
 
  public:
   Buffer() = default;
-  Buffer(Backend<T>& backend, size_t count, MemoryKind kind) : backend_(&backend), size_(count) {
+  Buffer(Backend<T>& backend, size_t count, MemoryKind kind)
+      : Buffer(backend, count, kind, default_precision(kind)) {}
+  Buffer(Backend<T>& backend, size_t count, MemoryKind kind, Precision precision)
+      : backend_(&backend), size_(count) {
+    size_t bytes = count * sizeof(Element);
     if constexpr (std::is_same_v<Element, T>) {
-      data_ = backend.allocate(count);
+      data_ = backend.allocate(count, kind, precision);
+      bytes = backend.allocation_bytes(count, kind, precision);
     } else {
       data_ = backend.allocate_tokens(count);
     }
-    backend.allocations().add(data_, static_cast<int64_t>(count * sizeof(Element)), kind);
+    backend.allocations().add(data_, static_cast<int64_t>(bytes), kind);
   }
   ~Buffer() { reset(); }
   Buffer(Buffer&& other) noexcept { *this = std::move(other); }

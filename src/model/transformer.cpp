@@ -82,7 +82,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const ShardSpec& shard,
                 static_cast<size_t>(vocab_),
                 static_cast<size_t>(heads_) * config.head_dim(),
                 static_cast<size_t>(kv_heads_) * config.head_dim(),
-                static_cast<size_t>(micro_batch) * heads_ * seq_len * seq_len,
+                backend.attention_state_size(micro_batch, seq_len, seq_len, heads_),
                 blocks};
   params_ = backend::Buffer<T>(backend, layout_.total_size(), backend::MemoryKind::kParameters);
   grads_ = backend::Buffer<T>(backend, layout_.total_size(), backend::MemoryKind::kGradients);
@@ -95,9 +95,14 @@ typename Transformer<T>::BlockActivations Transformer<T>::all_activations(const 
   auto buf = [&](size_t count) {
     return backend::Buffer<T>(backend_, count, backend::MemoryKind::kActivations);
   };
+  // The norms' rstd and attention's state stay in T; the rest may take the compute format.
+  auto exact = [&](size_t count) {
+    return backend::Buffer<T>(backend_, count, backend::MemoryKind::kActivations,
+                              backend::Precision::kExact);
+  };
   const size_t n = z.n, c = z.c, f = z.f, q = z.q, kv = z.kv;
-  return {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), buf(z.probs), buf(n * q),
-          buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+  return {buf(n * c), exact(n),   buf(n * q), buf(n * kv), buf(n * kv), exact(z.state), buf(n * q),
+          buf(n * c), buf(n * c), exact(n),   buf(n * f),  buf(n * f),  buf(n * f)};
 }
 
 // Activation slots hold what a micro-batch keeps from its forward until its backward; the
@@ -107,6 +112,10 @@ typename Transformer<T>::Slot Transformer<T>::make_slot(const ShardSpec& shard, 
   using backend::MemoryKind;
   auto buf = [&](size_t count) {
     return backend::Buffer<T>(backend_, count, MemoryKind::kActivations);
+  };
+  auto exact = [&](size_t count) {
+    return backend::Buffer<T>(backend_, count, MemoryKind::kActivations,
+                              backend::Precision::kExact);
   };
   const size_t n = z.n, c = z.c, f = z.f, q = z.q, kv = z.kv;
   Slot slot;
@@ -119,19 +128,19 @@ typename Transformer<T>::Slot Transformer<T>::make_slot(const ShardSpec& shard, 
     if (!recompute_.recomputes(b)) {
       a = all_activations(z);
     } else if (recompute_.mode == RecomputeMode::kSelective) {
-      a = {buf(n * c), buf(n),     buf(n * q), buf(n * kv), buf(n * kv), {},        {},
-           buf(n * c), buf(n * c), buf(n),     buf(n * f),  buf(n * f),  buf(n * f)};
+      a = {buf(n * c), exact(n),   buf(n * q), buf(n * kv), buf(n * kv), {},        {},
+           buf(n * c), buf(n * c), exact(n),   buf(n * f),  buf(n * f),  buf(n * f)};
     }  // full: the block keeps only its input, residual[b]
     slot.blocks.push_back(std::move(a));
   }
   if (shard.has_head) {
     slot.targets = backend::Buffer<T, int32_t>(backend_, n, MemoryKind::kActivations);
     slot.final_ln = buf(n * c);
-    slot.final_rstd = buf(n);
+    slot.final_rstd = exact(n);
     slot.logits = buf(n * z.v);
-    slot.losses = buf(n);
-    slot.row_max = buf(n);
-    slot.softmax_sums = buf(2 * n);  // sum_exp then target_logit: one all-reduce for both
+    slot.losses = exact(n);
+    slot.row_max = exact(n);
+    slot.softmax_sums = exact(2 * n);  // sum_exp then target_logit: one all-reduce for both
   }
   return slot;
 }
@@ -146,7 +155,8 @@ void Transformer<T>::allocate_scratch(const ShardSpec& shard, const Sizes& z) {
     if (recompute_.mode == RecomputeMode::kFull) {
       a = all_activations(z);
     } else {
-      a.probs = backend::Buffer<T>(backend_, z.probs, backend::MemoryKind::kActivations);
+      a.state = backend::Buffer<T>(backend_, z.state, backend::MemoryKind::kActivations,
+                                   backend::Precision::kExact);
       a.attn = backend::Buffer<T>(backend_, z.n * z.q, backend::MemoryKind::kActivations);
     }
     recomputed_.push_back(std::move(a));
@@ -336,7 +346,7 @@ std::vector<T> Transformer<T>::host_losses(const Slot& slot) {
 template <typename T>
 typename Transformer<T>::BlockPointers Transformer<T>::pointers(BlockActivations& a) {
   return {a.ln1.data(),   a.rstd1.data(), a.q.data(),   a.k.data(),   a.v.data(),
-          a.probs.data(), a.attn.data(),  a.mid.data(), a.ln2.data(), a.rstd2.data(),
+          a.state.data(), a.attn.data(),  a.mid.data(), a.ln2.data(), a.rstd2.data(),
           a.gate.data(),  a.up.data(),    a.act.data()};
 }
 
@@ -346,7 +356,7 @@ typename Transformer<T>::BlockPointers Transformer<T>::block_storage(Slot& slot,
   BlockActivations& scratch = recomputed_[recompute_ahead_ ? static_cast<size_t>(index) : 0];
   if (recompute_.mode == RecomputeMode::kFull) return pointers(scratch);
   BlockPointers a = pointers(slot.blocks[static_cast<size_t>(index)]);
-  a.probs = scratch.probs.data();
+  a.state = scratch.state.data();
   a.attn = scratch.attn.data();
   return a;
 }
@@ -369,7 +379,7 @@ void Transformer<T>::block_recompute(const BlockPointers& a, int index, const T*
   if (recompute_.mode == RecomputeMode::kFull) {
     block_forward(a, index, x, nullptr, Positions{micro_batch_, seq_len_, 0, a.k, a.v});
   } else {
-    backend_.attention_forward(a.attn, a.probs, a.q, a.k, a.v, micro_batch_, seq_len_, 0, heads_,
+    backend_.attention_forward(a.attn, a.state, a.q, a.k, a.v, micro_batch_, seq_len_, 0, heads_,
                                kv_heads_, config_.head_dim());
   }
 }
@@ -434,7 +444,7 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
     const Part& p = split.parts[i];
     if (split.by_sequence || i == 0) {
       const Part& core = split.by_sequence ? p : whole;
-      const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * at.seq * keys;
+      const size_t state_at = be.attention_state_size(core.batch_begin, at.seq, keys, heads_);
       be.rmsnorm_forward(row(a.ln1, core, c), row(a.rstd1, core, 1), row(x, core, c),
                          param(w.attn_norm), core.rows, c, config_.norm_eps);
       be.matmul_forward(row(a.q, core, q), row(a.ln1, core, c), param(w.q_proj), core.rows, c, q);
@@ -446,7 +456,7 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
                       at.past);
       be.rope_forward(row(k_new, core, kv), core.batch, at.seq, kv_heads_, hd, config_.rope_theta,
                       at.past);
-      be.attention_forward(row(a.attn, core, q), a.probs + probs, row(a.q, core, q),
+      be.attention_forward(row(a.attn, core, q), a.state + state_at, row(a.q, core, q),
                            row(at.k, core, kv), row(at.v, core, kv), core.batch, at.seq, at.past,
                            heads_, kv_heads_, hd);
     }
@@ -459,9 +469,9 @@ void Transformer<T>::block_forward(const BlockPointers& a, int index, const T* x
     const Part& p = split.parts[i];
     const size_t pc = static_cast<size_t>(p.rows) * c;
     finish(sums[i]);
-    be.add(row(a.mid, p, c), row(x, p, c), pc);  // mid = x + o_proj(attention)
-    be.rmsnorm_forward(row(a.ln2, p, c), row(a.rstd2, p, 1), row(a.mid, p, c), param(w.mlp_norm),
-                       p.rows, c, config_.norm_eps);
+    // mid = x + o_proj(attention), then its norm, in one pass where the backend fuses them.
+    be.add_rmsnorm_forward(row(a.mid, p, c), row(a.ln2, p, c), row(a.rstd2, p, 1), row(x, p, c),
+                           param(w.mlp_norm), p.rows, c, config_.norm_eps);
     be.matmul_forward(row(a.gate, p, ffn_), row(a.ln2, p, c), param(w.gate_proj), p.rows, c, ffn_);
     be.matmul_forward(row(a.up, p, ffn_), row(a.ln2, p, c), param(w.up_proj), p.rows, c, ffn_);
     be.swiglu_forward(row(a.act, p, ffn_), row(a.gate, p, ffn_), row(a.up, p, ffn_),
@@ -552,11 +562,11 @@ void Transformer<T>::attention_core_backward(const BlockPointers& a, const Part&
   auto& be = backend_;
   const int hd = config_.head_dim();
   const int q = heads_ * hd, kv = kv_heads_ * hd;
-  const size_t probs = static_cast<size_t>(core.batch_begin) * heads_ * seq_len_ * seq_len_;
-  be.attention_backward(row(dq_.data(), core, q), row(dk_.data(), core, kv),
-                        row(dv_.data(), core, kv), row(dattn_.data(), core, q), a.probs + probs,
-                        row(a.q, core, q), row(a.k, core, kv), row(a.v, core, kv), core.batch,
-                        seq_len_, heads_, kv_heads_, hd);
+  const size_t state_at = be.attention_state_size(core.batch_begin, seq_len_, seq_len_, heads_);
+  be.attention_backward(
+      row(dq_.data(), core, q), row(dk_.data(), core, kv), row(dv_.data(), core, kv),
+      row(dattn_.data(), core, q), row(a.attn, core, q), a.state + state_at, row(a.q, core, q),
+      row(a.k, core, kv), row(a.v, core, kv), core.batch, seq_len_, heads_, kv_heads_, hd);
   be.rope_backward(row(dq_.data(), core, q), core.batch, seq_len_, heads_, hd, config_.rope_theta);
   be.rope_backward(row(dk_.data(), core, kv), core.batch, seq_len_, kv_heads_, hd,
                    config_.rope_theta);

@@ -121,12 +121,12 @@ class Transformer {
 
  private:
   struct BlockActivations {
-    backend::Buffer<T> ln1, rstd1, q, k, v, probs, attn, mid, ln2, rstd2, gate, up, act;
+    backend::Buffer<T> ln1, rstd1, q, k, v, state, attn, mid, ln2, rstd2, gate, up, act;
   };
   // Where one block's activations are, for one forward or backward: in the slot, or in the
   // recomputation scratch.
   struct BlockPointers {
-    T *ln1, *rstd1, *q, *k, *v, *probs, *attn, *mid, *ln2, *rstd2, *gate, *up, *act;
+    T *ln1, *rstd1, *q, *k, *v, *state, *attn, *mid, *ln2, *rstd2, *gate, *up, *act;
   };
   struct Slot {
     backend::Buffer<T, int32_t> inputs, targets;
@@ -137,9 +137,9 @@ class Transformer {
   };
 
   // Element counts of one micro-batch's activations on this shard: rows (tokens), hidden, FFN,
-  // vocabulary, query and key/value widths, attention probabilities; and its blocks.
+  // vocabulary, query and key/value widths, attention state (the backend's size); and its blocks.
   struct Sizes {
-    size_t n, c, f, v, q, kv, probs;
+    size_t n, c, f, v, q, kv, state;
     int blocks;
   };
   // One activation slot's buffers: what a micro-batch keeps from its forward until its backward.

@@ -121,7 +121,10 @@ class CpuBackend final : public Backend<T> {
   int num_threads() const override { return threads_; }
 
   // ---- memory ------------------------------------------------------------------------------
-  T* allocate(size_t count) override { return static_cast<T*>(zeroed(count * sizeof(T))); }
+  // Every buffer is stored in T: the compute format is T.
+  T* allocate(size_t count, MemoryKind, Precision) override {
+    return static_cast<T*>(zeroed(count * sizeof(T)));
+  }
   int32_t* allocate_tokens(size_t count) override {
     return static_cast<int32_t*>(zeroed(count * sizeof(int32_t)));
   }
@@ -326,6 +329,11 @@ class CpuBackend final : public Backend<T> {
     rope(dx, batch, seq, heads, head_dim, theta, 0, T(-1));
   }
 
+  // The state is the softmax itself, [batch, q_heads, seq, keys].
+  size_t attention_state_size(int batch, int seq, int keys, int q_heads) const override {
+    return static_cast<size_t>(batch) * q_heads * seq * keys;
+  }
+
   void attention_forward(T* out, T* probs, const T* q, const T* k, const T* v, int batch, int seq,
                          int past, int q_heads, int kv_heads, int head_dim) override {
     check_heads(q_heads, kv_heads);
@@ -374,9 +382,9 @@ class CpuBackend final : public Backend<T> {
     }
   }
 
-  void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* probs, const T* q,
-                          const T* k, const T* v, int batch, int seq, int q_heads, int kv_heads,
-                          int head_dim) override {
+  void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* /*out*/, const T* probs,
+                          const T* q, const T* k, const T* v, int batch, int seq, int q_heads,
+                          int kv_heads, int head_dim) override {
     check_heads(q_heads, kv_heads);
     if (batch == 0 || seq == 0 || q_heads == 0) return;
     const int group = q_heads / kv_heads;

@@ -1,0 +1,58 @@
+#include "backend/cuda/storage_map.h"
+
+#include <sstream>
+
+#include "common/error.h"
+
+namespace malleus::backend::cuda {
+namespace {
+
+std::string address_text(const void* pointer) {
+  std::ostringstream text;
+  text << pointer;
+  return text.str();
+}
+
+}  // namespace
+
+void* Resolved::address() const {
+  return static_cast<char*>(buffer->data) + index * element_bytes(buffer->storage);
+}
+
+void* Resolved::shadow_address() const {
+  return static_cast<char*>(buffer->shadow) + index * element_bytes(Storage::kBf16);
+}
+
+void StorageMap::add(const StoredBuffer& buffer) {
+  const auto address = reinterpret_cast<uintptr_t>(buffer.handle);
+  const bool fresh = buffers_.emplace(address, buffer).second;
+  check(fresh, "cuda backend: buffer " + address_text(buffer.handle) + " is registered twice");
+}
+
+StoredBuffer StorageMap::remove(const void* handle) {
+  const auto found = buffers_.find(reinterpret_cast<uintptr_t>(handle));
+  check(found != buffers_.end(),
+        "cuda backend: release of " + address_text(handle) + ", which it did not allocate");
+  StoredBuffer buffer = found->second;
+  buffers_.erase(found);
+  return buffer;
+}
+
+Resolved StorageMap::resolve(const void* pointer, size_t count) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  auto above = buffers_.upper_bound(address);
+  if (above != buffers_.begin()) {
+    StoredBuffer& buffer = std::prev(above)->second;
+    // Handles are float ranges: element i sits 4·i bytes past the handle.
+    const uintptr_t offset = address - std::prev(above)->first;
+    const size_t index = offset / sizeof(float);
+    if (offset % sizeof(float) == 0 && index + count <= buffer.count &&
+        (index < buffer.count || count == 0)) {
+      return {&buffer, index};
+    }
+  }
+  throw Error("cuda backend: " + address_text(pointer) + " (" + std::to_string(count) +
+              " elements) is not inside a buffer this backend allocated");
+}
+
+}  // namespace malleus::backend::cuda
