@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compiles the CUDA backend (src/backend/cuda) alone with nvcc, warnings as errors, when a CUDA
-# toolkit is installed; says so and succeeds when none is. CI runs it: no GPU is needed to compile,
-# and the full CUDA build (-DMALLEUS_BUILD_CUDA=ON, docs/cuda.md) would rebuild everything.
+# Compiles the CUDA backend's sources (src/backend/cuda/*.cu) alone with nvcc, warnings as
+# errors, when a CUDA toolkit is installed; says so and succeeds when none is. CI runs it: no GPU
+# is needed to compile, and the full CUDA build (-DMALLEUS_BUILD_CUDA=ON, docs/cuda.md) would
+# rebuild everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -11,6 +12,9 @@ if [ ! -x "$nvcc" ]; then
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"$nvcc" -std=c++20 -arch=sm_90 -O3 -I src -Xcompiler=-Wall,-Wextra --Werror=all-warnings \
-  -c src/backend/cuda/cuda_backend.cu -o "$out/cuda_backend.o"
-echo "cuda_compile_check: src/backend/cuda/cuda_backend.cu compiles with $("$nvcc" --version | tail -1)"
+sources=(src/backend/cuda/*.cu)
+for source in "${sources[@]}"; do
+  "$nvcc" -std=c++20 -arch=sm_90 -O3 -I src -Xcompiler=-Wall,-Wextra --Werror=all-warnings \
+    -c "$source" -o "$out/$(basename "$source").o"
+done
+echo "cuda_compile_check: ${sources[*]} compile with $("$nvcc" --version | tail -1)"
