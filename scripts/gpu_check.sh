@@ -7,10 +7,11 @@
 #   scripts/gpu_check.sh [section ...]  on the device machine (with .gpu-carry/ carried along):
 #                                       runs the sections (default: all) and prints one summary
 #
-# Sections: env, kernels (test_cuda_backend), step (the 1.1 B LLaMA step: malleus bf16 against
-# PyTorch's, side by side), profile (where malleus's step time goes). Each writes its log to
-# $OUT (or .gpu-logs/) and a row of the summary; a failing section does not stop the others, and
-# the exit status says whether all passed.
+# Sections: env, kernels (test_cuda_backend), sanitizer (compute-sanitizer's memcheck on the
+# kernel tests), step (the 1.1 B LLaMA step: malleus bf16 against PyTorch's, side by side, in two
+# batch shapes), profile (where malleus's step time goes). Each writes its log to .gpu-logs/ and a
+# row of the summary; a failing section does not stop the others, and the exit status says whether
+# all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 carry=.gpu-carry
@@ -48,8 +49,10 @@ if [[ "${1:-}" == "--prepare" ]]; then
   exit $?
 fi
 
-logs=${OUT:-.gpu-logs}
-mkdir -p "$logs"
+# Each section's log goes here; on a device machine the whole folder comes back as one archive in
+# $OUT (which takes few files).
+logs=.gpu-logs
+rm -rf "$logs" && mkdir -p "$logs"
 export LD_LIBRARY_PATH="$PWD/$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bin=$carry/bin
 python=${PYTHON:-python3}
@@ -85,18 +88,53 @@ section_kernels() {
   fi
 }
 
+# One step benchmark: "malleus" or "torch", a label, then the benchmark's arguments. Records the
+# step time in steps[label] and a summary row.
+declare -A steps
+step_row() {
+  local engine=$1 label=$2 log="$logs/step-$2.log"
+  shift 2
+  local s=""
+  if [[ $engine == malleus ]]; then
+    run "step-$label" 200 "$bin/bench_step_throughput" "$model" 16 5 --backend cuda --math bf16 "$@"
+    s=$(sed -n 's/.*(\([0-9.]*\) s\/step.*/\1/p' "$log" | head -n 1)
+    row "1.1B step, $label" "$(grep -o 'peak *[0-9.]*%' "$log" | awk '{print "MFU " $2}') ($s s)"
+  else
+    run "step-$label" 200 "$python" bench/torch_step.py "$model" --repeats 5 "$@"
+    s=$(sed -n 's/^json: //p' "$log" | "$python" -c 'import json, sys; print("%.4f" % json.load(sys.stdin)["step_s"])' 2>/dev/null)
+    row "1.1B step, $label" "$(grep -o 'MFU [0-9.]* %' "$log") ($s s)"
+  fi
+  [[ -n "$s" ]] || failed=1
+  steps[$label]=$s
+}
+
+ratio_row() {
+  local a=${steps[$1]:-} b=${steps[$2]:-}
+  [[ -n "$a" && -n "$b" ]] && row "$1 / $2 speed" "$(awk -v x="$a" -v y="$b" 'BEGIN {printf "%.2fx", y / x}')"
+}
+
 section_step() {
-  run step-malleus 240 "$bin/bench_step_throughput" "$model" 16 5 --backend cuda --math bf16 \
-    --micro 2 --accum 2 || { row "1.1B step, malleus" FAILED; failed=1; }
-  run step-torch 240 "$python" bench/torch_step.py "$model" --micro 2 --accum 2 --repeats 5 ||
-    { row "1.1B step, torch" FAILED; failed=1; }
-  local ms ts
-  ms=$(awk '/training step/ {for (i = 1; i <= NF; ++i) if ($i ~ /s\/step/) {gsub(/\(/, "", $(i-1)); print $(i-1)}}' "$logs/step-malleus.log")
-  ts=$(sed -n 's/^json: //p' "$logs/step-torch.log" | "$python" -c 'import json, sys; print("%.4f" % json.load(sys.stdin)["step_s"])' 2>/dev/null)
-  row "1.1B step, malleus bf16" "$(grep -E 'MFU' "$logs/step-malleus.log" | head -n 1 | sed 's/^ *//') ($ms s)"
-  row "1.1B step, torch bf16 autocast" "$(grep -o 'MFU [0-9.]* %' "$logs/step-torch.log") ($ts s)"
-  if [[ -n "$ms" && -n "$ts" ]]; then
-    row "malleus / torch speed" "$(awk -v m="$ms" -v t="$ts" 'BEGIN {printf "%.2fx", t / m}')"
+  step_row malleus "malleus-2x2" --micro 2 --accum 2
+  export MALLEUS_CUDA_GEMM_TUNING=1
+  step_row malleus "malleus-2x2-tuned" --micro 2 --accum 2
+  unset MALLEUS_CUDA_GEMM_TUNING
+  step_row torch "torch-2x2" --micro 2 --accum 2
+  step_row malleus "malleus-4x1" --micro 4 --accum 1
+  step_row torch "torch-4x1" --micro 4 --accum 1
+  ratio_row malleus-2x2 torch-2x2
+  ratio_row malleus-2x2-tuned torch-2x2
+  ratio_row malleus-4x1 torch-4x1
+}
+
+section_sanitizer() {
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if run sanitizer 240 "$sanitizer" --tool memcheck --error-exitcode 9 "$bin/test_cuda_backend" \
+      --gtest_filter='*Attention*:*Bf16*:*Fused*:*Rms*:*Swiglu*:*Elementwise*'; then
+    row "compute-sanitizer memcheck" "no error ($(grep -c '^\[       OK \]' "$logs/sanitizer.log") cases)"
+  else
+    row "compute-sanitizer memcheck" "FAILED: $(grep -m 2 -E 'ERROR SUMMARY|Invalid' "$logs/sanitizer.log" | tr '\n' ' ')"
+    failed=1
   fi
 }
 
@@ -106,15 +144,18 @@ section_profile() {
   row "profile (largest 3)" "$(grep -A3 'cuda backend profile' "$logs/profile.log" | tail -n 3 | awk '{printf "%s %s%%; ", $1, $NF}')"
 }
 
+known=(env kernels sanitizer step profile)
 sections=("$@")
-((${#sections[@]})) || sections=(env kernels step profile)
+((${#sections[@]})) || sections=("${known[@]}")
 for s in "${sections[@]}"; do
-  case "$s" in
-    env|kernels|step|profile) "section_$s" ;;
-    *) echo "gpu_check: unknown section \"$s\" (env, kernels, step, profile)"; exit 2 ;;
-  esac
+  if [[ " ${known[*]} " != *" $s "* ]]; then
+    echo "gpu_check: unknown section \"$s\" (${known[*]})"
+    exit 2
+  fi
 done
+for s in "${sections[@]}"; do "section_$s"; done
 echo
 echo "=== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ))"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$logs/summary.txt"
+[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-logs.tar.gz" -C "$logs" .
 exit $failed

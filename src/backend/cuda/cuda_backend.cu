@@ -22,6 +22,7 @@
 #include "backend/cuda/flash_attention.cuh"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/storage_map.h"
+#include "backend/cuda/tuned_gemm.cuh"
 
 namespace malleus::backend {
 namespace {
@@ -177,6 +178,10 @@ class CudaBackend final : public Backend<float> {
                  "cublasSetMathMode");
     const char* profile = std::getenv("MALLEUS_CUDA_PROFILE");
     if (profile != nullptr && std::string(profile) == "1") profile_ = std::make_unique<Profile>();
+    const char* tuning = std::getenv("MALLEUS_CUDA_GEMM_TUNING");
+    if (bf16_storage() && tuning != nullptr && std::string(tuning) == "1") {
+      tuned_ = std::make_unique<cuda::TunedGemm>();
+    }
   }
   ~CudaBackend() override {
     // Buffers still registered (a leak elsewhere) are given back with the backend.
@@ -589,7 +594,8 @@ class CudaBackend final : public Backend<float> {
   CudaMath math_;
   int threads_ = 1;
   cublasHandle_t handle_ = nullptr;
-  std::unique_ptr<Profile> profile_;  // null unless MALLEUS_CUDA_PROFILE=1
+  std::unique_ptr<Profile> profile_;        // null unless MALLEUS_CUDA_PROFILE=1
+  std::unique_ptr<cuda::TunedGemm> tuned_;  // null unless bf16 and MALLEUS_CUDA_GEMM_TUNING=1
   cuda::StorageMap storage_;
   std::set<void*> tokens_;
   cuda::KernelScratch scratch_;
@@ -621,6 +627,19 @@ void CudaBackend::gemm(const Gemm& g) {
     check(!a.bf16 && !b.bf16, "cuda backend: a bf16 operand in an fp32 mode");
     input = CUDA_R_32F;
     compute = math_ == CudaMath::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F_PEDANTIC;
+  }
+  if (tuned_ != nullptr && tuned_->run({.trans_a = g.trans_a,
+                                        .trans_b = g.trans_b,
+                                        .m = g.m,
+                                        .n = g.n,
+                                        .k = g.k,
+                                        .lda = g.lda,
+                                        .ldb = g.ldb,
+                                        .ldc = g.ldc,
+                                        .c_bf16 = g.c.bf16,
+                                        .beta = g.beta},
+                                       a.data, b.data, g.c.data)) {
+    return;
   }
   const float alpha = 1;
   const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
