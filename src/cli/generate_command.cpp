@@ -13,7 +13,7 @@
 #include "model/config.h"
 #include "model/generation.h"
 #include "tokenizer/text_stream.h"
-#include "train/trainer.h"
+#include "train/setup.h"
 
 namespace malleus::cli {
 

@@ -25,7 +25,7 @@
 #include "sim/experiments.h"
 #include "sim/scenario.h"
 #include "sim/simulator.h"
-#include "train/trainer.h"
+#include "train/setup.h"
 
 namespace malleus::cli {
 

@@ -8,7 +8,7 @@
 #include "common/files.h"
 #include "data/corpus.h"
 #include "tokenizer/sentencepiece_tokenizer.h"
-#include "train/trainer.h"
+#include "train/setup.h"
 
 namespace malleus::cli {
 

@@ -24,8 +24,8 @@
 #include "common/format.h"
 #include "metrics/metrics.h"
 #include "train/resume.h"
+#include "train/setup.h"
 #include "train/stop_signal.h"
-#include "train/trainer.h"
 #include "train/watchdog.h"
 
 namespace malleus::launch {

@@ -91,7 +91,7 @@ struct TrainConfig {
   // memory_checkpoint_every steps each rank's shard is copied into a peer's host memory, which a
   // restart by malleus launch reads instead of the disk. 0: the interval is chosen from the
   // measured cost of a save, as the fewest steps that keep it under kMemoryCheckpointBudget of
-  // the training time (Trainer::save_to_memory_if_due).
+  // the training time (Checkpointing::save_to_memory, train/checkpointing.h).
   bool memory_checkpoints = true;
   int64_t memory_checkpoint_every = 0;
   // ZeRO-1: Adam moments and the update split among each parameter piece's holders

@@ -1,58 +1,34 @@
 // The training loop over any parallel plan: each step samples the global batch (the same
 // sequences whatever the plan), runs the runtime engine (1F1B, tensor and data parallelism,
-// gradient sync, clipping, AdamW), and on schedule evaluates, logs (rank 0) and checkpoints
-// (sharded: each rank writes the pieces it owns, in the background;
-// checkpoint/checkpoint_writer.h). Resuming from a checkpoint — under the same plan or another —
-// continues exactly where it stopped.
+// gradient sync, clipping, AdamW), measures every rank (the straggler loop: monitor, controller,
+// migration), and on schedule evaluates, logs (rank 0) and checkpoints. Resuming from a checkpoint
+// — under the same plan or another — continues exactly where it stopped. The loop's parts:
+// train/setup.h (plan, threads, tokenizer, memory fit), train/checkpointing.h (when checkpoints
+// are due, the engine's state in and out of them), train/run_log.h (what a run prints and records).
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "checkpoint/checkpoint.h"
-#include "checkpoint/checkpoint_writer.h"
-#include "checkpoint/memory_checkpoint.h"
 #include "comm/communicator.h"
 #include "data/dataset.h"
 #include "elastic/controller.h"
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
 #include "metrics/metrics.h"
-#include "plan/plan.h"
 #include "runtime/core_lease.h"
 #include "runtime/engine.h"
+#include "train/checkpointing.h"
 #include "train/config.h"
+#include "train/run_log.h"
 #include "train/schedule.h"
+#include "train/setup.h"
 
 namespace malleus::train {
-
-class Watchdog;
-
-// One step as train_step returns it: its metrics record (the plan and ETA are filled when it is
-// logged) and the controller's decision when it was asked.
-struct StepStats : metrics::StepRecord {
-  std::optional<metrics::ReplanRecord> replan;
-  // The background part of an overlapped switch that this step finished: bytes over all ranks,
-  // times and memory the most of any rank's.
-  std::optional<runtime::BackgroundStats> switch_background;
-};
-
-// With memory_checkpoint_every 0, memory checkpoints come every K steps, K the fewest that keep a
-// save's measured time under this share of the steps' (Trainer::save_to_memory).
-inline constexpr double kMemoryCheckpointBudget = 0.05;
-// ... measured over the saves so far, once there are this many (one every step until then).
-inline constexpr size_t kMemoryCheckpointProbes = 3;
-
-// The "plan" value that asks for the planner's plan (malleus launch restarts with it, on however
-// many ranks are left).
-inline constexpr const char* kPlannerPlan = "auto";
-
-// The plan a config asks for on `world_size` ranks: its plan file, the planner's plan for the
-// cluster preset with every rank healthy ("auto"), or the uniform dp × tp × pp plan. Validated
-// against the model, the world size and the global batch; throws Error otherwise.
-plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& model, int world_size);
 
 // The run stopped at a step whose loss or gradient norm was not finite (Trainer::run).
 class Diverged : public Error {
@@ -112,27 +88,10 @@ class Trainer {
   bool is_root() const { return world_.rank() == 0; }
 
  private:
-  // Collective: starts a sharded checkpoint of this step (in the background unless
-  // config.async_checkpoints is off); poll_checkpoint commits it once every rank has written its
-  // part, finish_checkpoint waits for that.
-  void save(const std::filesystem::path& root);
   // The checkpoint header of this step (model, config, progress, tokenizer) and this rank's part
   // of the state, as both kinds of save take them.
   checkpoint::Checkpoint checkpoint_header() const;
   std::vector<checkpoint::SavedKind> saved_state() const;
-  // Collective: the memory checkpoint of this step when one is due (every memory_every_ steps);
-  // with memory_checkpoint_every 0, memory_every_ is then chosen again from the save's time and
-  // `step_s`, the recent step time. A save that fails turns memory checkpoints off for the rest
-  // of the run, with a warning: the disk checkpoints go on.
-  void save_to_memory_if_due(double step_s);
-  // Collective: this run's memory copies removed (the run ended, or a fresh run supersedes them).
-  void clear_memory_checkpoints();
-  // Rank 0's line at the end of a run: how many memory saves, and what they took.
-  void report_memory_checkpoints() const;
-  void poll_checkpoint();
-  void finish_checkpoint();
-  // "saved checkpoint ..." on rank 0 after a commit.
-  void report_saved();
   // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
   int agreed_stop_signal();
   // After a stop signal: this step's checkpoint (saved already if `saved`) committed, the memory
@@ -146,13 +105,6 @@ class Trainer {
   // The controller's decision on the rates just measured, and the migration it asks for.
   void replan_if_asked(StepStats* stats);
   void collect_switch_background(StepStats* stats);
-  // Rank 0's header of a run on stdout, and <out>/ranks.json.
-  void announce(const std::filesystem::path& out, const std::string& plan_text);
-  // Hang detection: only with several ranks (one rank waits for nobody). Collective.
-  void start_watchdog(const std::filesystem::path& out, std::optional<Watchdog>* watchdog);
-  // The step line on stdout and its record (and any re-plan record) in the metrics file.
-  void log_step(StepStats s, double eta, const std::string& plan_text,
-                metrics::MetricsLog& metrics);
 
   TrainConfig config_;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;  // before model_config_: it fits it
@@ -172,11 +124,8 @@ class Trainer {
   int64_t step_ = 0;
   int64_t consumed_samples_ = 0;
   int restarts_ = 0;
-  bool state_ready_ = false;  // initialised from the seed, or restored
-  checkpoint::CheckpointWriter writer_;
-  std::unique_ptr<checkpoint::MemoryCheckpointer> memory_;  // null: memory checkpoints off
-  int64_t memory_every_ = 1;                                // steps between memory checkpoints
-  std::vector<double> memory_save_s_, memory_step_s_;  // each save's time and the step time then
+  bool state_ready_ = false;   // initialised from the seed, or restored
+  Checkpointing checkpoints_;  // disk and memory checkpoints: when they are due, and the writers
 };
 
 // Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and
@@ -186,47 +135,5 @@ class Trainer {
 checkpoint::Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir,
                                                comm::Communicator& world,
                                                bool with_optimizer = true);
-
-// The model state rank `rank` holds under `plan`, in bytes, as the engine and the checkpoint
-// writer allocate it (fp32), from the same functions they use: parameters and gradients of its
-// local layout, plus the gradient shard the distributed optimizer reduces into; both Adam moments
-// of its optimizer shard when the moments are split (layout::splits_moments), else of its whole
-// local layout; and the host copy of what it writes in a checkpoint (saved_state, kept allocated
-// between saves). All zero on a rank the plan leaves idle.
-struct ModelStateBytes {
-  int64_t held_elements = 0;    // parameter elements of its local layout
-  int64_t moment_elements = 0;  // elements whose Adam moments it keeps
-  bool moments_split = false;   // the distributed optimizer splits the moments under this plan
-  int64_t parameters = 0, gradients = 0;  // of the local layout
-  int64_t gradient_shard = 0;             // the summed gradients of its optimizer shard, if split
-  int64_t optimizer = 0;                  // both Adam moments
-  int64_t checkpoint_copy = 0;
-  // What the backend ledger books as parameters, gradients and optimizer after construction.
-  int64_t engine_state() const { return parameters + gradients + gradient_shard + optimizer; }
-  int64_t total() const { return engine_state() + checkpoint_copy; }
-};
-ModelStateBytes model_state_bytes(const model::ModelConfig& model, const plan::Plan& plan, int rank,
-                                  bool distributed_optimizer);
-
-// Throws Error, naming the parts and their sizes, if rank `rank`'s model state under `plan`
-// (model_state_bytes) exceeds its share of `available_bytes` among `ranks_here` ranks. The trainer
-// calls it before anything is allocated, with the machine's available memory. Activations come on
-// top, so passing is necessary, not sufficient.
-void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& plan, int rank,
-                            bool distributed_optimizer, int64_t available_bytes, int ranks_here);
-
-// Threads per rank for a configured value (0: the machine's cores shared among the ranks on it).
-// Throws Error if more threads are asked for than the CPUs this process may run on.
-int resolve_threads(int configured, int ranks);
-
-// The tokenizer saved beside the shards of `pattern` (by prepare-data), or null when there is none
-// (e.g. shards made by llm.c's scripts).
-std::shared_ptr<const tokenizer::Tokenizer> data_tokenizer(const std::string& pattern);
-
-// The model config a run trains with data made by `tokenizer`: special token ids are the
-// tokenizer's, and the vocabulary grows to the tokenizer's if it is smaller (a larger one is kept:
-// rows past the tokenizer's ids are never seen). Unchanged without a tokenizer.
-model::ModelConfig fit_model_to_tokenizer(model::ModelConfig model,
-                                          const tokenizer::Tokenizer* tokenizer);
 
 }  // namespace malleus::train

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "common/json.h"
 
 namespace malleus::train {
@@ -110,5 +111,12 @@ class Watchdog {
   std::map<std::string, std::vector<double>> durations_;  // the latest of each phase, newest last
   std::thread thread_;
 };
+
+// Collective: hang detection for the run in `run_dir` on every rank of `world`, in `*watchdog`,
+// once rank 0 has cleared the previous run's heartbeats (the barrier keeps the others from
+// writing theirs before rank 0 has taken the run directory, run_directory.h, and cleared it).
+// Rank 0 says so on stdout.
+void start_watchdog(const std::filesystem::path& run_dir, const comm::Communicator& world,
+                    WatchdogOptions options, std::optional<Watchdog>* watchdog);
 
 }  // namespace malleus::train
