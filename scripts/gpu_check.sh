@@ -22,24 +22,33 @@ prepare() {
   scripts/setup.sh
   local launcher=()
   if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+  # The Python module is built too (for this machine's python3): its position-independent static
+  # libraries are what the device links its own module from (python_module below).
   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DMALLEUS_BUILD_CUDA=ON \
-    -DMALLEUS_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3 -DMALLEUS_BUILD_PYTHON=OFF \
-    "${launcher[@]}" > build-cuda-configure.log
-  local targets=(test_cuda_backend bench_step_throughput)
-  cmake --build build-cuda --parallel "$(nproc)" --target "${targets[@]}"
-  rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib"
-  for t in tests/test_cuda_backend bench/bench_step_throughput; do
+    -DMALLEUS_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3 "${launcher[@]}" \
+    > build-cuda-configure.log
+  cmake --build build-cuda --parallel "$(nproc)" \
+    --target test_cuda_backend bench_step_throughput malleus malleus_python
+  rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib" "$carry/static" "$carry/include"
+  for t in tests/test_cuda_backend bench/bench_step_throughput malleus; do
     cp "build-cuda/$t" "$carry/bin/"
     strip "$carry/bin/$(basename "$t")"
   done
-  # Shared libraries outside the C runtime and the CUDA driver/toolkit (the device has those).
+  cp build-cuda/src/*/libmalleus_*.a "$carry/static/"
+  cp -r /usr/include/nlohmann "$carry/include/"
+  # Shared libraries outside the C runtime, the CUDA driver and toolkit and Open MPI (the device
+  # has those: its own libmpi.so.40 serves our binaries).
   ldd "$carry"/bin/* | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
       libcuda.so*|libcublas*|libcudart*|libnvidia*) ;;
+      libmpi*|libopen-rte*|libopen-pal*|libhwloc*|libevent*|libudev*) ;;
       *) cp -L "$lib" "$carry/lib/" ;;
     esac
   done
+  # The demo's data, prepared here (the device has no fortunes corpus).
+  mkdir -p "$carry/data"
+  build-cuda/malleus prepare-data --output "$carry/data/fortunes" > /dev/null
   du -sh "$carry"
   set +e
 }
@@ -53,7 +62,9 @@ fi
 # $OUT (which takes few files).
 logs=.gpu-logs
 rm -rf "$logs" && mkdir -p "$logs"
-export LD_LIBRARY_PATH="$PWD/$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Our libraries, then Open MPI's where the device keeps them outside the linker's cache.
+ompi_lib=$(ompi_info --path libdir 2> /dev/null | awk '{print $NF}')
+export LD_LIBRARY_PATH="$PWD/$carry/lib${ompi_lib:+:$ompi_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bin=$carry/bin
 python=${PYTHON:-python3}
 summary=()
@@ -75,7 +86,7 @@ section_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tail -n 2
   "$python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' 2>&1
   command -v mpirun > /dev/null && mpirun --version | head -n 1 || echo "no mpirun on PATH"
-  ldd "$bin/test_cuda_backend" | grep -i "not found" || echo "every library found"
+  ldd "$bin"/* | grep -i "not found" || echo "every library found"
   row env "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 }
 
@@ -138,13 +149,105 @@ section_sanitizer() {
   fi
 }
 
+# ---- the malleus command on the GPU ----------------------------------------------------------
+data=$carry/data/fortunes
+mpi=(mpirun --oversubscribe -np 2)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # the device runs commands as root
+# The demo on short sequences: small enough that 2 ranks on one GPU take seconds.
+demo=(train --backend cuda --train-data "$data/train_*.bin" --seq-len 128 --global-batch 16
+      --micro-batch 2 --warmup-steps 2 --checkpoint-every 0 --no-memory-checkpoints
+      --no-async-checkpoints)
+
+# Losses of two runs' metrics: the largest relative difference, and whether the plan changed.
+compare_losses() {
+  "$python" - "$@" << 'PY'
+import json, sys
+def steps(path):
+    rows = [json.loads(l) for l in open(path)]
+    return {r["step"]: r for r in rows if "loss" in r}
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+common = sorted(set(a) & set(b))
+worst = max(abs(a[s]["loss"] - b[s]["loss"]) / abs(a[s]["loss"]) for s in common)
+plans = sorted({b[s]["plan"] for s in common})
+print(f"{len(common)} steps, largest loss difference {worst:.2e}, plans: {' -> '.join(plans)}")
+sys.exit(0 if len(common) == len(a) and worst <= float(sys.argv[3]) else 1)
+PY
+}
+
+section_train() {
+  rm -rf runs/gpu-*
+  if run train-demo 120 "$bin/malleus" "${demo[@]}" --steps 30 --eval-every 30 \
+      --val-data "$data/val_*.bin" --out runs/gpu-demo; then
+    row "train --backend cuda, demo" "$(grep -E '^step +30/30' "$logs/train-demo.log" | cut -d'|' -f2,5 | tr -s ' ')"
+  else
+    row "train --backend cuda, demo" FAILED; failed=1
+  fi
+  run eval-demo 60 "$bin/malleus" eval --backend cuda --checkpoint runs/gpu-demo \
+    --data "$data/val_*.bin" --samples 64 && row "eval --backend cuda" "$(tail -n 1 "$logs/eval-demo.log")" ||
+    { row "eval --backend cuda" FAILED; failed=1; }
+  run generate-demo 60 "$bin/malleus" generate --backend cuda --checkpoint runs/gpu-demo \
+    --max-tokens 64 --seed 1 && row "generate --backend cuda" "$(wc -c < "$logs/generate-demo.log") bytes of text" ||
+    { row "generate --backend cuda" FAILED; failed=1; }
+  # The 1.1 B model: a few steps at sequence 2048, its last checkpoint in memory.
+  if run train-1b 240 "$bin/malleus" train --backend cuda --model "$model" --seq-len 2048 \
+      --micro-batch 2 --global-batch 4 --steps 4 --warmup-steps 1 --eval-every 0 \
+      --checkpoint-every 0 --no-memory-checkpoints --train-data "$data/train_*.bin" \
+      --val-data "" --out /dev/shm/gpu-1b; then
+    row "train --backend cuda, 1.1 B" "$(grep -E '^step +4/4' "$logs/train-1b.log" | cut -d'|' -f2,5 | tr -s ' ')"
+  else
+    row "train --backend cuda, 1.1 B" FAILED; failed=1
+  fi
+  rm -rf /dev/shm/gpu-1b
+}
+
+# 2 ranks sharing the one GPU: a data-parallel plan, a 2-stage pipeline and a re-plan under an
+# injected straggler, each against 1 rank's losses (bf16 storage: relative 2e-3).
+section_plans() {
+  local short=(--steps 12 --eval-every 0 --val-data "")
+  run plans-1 120 "$bin/malleus" "${demo[@]}" "${short[@]}" --no-replan --out runs/gpu-1 ||
+    { row "plans" FAILED; failed=1; return; }
+  local name args
+  for name in dp2 pp2 replan; do
+    case $name in
+      dp2) args=(--dp 2 --no-replan) ;;
+      pp2) args=(--dp 1 --pp 2 --no-replan) ;;
+      replan) args=(--dp 2 --straggler 1:4:3-12 --monitor-window 2 --replan-horizon 5) ;;
+    esac
+    if run "plans-$name" 180 "${mpi[@]}" "$bin/malleus" "${demo[@]}" "${short[@]}" "${args[@]}" \
+        --out "runs/gpu-$name" &&
+        compare_losses runs/gpu-1/metrics.jsonl "runs/gpu-$name/metrics.jsonl" 2e-3 > "$logs/compare-$name.log"; then
+      row "2 ranks on 1 GPU, $name" "$(cat "$logs/compare-$name.log")"
+    else
+      row "2 ranks on 1 GPU, $name" "FAILED: $(cat "$logs/compare-$name.log" 2>/dev/null)"; failed=1
+    fi
+  done
+  grep -h -m 3 -i "re-plan\|switch" "$logs/plans-replan.log" | head -n 3
+}
+
+# The device's python3 with our module: compiled there (its Python and pybind11) from the carried
+# position-independent static libraries, into .gpu-python/ beside the package's Python files.
+python_module() {
+  [[ -f .gpu-python/malleus/built ]] && return 0
+  local suffix includes libdir mpi
+  suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  includes=$("$python" -m pybind11 --includes)
+  libdir=$(ompi_info --path libdir 2> /dev/null | awk '{print $NF}')
+  mpi=$(ls "$libdir"/libmpi.so.40 2> /dev/null || ldconfig -p | awk '/libmpi.so.40 /{print $NF; exit}')
+  rm -rf .gpu-python && mkdir -p .gpu-python && cp -r python/malleus .gpu-python/
+  g++ -O2 -std=c++20 -shared -fPIC $includes -I src -I "$carry/include" python/src/*.cpp \
+    -o ".gpu-python/malleus/_malleus$suffix" \
+    -Wl,--start-group "$carry"/static/libmalleus_*.a -Wl,--end-group "$mpi" \
+    "$carry/lib/libopenblas.so.0" "$carry/lib/libgomp.so.1" "$carry/lib/libxxhash.so.0" -lpthread \
+    -Wl,-rpath,"$PWD/$carry/lib" && touch .gpu-python/malleus/built
+}
+
 section_profile() {
   MALLEUS_CUDA_PROFILE=1 run profile 180 "$bin/bench_step_throughput" "$model" 16 2 \
     --backend cuda --math bf16 --micro 2 --accum 2 || { row profile FAILED; failed=1; return; }
   row "profile (largest 3)" "$(grep -A3 'cuda backend profile' "$logs/profile.log" | tail -n 3 | awk '{printf "%s %s%%; ", $1, $NF}')"
 }
 
-known=(env kernels sanitizer step profile)
+known=(env kernels sanitizer step profile train plans)
 sections=("$@")
 ((${#sections[@]})) || sections=("${known[@]}")
 for s in "${sections[@]}"; do
