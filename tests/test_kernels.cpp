@@ -1159,6 +1159,8 @@ TEST(CudaStorageMap, ResolvesPointersInsideHandlesToElementsOfTheirStorage) {
   EXPECT_EQ(b.address(), static_cast<void*>(wide_b.data() + 49));
   EXPECT_EQ(map.resolve(handle_a.data(), 100).index, 0u);
   EXPECT_EQ(map.resolve(handle_a.data() + 100, 0).index, 100u);  // an empty range at the end
+  EXPECT_TRUE(map.holds(handle_b.data() + 10));
+  EXPECT_FALSE(map.holds(handle_b.data() + 50));
 }
 
 TEST(CudaStorageMap, RefusesRangesOutsideItsBuffersByAddress) {

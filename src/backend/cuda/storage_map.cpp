@@ -1,5 +1,6 @@
 #include "backend/cuda/storage_map.h"
 
+#include <iterator>
 #include <sstream>
 
 #include "common/error.h"
@@ -24,12 +25,14 @@ void* Resolved::shadow_address() const {
 }
 
 void StorageMap::add(const StoredBuffer& buffer) {
+  const std::lock_guard lock(mutex_);
   const auto address = reinterpret_cast<uintptr_t>(buffer.handle);
   const bool fresh = buffers_.emplace(address, buffer).second;
   check(fresh, "cuda backend: buffer " + address_text(buffer.handle) + " is registered twice");
 }
 
 StoredBuffer StorageMap::remove(const void* handle) {
+  const std::lock_guard lock(mutex_);
   const auto found = buffers_.find(reinterpret_cast<uintptr_t>(handle));
   check(found != buffers_.end(),
         "cuda backend: release of " + address_text(handle) + ", which it did not allocate");
@@ -38,7 +41,7 @@ StoredBuffer StorageMap::remove(const void* handle) {
   return buffer;
 }
 
-Resolved StorageMap::resolve(const void* pointer, size_t count) {
+Resolved StorageMap::find(const void* pointer, size_t count) {
   const auto address = reinterpret_cast<uintptr_t>(pointer);
   auto above = buffers_.upper_bound(address);
   if (above != buffers_.begin()) {
@@ -51,8 +54,20 @@ Resolved StorageMap::resolve(const void* pointer, size_t count) {
       return {&buffer, index};
     }
   }
+  return {};
+}
+
+Resolved StorageMap::resolve(const void* pointer, size_t count) {
+  const std::lock_guard lock(mutex_);
+  const Resolved found = find(pointer, count);
+  if (found.buffer != nullptr) return found;
   throw Error("cuda backend: " + address_text(pointer) + " (" + std::to_string(count) +
               " elements) is not inside a buffer this backend allocated");
+}
+
+bool StorageMap::holds(const void* pointer) {
+  const std::lock_guard lock(mutex_);
+  return find(pointer, 1).buffer != nullptr;
 }
 
 }  // namespace malleus::backend::cuda

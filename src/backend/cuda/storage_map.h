@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <mutex>
 
 namespace malleus::backend::cuda {
 
@@ -41,6 +42,8 @@ struct Resolved {
   void* shadow_address() const;
 };
 
+// Safe to use from several threads (a background transfer resolves pointers while the step
+// allocates): every call holds one lock; a Resolved stays valid until its own buffer is removed.
 class StorageMap {
  public:
   void add(const StoredBuffer& buffer);
@@ -49,13 +52,22 @@ class StorageMap {
   // The buffer that holds `pointer` and the element it points at, such that `count` elements from
   // there lie inside the buffer; throws (naming the address) otherwise.
   Resolved resolve(const void* pointer, size_t count);
-  bool empty() const { return buffers_.empty(); }
+  // Whether `pointer` lies inside one of the buffers.
+  bool holds(const void* pointer);
+  bool empty() const {
+    const std::lock_guard lock(mutex_);
+    return buffers_.empty();
+  }
   template <typename F>
   void for_each(F&& f) {
+    const std::lock_guard lock(mutex_);
     for (auto& [address, buffer] : buffers_) f(buffer);
   }
 
  private:
+  // The buffer holding `pointer` and the element index, or a null buffer; the lock held.
+  Resolved find(const void* pointer, size_t count);
+  mutable std::mutex mutex_;
   std::map<uintptr_t, StoredBuffer> buffers_;  // by the handle's address
 };
 
