@@ -1,26 +1,33 @@
 // What a run leaves on disk when things go wrong: a full disk during a save or a metrics line
 // (the right error, no half-written file or line), a torn metrics line from a crash, a run
-// directory wanted by two runs. The full-disk tests mount a small tmpfs (root only) and skip,
-// saying why, where mounting is not allowed.
+// directory wanted by two runs; a stop signal while stdout is a pipe no one reads. The full-disk
+// tests mount a small tmpfs (root only) and skip, saying why, where mounting is not allowed.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "metrics/metrics.h"
 #include "model/parameters.h"
 #include "test_util.h"
-#include "checkpoint/checkpoint.h"
-#include "metrics/metrics.h"
 #include "train/run_directory.h"
+#include "train/stop_signal.h"
 
 using namespace malleus;
 using malleus::testing::error_of;
@@ -88,8 +95,8 @@ TEST(FullDisk, CheckpointSaveReportsNoSpaceAndKeepsTheOldOne) {
   SmallFilesystem small(dir / "mnt", 256 * 1024);
   MALLEUS_REQUIRE_SMALL_FILESYSTEM(small);
   checkpoint::save_checkpoint(small / "step_00000002", tiny_checkpoint(false));
-  const std::string message =
-      error_of([&] { checkpoint::save_checkpoint(small / "step_00000003", tiny_checkpoint(true)); });
+  const std::string message = error_of(
+      [&] { checkpoint::save_checkpoint(small / "step_00000003", tiny_checkpoint(true)); });
   EXPECT_TRUE(contains(message, "No space left on device")) << message;
   EXPECT_EQ(entries(small / ""), std::vector<std::string>{"step_00000002"});
   EXPECT_EQ(checkpoint::load_checkpoint(small / "step_00000002", false).step, 3);
@@ -181,4 +188,103 @@ TEST(RunDirectory, AnotherRunsFilesAreRefusedUnlessResumingThem) {
   EXPECT_TRUE(contains(message, "already holds a run")) << message;
   EXPECT_EQ(error_of([&] { train::RunDirectory same(run, dir / "." / "run"); }), "");
   EXPECT_EQ(read_file(run / "metrics.jsonl"), "{}\n");
+}
+
+// ---- A stop signal while stdout is a pipe no one reads (mpirun, once it is terminated) ----
+
+namespace {
+
+// A pipe whose write end is this process's stdout, filled until a write would block (which the
+// returned count of refused writes, 2, proves). The read end stays open and unread.
+int fill_stdout_with_a_pipe() {
+  int fds[2];
+  if (::pipe(fds) != 0) return -1;
+  const int flags = ::fcntl(fds[1], F_GETFL);
+  ::fcntl(fds[1], F_SETFL, flags | O_NONBLOCK);
+  // Lines, then single bytes into what is left of the last page (the kernel merges small
+  // writes into it), until not even a byte fits.
+  const std::string line(200, 'x');
+  int refused = 0;
+  for (size_t size : {line.size(), size_t{1}}) {
+    while (::write(fds[1], line.data(), size) > 0) {
+    }
+    refused += errno == EAGAIN ? 1 : 0;
+  }
+  ::fcntl(fds[1], F_SETFL, flags);  // blocking again, as mpirun's pipes are
+  ::dup2(fds[1], 1);
+  return refused;
+}
+
+// Runs `child` in a forked process; its exit status, or -1 if it had not ended after
+// `limit_s` (it is then killed). `after_start` runs in the parent once the child is running.
+int run_child(const std::function<int()>& child, double limit_s,
+              const std::function<void(pid_t)>& after_start = {}) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(child());
+  if (after_start) after_start(pid);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit_s);
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 100 + WTERMSIG(status);
+}
+
+}  // namespace
+
+TEST(StopSignals, AWriteAfterSigtermReturnsThoughThePipeIsFull) {
+  // The signal first, then the step's line: it must not block on the full pipe (the race behind
+  // the signal test's rare failure: the kill came while rank 0 waited to write its step line).
+  for (const int signal : {SIGTERM, SIGINT}) {
+    const int status = run_child(
+        [signal] {
+          if (fill_stdout_with_a_pipe() != 2) return 2;
+          train::StopSignals stop;
+          ::raise(signal);  // the handler runs before raise returns
+          if (train::StopSignals::received() != signal) return 3;
+          const std::string line = "step     3/100 | loss 4.2\n";
+          const ssize_t n = ::write(1, line.data(), line.size());
+          return n < 0 && errno == EAGAIN ? 0 : 4;
+        },
+        20);
+    EXPECT_EQ(status, 0) << "signal " << signal
+                         << (status == -1 ? ": the write blocked" : ": see the child's code");
+  }
+}
+
+TEST(StopSignals, AWriteBlockedOnAFullPipeReturnsWhenSigtermComes) {
+  const int status = run_child(
+      [] {
+        if (fill_stdout_with_a_pipe() != 2) return 2;
+        train::StopSignals stop;
+        const std::string line = "step     3/100 | loss 4.2\n";
+        const ssize_t n = ::write(1, line.data(), line.size());  // blocks until the signal
+        return n < 0 && errno == EINTR && train::StopSignals::received() == SIGTERM ? 0 : 4;
+      },
+      20,
+      [](pid_t pid) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        ::kill(pid, SIGTERM);
+      });
+  EXPECT_EQ(status, 0) << (status == -1 ? "the write blocked" : "see the child's code");
+}
+
+TEST(StopSignals, SigusrOneLeavesTheOutputBlockingForAReaderThatStillReads) {
+  // mpirun forwards SIGUSR1 and goes on reading: the step and stop lines are not to be dropped.
+  const int status = run_child(
+      [] {
+        int fds[2];
+        if (::pipe(fds) != 0) return 2;
+        ::dup2(fds[1], 1);
+        train::StopSignals stop;
+        ::raise(SIGUSR1);
+        return (::fcntl(1, F_GETFL) & O_NONBLOCK) == 0 ? 0 : 4;
+      },
+      20);
+  EXPECT_EQ(status, 0);
 }

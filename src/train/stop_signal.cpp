@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 
@@ -16,9 +17,29 @@ constexpr int kSignals[] = {SIGTERM, SIGINT, SIGUSR1};
 volatile std::sig_atomic_t g_received = 0;
 struct sigaction g_previous[sizeof kSignals / sizeof kSignals[0]];
 
-// Async-signal-safe: only a store to a sig_atomic_t.
+// stdout and stderr non-blocking where they are pipes or sockets. Async-signal-safe: fstat and
+// fcntl only.
+void unblock_pipes() {
+  for (int fd : {1, 2}) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))) continue;
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  }
+}
+
+// Async-signal-safe: a store to a sig_atomic_t, and for SIGTERM and SIGINT unblock_pipes().
 void record(int signal) {
+  const int saved_errno = errno;
   if (g_received == 0) g_received = signal;
+  // mpirun stops reading its ranks' output as soon as it is terminated or interrupted, seconds
+  // before it passes SIGTERM on, so a rank's output pipe may be full by then. Were it made
+  // non-blocking only on the way out, a line written after the signal and before that (the
+  // step's own line) would block forever once the pipe filled, and the kill would come before
+  // the checkpoint (CliMpi.SignalsToMpirunStopTheJobWithACheckpointSlow failed so, rarely). A
+  // write already blocked when the signal comes returns EINTR (no SA_RESTART).
+  if (signal == SIGTERM || signal == SIGINT) unblock_pipes();
+  errno = saved_errno;
 }
 
 }  // namespace
@@ -46,12 +67,7 @@ StopSignals::~StopSignals() {
 }
 
 void StopSignals::unblock_output() {
-  for (int fd : {1, 2}) {
-    struct stat st;
-    if (::fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))) continue;
-    const int flags = ::fcntl(fd, F_GETFL);
-    if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-  }
+  unblock_pipes();
 }
 
 int StopSignals::received() {

@@ -24,7 +24,9 @@ class StopSignals {
   static std::string name(int signal);
   // Makes stdout and stderr non-blocking when they are pipes or sockets, for the way out: a
   // terminated mpirun no longer reads its ranks' output, and a rank must not hang writing it.
-  // What no one reads is lost; a terminal or a file is left alone.
+  // What no one reads is lost; a terminal or a file is left alone. The handler of SIGTERM and
+  // SIGINT does this itself, at once: a line written between the signal and the stop must not
+  // block either.
   static void unblock_output();
 };
 
