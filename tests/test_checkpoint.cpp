@@ -1,7 +1,9 @@
 // Checkpoint save/load (round trip, atomic replacement, refusal of every kind of damage), sharded
-// checkpoints read under any plan, and the "latest" pointer.
+// checkpoints read under any plan, and the "latest" pointer; the memory copies' folders: private,
+// another user's refused, abandoned ones removed.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -9,6 +11,7 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,9 +23,13 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_folder.h"
+#include "checkpoint/retention.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "layout/layout.h"
 #include "layout/optimizer_shard.h"
@@ -823,6 +830,244 @@ TEST(Latest, DirectoryNamesAndLatestPointer) {
 
   write_file_atomic(root / "latest", "../elsewhere\n");
   EXPECT_CONTAINS(error_of([&] { latest_checkpoint(root); }), "expected the name of a checkpoint");
+}
+
+// ---- The folders of memory copies (memory_folder.h) ----
+
+// The mode bits of `path` (not following a link), and its owner.
+mode_t mode_of(const fs::path& path) {
+  struct stat st;
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+// Sets $MALLEUS_MEMORY_CHECKPOINT_DIR to a private folder of the scratch directory while it lives.
+class MemoryBase {
+ public:
+  explicit MemoryBase(const fs::path& path) : path_(path) {
+    fs::create_directories(path_);
+    fs::permissions(path_, fs::perms::owner_all, fs::perm_options::replace);
+    ::setenv("MALLEUS_MEMORY_CHECKPOINT_DIR", path_.c_str(), 1);
+  }
+  ~MemoryBase() { ::unsetenv("MALLEUS_MEMORY_CHECKPOINT_DIR"); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+constexpr uid_t kNobody = 65534;  // Debian's "nobody"
+
+TEST(MemoryFolder, IsMadePrivateWhateverTheUmaskAndFilesAreWrittenForItsOwnerOnly) {
+  malleus::testing::ScratchDir dir;
+  const MemoryBase base(dir / "shm");
+  const mode_t umask = ::umask(0);  // the most permissive: nothing taken away
+  const fs::path root = memory_checkpoint_root(dir / "run");
+  make_private_dir(root, "memory checkpoints");
+  write_file_atomic(root / "file", "x", FileAccess::kPrivate);
+  write_file_atomic(root / "shared", "x");
+  ::umask(umask);
+  EXPECT_EQ(root.parent_path(), base.path());
+  EXPECT_EQ(mode_of(root), 0700u);
+  EXPECT_EQ(mode_of(root / "file"), 0600u);
+  EXPECT_EQ(mode_of(root / "shared"), 0666u);  // the default: what the umask lets
+  // Made again: the folder is there and is the user's own.
+  EXPECT_NO_THROW(make_private_dir(root, "memory checkpoints"));
+  EXPECT_EQ(private_memory_root(dir / "run"), root);
+  EXPECT_EQ(private_memory_root(dir / "other"), std::nullopt);  // none yet
+  // A leftover temporary of another mode is made private too.
+  write_file_atomic(root / ("again.tmp." + std::to_string(::getpid())), "y");
+  fs::permissions(root / ("again.tmp." + std::to_string(::getpid())), fs::perms::all);
+  write_file_atomic(root / "again", "z", FileAccess::kPrivate);
+  EXPECT_EQ(mode_of(root / "again"), 0600u);
+}
+
+TEST(MemoryFolder, AFolderOthersCanWriteOrALinkIsRefusedNamingPathAndOwner) {
+  malleus::testing::ScratchDir dir;
+  const MemoryBase base(dir / "shm");
+  const fs::path root = memory_checkpoint_root(dir / "run");
+  make_private_dir(root, "memory checkpoints");
+  fs::permissions(root, fs::perms::group_write, fs::perm_options::add);
+  std::string message = malleus::testing::error_of([&] { private_memory_root(dir / "run"); });
+  EXPECT_CONTAINS(message, root.string());
+  EXPECT_CONTAINS(message, "mode 0720");
+  EXPECT_CONTAINS(message, "group or others can write");
+  fs::remove_all(root);
+  fs::create_directories(dir / "elsewhere");
+  fs::create_directory_symlink(dir / "elsewhere", root);
+  message = malleus::testing::error_of([&] { private_memory_root(dir / "run"); });
+  EXPECT_CONTAINS(message, root.string() + " is a symbolic link");
+  EXPECT_FALSE(remove_memory_checkpoints(dir / "run"));  // not its copies: left alone
+  EXPECT_TRUE(fs::exists(dir / "elsewhere"));
+  // A base others can write without the sticky bit: anyone could replace the run's folder.
+  fs::permissions(base.path(), fs::perms::all, fs::perm_options::replace);
+  message = malleus::testing::error_of([&] { check_memory_base(base.path()); });
+  EXPECT_CONTAINS(message, "mode 0777");
+  fs::permissions(base.path(), fs::perms::all | fs::perms::sticky_bit, fs::perm_options::replace);
+  EXPECT_NO_THROW(check_memory_base(base.path()));  // as /dev/shm is
+}
+
+TEST(MemoryFolder, AnotherUsersFolderIsRefusedNamingItsOwner) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to give a folder to another user";
+  malleus::testing::ScratchDir dir;
+  const MemoryBase base(dir / "shm");
+  const fs::path root = memory_checkpoint_root(dir / "run");
+  make_private_dir(root, "memory checkpoints");
+  ASSERT_EQ(::chown(root.c_str(), kNobody, kNobody), 0);
+  const std::string message = malleus::testing::error_of([&] { private_memory_root(dir / "run"); });
+  EXPECT_CONTAINS(message, root.string() + " belongs to user " + user_name(kNobody) + " (uid " +
+                               std::to_string(kNobody) + "), not to user " + user_name(0) +
+                               " (uid 0)");
+  EXPECT_CONTAINS(malleus::testing::error_of([&] { make_private_dir(root, "memory checkpoints"); }),
+                  "belongs to user");
+  // A step folder in the user's own folder is checked too.
+  ASSERT_EQ(::chown(root.c_str(), 0, 0), 0);
+  make_private_dir(root / "step_00000003", "memory checkpoint");
+  write_file_atomic(root / "step_00000003" / "manifest.json", "{}", FileAccess::kPrivate);
+  ASSERT_EQ(::chown((root / "step_00000003").c_str(), kNobody, kNobody), 0);
+  EXPECT_CONTAINS(malleus::testing::error_of([&] { latest_memory_checkpoint(dir / "run"); }),
+                  "step_00000003 belongs to user " + user_name(kNobody));
+  EXPECT_CONTAINS(
+      malleus::testing::error_of([&] { check_memory_copy_dir(root / "step_00000003"); }),
+      "belongs to user " + user_name(kNobody));
+}
+
+TEST(MemoryFolder, RunsWhoseProcessesAreGoneAreSweptOthersKept) {
+  malleus::testing::ScratchDir dir;
+  const MemoryBase base(dir / "shm");
+  const HostProcess me = this_process();
+  ASSERT_TRUE(is_running(me));
+  // The same pid with another start time: a later process that got a dead rank's pid.
+  const HostProcess reused{me.pid, me.start + 1};
+  EXPECT_FALSE(is_running(reused));
+  const auto folder = [&](const std::string& run, const std::optional<MemoryOwner>& owner) {
+    const fs::path root = memory_checkpoint_root(dir / run);
+    make_private_dir(root, "memory checkpoints");
+    make_private_dir(root / "step_00000001", "memory checkpoint");
+    write_file_atomic(root / "step_00000001" / "rank_00000.bin", std::string(1000, 'x'),
+                      FileAccess::kPrivate);
+    if (owner) write_memory_owner(root, *owner);
+    return root;
+  };
+  const auto owned_by = [&](const std::string& run, std::vector<HostProcess> ranks) {
+    MemoryOwner o;
+    o.run_dir = (dir / run).string();
+    o.host = host_name();
+    o.ranks = std::move(ranks);
+    return o;
+  };
+  const fs::path gone = folder("gone", owned_by("gone", {reused}));
+  const fs::path alive = folder("alive", owned_by("alive", {reused, me}));
+  MemoryOwner supervised = owned_by("supervised", {reused});
+  supervised.supervisor = me;
+  supervised.supervisor_host = host_name();
+  const fs::path waiting = folder("supervised", supervised);  // between a job and its restart
+  const fs::path fresh = folder("fresh", std::nullopt);       // no record yet, just made
+  const fs::path kept = folder("starting", owned_by("starting", {reused}));
+  const auto gone_bytes = static_cast<double>(1000 + fs::file_size(gone / kMemoryOwnerFile));
+  const std::vector<std::string> removed = remove_abandoned_memory_copies(kept);
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0], "removed " + gone.string() + " (" + format_bytes(gone_bytes) + ") of run " +
+                            (dir / "gone").string() + ": its processes are gone");
+  EXPECT_FALSE(fs::exists(gone));
+  for (const fs::path& root : {alive, waiting, fresh, kept}) EXPECT_TRUE(fs::exists(root)) << root;
+  // A supervisor on another host cannot be asked: its run's folder goes once it has been quiet
+  // for kAbandonedAfterS; so does one without a record.
+  MemoryOwner remote = owned_by("remote", {reused});
+  remote.supervisor = me;
+  remote.supervisor_host = "elsewhere";
+  const fs::path far = folder("remote", remote);
+  EXPECT_TRUE(remove_abandoned_memory_copies(kept).empty());
+  const auto old = fs::file_time_type::clock::now() -
+                   std::chrono::seconds(static_cast<int>(kAbandonedAfterS) + 5);
+  for (const fs::path& root : {far, fresh}) {
+    for (const auto& entry : fs::directory_iterator(root)) fs::last_write_time(entry.path(), old);
+    fs::last_write_time(root, old);
+  }
+  EXPECT_EQ(remove_abandoned_memory_copies(kept).size(), 2u);
+  EXPECT_FALSE(fs::exists(far));
+  EXPECT_FALSE(fs::exists(fresh));
+  EXPECT_TRUE(fs::exists(alive));
+  EXPECT_EQ(memory_copies_held(dir / "alive")->bytes, folder_bytes(alive));
+  EXPECT_GE(folder_bytes(alive), 1000);
+}
+
+// ---- Retention (retention.h) ----
+
+// Checkpoints of steps 1..n in a fresh root, `latest` naming the newest.
+fs::path root_of_checkpoints(const malleus::testing::ScratchDir& dir, int n) {
+  const fs::path root = dir / "checkpoints";
+  for (int step = 1; step <= n; ++step) {
+    Checkpoint c = make_checkpoint(static_cast<uint32_t>(step));
+    c.step = step;
+    save_checkpoint(checkpoint_dir(root, step), c);
+    mark_latest(root, checkpoint_dir(root, step));
+  }
+  return root;
+}
+
+std::vector<int64_t> steps_in(const fs::path& root) {
+  std::vector<int64_t> steps;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    if (const auto step = checkpoint_dir_step(entry.path())) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+TEST(Retention, KeepsTheNewestTheLatestAndTheMarkedOnesAndTheyLoad) {
+  malleus::testing::ScratchDir dir;
+  const fs::path root = root_of_checkpoints(dir, 7);
+  write_file_atomic(checkpoint_dir(root, 1) / kKeepMarker, "");
+  mark_latest(root, checkpoint_dir(root, 3));  // e.g. a newer save not committed by this run
+  const RetentionPass pass = prune_checkpoints(root, 2);
+  EXPECT_TRUE(pass.left.empty());
+  EXPECT_EQ(pass.removed.size(), 3u);
+  EXPECT_EQ(steps_in(root), (std::vector<int64_t>{1, 3, 6, 7}));
+  for (const int64_t step : steps_in(root)) {
+    EXPECT_EQ(load_checkpoint(checkpoint_dir(root, step)).step, step);
+  }
+  EXPECT_TRUE(leftovers(root, {"step_00000001", "step_00000003", "step_00000006", "step_00000007",
+                               "latest"})
+                  .empty());
+  EXPECT_TRUE(prune_checkpoints(root, 0).removed.empty());  // 0: keep all
+  EXPECT_EQ(prune_checkpoints(root, 1).removed, std::vector<fs::path>{checkpoint_dir(root, 6)});
+}
+
+TEST(Retention, ACheckpointBeingReadIsLeftUntilItsReaderIsDone) {
+  malleus::testing::ScratchDir dir;
+  const fs::path root = root_of_checkpoints(dir, 4);
+  {
+    const CheckpointIndex reading(checkpoint_dir(root, 1));  // e.g. a resume from step 1
+    const RetentionPass pass = prune_checkpoints(root, 1);
+    EXPECT_EQ(steps_in(root), (std::vector<int64_t>{1, 4}));
+    ASSERT_EQ(pass.left.size(), 1u);
+    EXPECT_EQ(pass.left[0], checkpoint_dir(root, 1).string() + ": a reader holds it");
+    EXPECT_EQ(load_checkpoint(checkpoint_dir(root, 1)).step, 1);  // whole
+  }
+  EXPECT_EQ(prune_checkpoints(root, 1).removed.size(), 1u);
+  EXPECT_EQ(steps_in(root), std::vector<int64_t>{4});
+  // A reader that comes to a removed checkpoint is told so, by name.
+  EXPECT_CONTAINS(error_of([&] { CheckpointReadLock lock(checkpoint_dir(root, 2)); }),
+                  checkpoint_dir(root, 2).string() + ": not a checkpoint");
+}
+
+TEST(Retention, ARemovalThatFailsHalfWayLeavesNoPartOfACheckpoint) {
+  malleus::testing::ScratchDir dir;
+  const fs::path root = root_of_checkpoints(dir, 3);
+  // A mount inside step 1 makes its removal fail (EBUSY) after the move aside.
+  malleus::testing::SmallFilesystem busy(checkpoint_dir(root, 1) / "busy", 1 << 20);
+  MALLEUS_REQUIRE_SMALL_FILESYSTEM(busy);
+  const RetentionPass pass = prune_checkpoints(root, 1);
+  const fs::path moved = temporary_dir(checkpoint_dir(root, 1), ::getpid());
+  // Step 2 went; step 1 is no checkpoint any more, only a temporary; step 3 loads.
+  EXPECT_EQ(steps_in(root), std::vector<int64_t>{3});
+  EXPECT_TRUE(fs::exists(moved / "busy"));
+  EXPECT_EQ(load_checkpoint(*latest_checkpoint(root)).step, 3);
+  EXPECT_EQ(pass.removed.size(), 2u);
+  ::umount2((moved / "busy").c_str(), MNT_DETACH);
+  // Once this process is gone, clean_stale_temporaries would remove it; here it still runs.
+  fs::remove_all(moved);
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // `malleus train` under mpirun, end to end: plan files with uneven tensor-parallel shares,
-// resuming under another plan, bad plans, and stopping on a signal. A bad plan must stop the whole
+// resuming under another plan, bad plans, stopping on a signal, and memory copies on a host shared
+// with other users (private; another user's refused). A bad plan must stop the whole
 // job with a named error; the real risk is a hang (one rank throwing while the others wait in a
 // collective), so every command runs under `timeout` and a timeout (exit 124) fails the test.
 //
 // These tests launch mpirun themselves, so they are plain (single-process) gtest executables.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <csignal>
@@ -15,6 +18,7 @@
 #include <map>
 #include <sstream>
 
+#include "checkpoint/memory_checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "test_util.h"
@@ -508,4 +512,136 @@ TEST(CliMpi, NonFiniteStepStopsEveryRankTogether) {
         << step << "\n"
         << r.output;
   }
+}
+
+// ---- Memory copies on a host shared with other users (checkpoint/memory_folder.h) ----
+
+namespace {
+
+constexpr uid_t kNobody = 65534;  // Debian's "nobody": an unprivileged user
+constexpr uid_t kOther = 65533;   // a uid no account has: "another user"
+
+// The prefix that runs a command as `uid` (util-linux's setpriv), no supplementary groups.
+std::string as_user(uid_t uid) {
+  return "setpriv --reuid=" + std::to_string(uid) + " --regid=" + std::to_string(uid) +
+         " --clear-groups ";
+}
+
+struct Owned {
+  uid_t uid = 0;
+  mode_t mode = 0;
+};
+Owned owned(const fs::path& path) {
+  struct stat st;
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return {st.st_uid, st.st_mode & 07777};
+}
+
+// Gives `path` and everything under it to `uid`.
+void give_to(const fs::path& path, uid_t uid) {
+  ASSERT_EQ(::lchown(path.c_str(), uid, uid), 0) << path;
+  if (!fs::is_directory(fs::symlink_status(path))) return;
+  for (const auto& entry : fs::recursive_directory_iterator(path)) {
+    ASSERT_EQ(::lchown(entry.path().c_str(), uid, uid), 0) << entry.path();
+  }
+}
+
+// A run of `ranks` ranks (as `user`, a setpriv prefix or "") whose last rank dies in its disk save
+// of step `steps` (the test hook MALLEUS_FAULT_DIE_IN_SAVE), with a memory copy every step: it
+// leaves the memory copy of step `steps` - 1 on this host. Returns its step directory.
+fs::path run_leaving_a_memory_copy(const ScratchDir& dir, int ranks, int steps,
+                                   const std::string& user, const std::string& resume = "") {
+  const std::string flags = resume.empty() ? tiny_flags(dir, "run", steps) : "--resume " + resume;
+  const auto killed =
+      run_mpi(ranks,
+              "train " + flags + " --steps " + std::to_string(steps) + " --checkpoint-every " +
+                  std::to_string(steps) + " --memory-checkpoint-every 1",
+              "MALLEUS_FAULT_DIE_IN_SAVE=" + std::to_string(ranks - 1) + " " + user);
+  EXPECT_NE(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.exit_code, 124) << "the job hung\n" << killed.output;
+  const fs::path step =
+      checkpoint::checkpoint_dir(checkpoint::memory_checkpoint_root(dir / "run"), steps - 1);
+  EXPECT_TRUE(fs::exists(step / "manifest.json")) << killed.output;
+  return step;
+}
+
+}  // namespace
+
+TEST(MemoryCopies, AnUnprivilegedUsersCopiesAreTheirsAloneAndOthersCannotReadThem) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run as other users (setpriv)";
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  fs::create_directories(dir / "run");
+  give_to(dir / "run", kNobody);  // the user's own run directory
+  const fs::path step = run_leaving_a_memory_copy(dir, 2, 3, as_user(kNobody));
+  const fs::path root = step.parent_path();
+  EXPECT_EQ(owned(root).uid, kNobody);
+  EXPECT_EQ(owned(root).mode, 0700u);
+  EXPECT_EQ(owned(step).uid, kNobody);
+  EXPECT_EQ(owned(step).mode, 0700u);
+  size_t files = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(root)) {
+    if (!entry.is_regular_file()) continue;
+    ++files;
+    EXPECT_EQ(owned(entry.path()).uid, kNobody) << entry.path();
+    EXPECT_EQ(owned(entry.path()).mode, 0600u) << entry.path();
+  }
+  EXPECT_GE(files, 5u);  // owner.json, 2 ranks' shards, the manifest, the tokenizer
+  // Another unprivileged user can neither list the folder nor read a file in it.
+  for (const std::string& command :
+       {"ls " + root.string(), "cat " + (step / "manifest.json").string(),
+        "cat " + (step / "rank_00000.bin").string()}) {
+    const auto r = malleus::testing::run_command(as_user(kOther) + command);
+    EXPECT_NE(r.exit_code, 0) << command << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "Permission denied")) << command << "\n" << r.output;
+  }
+  // The owner's own resume takes the copy (the disk has none yet) and ends the run, removing it.
+  const auto resumed =
+      run_mpi(2, "train --resume " + (dir / "run").string() + " --steps 3", as_user(kNobody));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "(a memory checkpoint) at step 2")) << resumed.output;
+  EXPECT_FALSE(fs::exists(root)) << resumed.output;
+}
+
+TEST(MemoryCopies, AForeignCopyIsRefusedNamingItsOwnerAndTheDiskIsRead) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to give a folder to another user";
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto first = run_mpi(2, "train " + tiny_flags(dir, "run", 2) + " --checkpoint-every 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  // A complete, verified memory copy of step 3, newer than the disk's of step 2 ...
+  const fs::path step = run_leaving_a_memory_copy(dir, 2, 4, "", (dir / "run").string());
+  const fs::path root = step.parent_path();
+  const fs::path disk = dir / "run" / "checkpoints" / checkpoint_name(2);
+  ASSERT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), checkpoint_name(2) + "\n");
+  // ... that another user placed there: the same files, another owner.
+  give_to(root, kNobody);
+  const std::string nobody = "belongs to user nobody (uid " + std::to_string(kNobody) + ")";
+  const auto resumed = run_mpi(2, "train --resume " + (dir / "run").string() + " --steps 4");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "not resuming from memory: memory checkpoints " +
+                                           root.string() + " " + nobody))
+      << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, "resuming from " + disk.string() + " at step 2"))
+      << resumed.output;
+  // The run did not write into it either (memory copies off, the disk's go on), and left it as
+  // it was: not its to remove.
+  EXPECT_TRUE(contains(resumed.output, "warning: memory checkpoint of step 3 failed: "))
+      << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, nobody)) << resumed.output;
+  EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), checkpoint_name(4) + "\n");
+  EXPECT_TRUE(fs::exists(step / "manifest.json"));
+  EXPECT_EQ(owned(step / "manifest.json").uid, kNobody);
+
+  // The user's own folder that group members could write into is refused the same way.
+  give_to(root, 0);
+  fs::permissions(root, fs::perms::group_write, fs::perm_options::add);
+  const auto again = run_mpi(2, "train --resume " + (dir / "run").string() + " --steps 5");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_TRUE(contains(again.output, "not resuming from memory: memory checkpoints " +
+                                         root.string() +
+                                         " (owned by user root (uid 0)) has "
+                                         "mode 0720"))
+      << again.output;
+  fs::remove_all(root);
 }

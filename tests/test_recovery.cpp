@@ -197,6 +197,28 @@ TEST(MemoryHolders, PeersAreOnAnotherHostWhereThereIsOne) {
   EXPECT_EQ(checkpoint::memory_holders({0, 0, 0, 1}, 0).peer, 3);
 }
 
+TEST(MemoryCopyBytes, BuffersAndFilesAreWhatARankSendsReceivesAndWrites) {
+  const std::vector<int64_t> shards{10, 20, 30, 40};
+  // One host: rank 0 sends its 10 bytes to rank 1 and receives rank 3's 40, which it writes;
+  // two step directories while a save replaces the last.
+  const auto one_host = checkpoint::memory_copy_bytes({0, 0, 0, 0}, 0, shards);
+  EXPECT_EQ(one_host.buffers, 10 + 40);
+  EXPECT_EQ(one_host.files, 2 * 40);
+  // Two hosts of two: rank 0's peer and source are rank 2, across; it also writes its own shard.
+  const auto two_hosts = checkpoint::memory_copy_bytes({0, 0, 1, 1}, 0, shards);
+  EXPECT_EQ(two_hosts.buffers, 10 + 30);
+  EXPECT_EQ(two_hosts.files, 2 * (30 + 10));
+  EXPECT_EQ(two_hosts.total(), 120);
+  // Alone: its own shard, in a buffer and in memory.
+  const auto alone = checkpoint::memory_copy_bytes({0}, 0, {64});
+  EXPECT_EQ(alone.buffers, 64);
+  EXPECT_EQ(alone.files, 2 * 64);
+  EXPECT_NE(error_of([] {
+              checkpoint::memory_copy_bytes({0, 0}, 0, {1});
+            }).find("1 shards for 2 ranks"),
+            std::string::npos);
+}
+
 namespace {
 
 // A host's copy of `step` holding `files` (name, bytes); with a manifest listing the rank files of

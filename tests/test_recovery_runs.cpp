@@ -16,6 +16,7 @@
 #include "checkpoint/memory_checkpoint.h"
 #include "checkpoint/memory_gather.h"
 #include "common/files.h"
+#include "common/format.h"
 #include "common/json.h"
 #include "metrics/metrics.h"
 #include "test_util.h"
@@ -240,6 +241,23 @@ TEST_F(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
                         "launch: " + std::string(MALLEUS_MPIRUN)) == 0;
   EXPECT_EQ(jobs, 1u) << out;
   EXPECT_TRUE(read_metrics(run).restarts.empty());
+  // The memory copies the job left (every step for its first three saves) stay: the supervisor
+  // says where, how much memory they hold, and the command that removes them.
+  const auto held = checkpoint::memory_copies_held(run);
+  ASSERT_TRUE(held.has_value()) << out;
+  EXPECT_NE(
+      out.find("launch: the run's memory copies stay in " + held->root.string() + " on " +
+               checkpoint::host_name() + " (" + format_bytes(static_cast<double>(held->bytes)) +
+               " of memory); malleus "
+               "clean-memory " +
+               run.string() + " removes them"),
+      std::string::npos)
+      << out;
+  const auto cleaned = run_command(std::string(MALLEUS_BINARY) + " clean-memory " + run.string());
+  EXPECT_EQ(cleaned.exit_code, 0) << cleaned.output;
+  EXPECT_NE(cleaned.output.find("removed " + held->root.string()), std::string::npos)
+      << cleaned.output;
+  EXPECT_FALSE(fs::exists(held->root));
 }
 
 namespace {

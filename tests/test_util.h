@@ -13,10 +13,12 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -31,6 +33,26 @@
 namespace malleus::testing {
 
 namespace fs = std::filesystem;
+
+// Removes the memory copies (checkpoint/memory_folder.h: <base>/malleus-*/owner.json names the
+// run directory) of every run inside `dir`, as a test removes its run directories: tests leave no
+// /dev/shm/malleus-* behind, whether their runs ended, were killed or were given up on.
+inline void remove_memory_copies_of_runs_under(const fs::path& dir) {
+  const char* env = std::getenv("MALLEUS_MEMORY_CHECKPOINT_DIR");
+  const fs::path base = env != nullptr && *env != '\0' ? fs::path(env) : fs::path("/dev/shm");
+  const std::string prefix = fs::absolute(dir).lexically_normal().string() + "/";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(base, ec)) {
+    if (entry.path().filename().string().rfind("malleus-", 0) != 0) continue;
+    std::ifstream in(entry.path() / "owner.json");
+    if (!in) continue;
+    const nlohmann::json owner = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!owner.is_object() || !owner.contains("run_dir") || !owner["run_dir"].is_string()) continue;
+    const std::string run = owner["run_dir"].get<std::string>() + "/";
+    std::error_code ignored;
+    if (run.rfind(prefix, 0) == 0) fs::remove_all(entry.path(), ignored);
+  }
+}
 
 // A fresh directory, removed afterwards; named after the running test, so tests can run in
 // parallel (ctest -j) and leave nothing behind.
@@ -48,6 +70,7 @@ class ScratchDir {
   ~ScratchDir() {
     std::error_code ignored;
     fs::remove_all(path_, ignored);
+    remove_memory_copies_of_runs_under(path_);
   }
   ScratchDir(const ScratchDir&) = delete;
   ScratchDir& operator=(const ScratchDir&) = delete;

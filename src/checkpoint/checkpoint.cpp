@@ -13,6 +13,7 @@
 #include <system_error>
 
 #include "checkpoint/checkpoint_detail.h"
+#include "checkpoint/retention.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
@@ -187,7 +188,8 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
 
   const std::string source = where + ": manifest.json";
   int64_t version = 0;
-  const std::string text = read_file(dir / kManifest);
+  const CheckpointReadLock lock(dir);  // retention leaves it alone while it is read
+  const std::string text = lock.manifest_text();
   const Json manifest = verified_manifest(text, source, &version);
   if (version >= kShardedVersion3) {
     // The whole model on this process: the sharded reader with the full layout as the shard.

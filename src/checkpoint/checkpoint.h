@@ -225,6 +225,10 @@ struct StateTarget {
 
 // A checkpoint's manifest, parsed and verified (its own checksum, the model's tensors, and for a
 // sharded one that its pieces tile every tensor exactly once), without reading any data.
+//
+// While it lives, an index holds a shared lock on the checkpoint's manifest.json (when there is
+// one): retention (checkpoint/retention.h) does not remove a checkpoint being read.
+class CheckpointReadLock;
 class CheckpointIndex {
  public:
   explicit CheckpointIndex(const std::filesystem::path& dir);
@@ -277,7 +281,10 @@ class CheckpointIndex {
   static void check_tiling(std::vector<StoredPiece>& pieces, const model::TensorSpec& spec,
                            int kind, const std::string& source);
 
+  CheckpointIndex(const std::filesystem::path& dir, std::shared_ptr<const CheckpointReadLock> lock);
+
   std::filesystem::path dir_;
+  std::shared_ptr<const CheckpointReadLock> lock_;
   std::string text_;
   int64_t version_ = 0;
   bool has_optimizer_ = false;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "checkpoint/retention.h"
 #include "common/error.h"
 #include "common/json.h"
 
@@ -159,6 +160,10 @@ void CheckpointWriter::commit() {
       commit_sharded_checkpoint(p.tmp, p.dir, p.header, shards, with_moments);
       // `latest` moves only once the checkpoint it names is complete and in place.
       mark_latest(p.root, p.dir);
+      // Then older ones past the limit go (never the latest, a marked one, or one being read).
+      RetentionPass pass = prune_checkpoints(p.root, keep_);
+      stats.removed = std::move(pass.removed);
+      stats.left = std::move(pass.left);
     } catch (const std::exception& e) {
       error = e.what();
       std::error_code ignored;

@@ -40,6 +40,10 @@ struct SaveStats {
                        // commit)
   double total_s = 0;  // from the start of the save to its commit
   int64_t bytes = 0;   // written by all ranks
+  // Retention after the commit (set_keep; checkpoint/retention.h): the checkpoints it removed,
+  // and "<dir>: <why>" for those past the limit it left.
+  std::vector<std::filesystem::path> removed;
+  std::vector<std::string> left;
 };
 
 class CheckpointWriter {
@@ -75,6 +79,9 @@ class CheckpointWriter {
   bool in_flight() const { return pending_.has_value(); }
   // The last committed save (rank 0's figures).
   const std::optional<SaveStats>& last() const { return last_; }
+  // After each commit, rank 0 keeps the newest `keep` checkpoints of the root and removes older
+  // ones (checkpoint/retention.h); 0 (the default) keeps all.
+  void set_keep(int keep) { keep_ = keep; }
 
  private:
   struct Pending {
@@ -106,6 +113,7 @@ class CheckpointWriter {
   std::unique_ptr<ShardSnapshot> spare_;
   std::optional<Pending> pending_;
   std::optional<SaveStats> last_;
+  int keep_ = 0;
 };
 
 }  // namespace malleus::checkpoint

@@ -1,11 +1,17 @@
 #include "checkpoint/memory_checkpoint.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <numeric>
+#include <sstream>
 
 #include "checkpoint/checkpoint_detail.h"
+#include "checkpoint/memory_folder.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
@@ -31,7 +37,7 @@ void write_copy(const fs::path& dir, const Json& entry, const void* data, int64_
         "memory checkpoint " + dir.string() + ": " + entry.at("file").get<std::string>() +
             " arrived with " + std::to_string(bytes) + " bytes, its entry says " +
             entry.at("bytes").dump());
-  AtomicFile file(dir / entry.at("file").get<std::string>());
+  AtomicFile file(dir / entry.at("file").get<std::string>(), FileAccess::kPrivate);
   file.write(data, static_cast<size_t>(bytes));
   file.commit();
 }
@@ -65,24 +71,58 @@ fs::path memory_checkpoint_root(const fs::path& run_dir) {
   return memory_checkpoint_base() / ("malleus-" + checksum_hex(text.data(), text.size()));
 }
 
-std::optional<fs::path> latest_memory_checkpoint(const fs::path& run_dir) {
+std::optional<fs::path> private_memory_root(const fs::path& run_dir) {
   const fs::path root = memory_checkpoint_root(run_dir);
+  struct stat st;
+  if (::lstat(root.c_str(), &st) != 0 && errno == ENOENT) return std::nullopt;
+  check_memory_base(root.parent_path());
+  check_private_dir(root, "memory checkpoints");
+  return root;
+}
+
+void check_memory_copy_dir(const fs::path& dir) {
+  check_memory_base(dir.parent_path().parent_path());
+  check_private_dir(dir.parent_path(), "memory checkpoints");
+  check_private_dir(dir, "memory checkpoint");
+}
+
+std::optional<fs::path> latest_memory_checkpoint(const fs::path& run_dir) {
+  const std::optional<fs::path> root = private_memory_root(run_dir);
+  if (!root) return std::nullopt;
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return std::nullopt;
   std::optional<fs::path> newest;
   int64_t newest_step = -1;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
+  for (const auto& entry : fs::directory_iterator(*root, ec)) {
     const std::optional<int64_t> step = checkpoint_dir_step(entry.path());
     if (!step || *step <= newest_step) continue;
     if (!fs::is_regular_file(entry.path() / kManifest, ec)) continue;  // not complete
     newest = entry.path();
     newest_step = *step;
   }
+  if (newest) check_private_dir(*newest, "memory checkpoint");
   return newest;
 }
 
-void remove_memory_checkpoints(const fs::path& run_dir) {
-  remove_tree(memory_checkpoint_root(run_dir));
+std::optional<MemoryCopiesHeld> memory_copies_held(const fs::path& run_dir) {
+  try {
+    const std::optional<fs::path> root = private_memory_root(run_dir);
+    if (!root) return std::nullopt;
+    return MemoryCopiesHeld{*root, folder_bytes(*root)};
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+bool remove_memory_checkpoints(const fs::path& run_dir) {
+  std::optional<fs::path> root;
+  try {
+    root = private_memory_root(run_dir);
+  } catch (const Error&) {
+    return false;  // not this user's copies (a save or a resume says so)
+  }
+  if (!root) return false;
+  remove_tree(*root);
+  return true;
 }
 
 MemoryHolders memory_holders(const std::vector<int>& hosts, int rank) {
@@ -107,6 +147,20 @@ MemoryHolders memory_holders(const std::vector<int>& hosts, int rank) {
   return h;
 }
 
+MemoryCopyBytes memory_copy_bytes(const std::vector<int>& hosts, int rank,
+                                  const std::vector<int64_t>& shard_bytes) {
+  check(shard_bytes.size() == hosts.size(),
+        "memory_copy_bytes: " + std::to_string(shard_bytes.size()) + " shards for " +
+            std::to_string(hosts.size()) + " ranks");
+  const MemoryHolders h = memory_holders(hosts, rank);
+  const int64_t own = shard_bytes[static_cast<size_t>(rank)];
+  const int64_t received = h.source == rank ? 0 : shard_bytes[static_cast<size_t>(h.source)];
+  MemoryCopyBytes bytes;
+  bytes.buffers = own + received;
+  bytes.files = 2 * (received + (h.own_copy ? own : 0));
+  return bytes;
+}
+
 MemoryCheckpointer::MemoryCheckpointer(comm::Communicator world, const fs::path& run_dir,
                                        std::vector<int> hosts)
     : world_(std::move(world)), root_(memory_checkpoint_root(run_dir)), hosts_(std::move(hosts)) {
@@ -116,6 +170,38 @@ MemoryCheckpointer::MemoryCheckpointer(comm::Communicator world, const fs::path&
   holders_ = memory_holders(hosts_, world_.rank());
   const auto mine = hosts_[static_cast<size_t>(world_.rank())];
   host_leader_ = std::find(hosts_.begin(), hosts_.end(), mine) - hosts_.begin() == world_.rank();
+  // Every rank's pid and start time, for the owner record of its host's folder.
+  const HostProcess me = this_process();
+  const std::vector<std::string> all =
+      world_.gather_text(std::to_string(me.pid) + " " + std::to_string(me.start), 0);
+  std::string joined;
+  for (const std::string& p : all) joined += p + "\n";
+  std::istringstream lines(world_.broadcast_text(joined, 0));
+  owner_.run_dir = fs::absolute(run_dir).lexically_normal().string();
+  owner_.host = host_name();
+  for (int r = 0; r < world_.size(); ++r) {
+    HostProcess p;
+    lines >> p.pid >> p.start;
+    if (hosts_[static_cast<size_t>(r)] == mine) owner_.ranks.push_back(p);
+  }
+  if (const auto supervisor = supervisor_from_environment()) {
+    owner_.supervisor_host = supervisor->first;
+    owner_.supervisor = supervisor->second;
+  }
+}
+
+void MemoryCheckpointer::prepare_step_dir(const fs::path& dir) {
+  // A private folder for the run, with its owner record, and a fresh one for this step (one left
+  // by a save that died is replaced). Another user's folder, or one others can write, is refused.
+  check_memory_base(root_.parent_path());
+  make_private_dir(root_, "memory checkpoints");
+  if (!owner_written_) {
+    write_memory_owner(root_, owner_);
+    owner_written_ = true;
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  make_private_dir(dir, "memory checkpoint");
 }
 
 MemoryCheckpointer::Received MemoryCheckpointer::exchange(const Json& entry,
@@ -160,15 +246,9 @@ MemorySaveStats MemoryCheckpointer::save(const Checkpoint& header,
                                          const std::vector<SavedKind>& state) {
   const double start = now_s();
   const fs::path dir = checkpoint_dir(root_, header.step);
-  // A fresh directory for this step on every host (one left by a save that died is replaced).
-  comm::agree_on_error(
-      world_, comm::error_of([&] {
-        if (!host_leader_) return;
-        std::error_code ec;
-        fs::remove_all(dir, ec);
-        fs::create_directories(dir, ec);
-        check(!ec, "memory checkpoint: cannot create " + dir.string() + ": " + ec.message());
-      }));
+  comm::agree_on_error(world_, comm::error_of([&] {
+                         if (host_leader_) prepare_step_dir(dir);
+                       }));
   ShardSnapshot snapshot =
       state.empty() ? ShardSnapshot{} : snapshot_shard(world_.rank(), state, std::move(spare_));
   const Json entry = snapshot.pieces.empty() ? Json::object() : shard_entry(snapshot);
@@ -218,24 +298,28 @@ void MemoryCheckpointer::commit(const fs::path& dir, const Checkpoint& header,
   }
   comm::agree_on_error(world_, error);
   text = world_.broadcast_text(text, 0);
-  comm::agree_on_error(world_, comm::error_of([&] {
-                         if (!host_leader_) return;
-                         if (header.tokenizer) tokenizer::save_tokenizer(*header.tokenizer, dir);
-                         // Written last: a step directory with a manifest is a complete memory
-                         // checkpoint.
-                         write_file_atomic(dir / kManifest, text);
-                         std::error_code ec;
-                         for (const auto& other : fs::directory_iterator(root_, ec)) {
-                           if (other.path().filename() != dir.filename())
-                             fs::remove_all(other.path(), ec);
-                         }
-                       }));
+  comm::agree_on_error(
+      world_, comm::error_of([&] {
+        if (!host_leader_) return;
+        if (header.tokenizer) {
+          tokenizer::save_tokenizer(*header.tokenizer, dir, FileAccess::kPrivate);
+        }
+        // Written last: a step directory with a manifest is a complete memory
+        // checkpoint.
+        write_file_atomic(dir / kManifest, text, FileAccess::kPrivate);
+        std::error_code ec;
+        for (const auto& other : fs::directory_iterator(root_, ec)) {
+          if (checkpoint_dir_step(other.path()) && other.path().filename() != dir.filename())
+            fs::remove_all(other.path(), ec);
+        }
+      }));
 }
 
 void MemoryCheckpointer::clear() {
   comm::agree_on_error(world_, comm::error_of([&] {
-                         if (host_leader_) remove_tree(root_);
+                         if (host_leader_) remove_memory_checkpoints(owner_.run_dir);
                        }));
+  owner_written_ = false;
 }
 
 }  // namespace malleus::checkpoint

@@ -7,6 +7,7 @@
 
 #include "checkpoint/checkpoint_detail.h"
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_folder.h"
 #include "common/error.h"
 #include "common/files.h"
 
@@ -150,10 +151,15 @@ std::string missing_text(const fs::path& dir, const std::vector<std::string>& mi
 HostMemoryCopies host_memory_copies(const fs::path& root) {
   HostMemoryCopies copies;
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return copies;
+  if (!fs::exists(fs::symlink_status(root, ec))) return copies;
+  // Nothing another user could have placed is listed, let alone sent to another host.
+  check_memory_base(root.parent_path());
+  check_private_dir(root, "memory checkpoints");
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::optional<int64_t> step = checkpoint_dir_step(entry.path());
-    if (step && entry.is_directory(ec)) copies.steps.push_back(step_copies(entry.path(), *step));
+    if (!step || !entry.is_directory(ec)) continue;
+    check_private_dir(entry.path(), "memory checkpoint");
+    copies.steps.push_back(step_copies(entry.path(), *step));
   }
   std::sort(copies.steps.begin(), copies.steps.end(),
             [](const auto& a, const auto& b) { return a.step < b.step; });
@@ -222,10 +228,10 @@ std::string receive_copy(const comm::Communicator& world, const fs::path& dir,
                          const MemoryCopyTransfer& t, int source) {
   std::optional<AtomicFile> file;
   std::string error = comm::error_of([&] {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    check(!ec, "memory checkpoint: cannot create " + dir.string() + ": " + ec.message());
-    file.emplace(dir / t.file);
+    check_memory_base(dir.parent_path().parent_path());
+    make_private_dir(dir.parent_path(), "memory checkpoints");
+    make_private_dir(dir, "memory checkpoint");
+    file.emplace(dir / t.file, FileAccess::kPrivate);
   });
   std::vector<char> chunk(static_cast<size_t>(std::min(kCopyChunkBytes, t.bytes)));
   for (int64_t at = 0; at < t.bytes; at += kCopyChunkBytes) {
@@ -262,19 +268,31 @@ MemoryCopyPlan gather_memory_copies(const comm::Communicator& world, const fs::p
                                     const std::vector<int>& leaders, int64_t disk_step) {
   const fs::path root = memory_checkpoint_root(run_dir);
   const bool leader = std::find(leaders.begin(), leaders.end(), world.rank()) != leaders.end();
-  const std::vector<std::string> listed =
-      world.gather_text(leader ? copies_json(host_memory_copies(root)).dump() : "", 0);
+  // Each leader's listing, or why it has none to give (another user's folder): the first such
+  // error stops every rank.
+  std::string mine;
+  if (leader) {
+    try {
+      mine = copies_json(host_memory_copies(root)).dump();
+    } catch (const Error& e) {
+      mine = Json{{"error", e.what()}}.dump();
+    }
+  }
+  const std::vector<std::string> listed = world.gather_text(mine, 0);
   std::string text;
-  comm::agree_on_error(
-      world, comm::error_of([&] {
-        if (world.rank() != 0) return;
-        std::vector<HostMemoryCopies> hosts;
-        for (int l : leaders) {
-          hosts.push_back(copies_from_json(parse_json(
-              listed.at(static_cast<size_t>(l)), "memory copies of rank " + std::to_string(l))));
-        }
-        text = plan_json(plan_memory_copies(hosts, disk_step, root)).dump();
-      }));
+  comm::agree_on_error(world, comm::error_of([&] {
+                         if (world.rank() != 0) return;
+                         std::vector<HostMemoryCopies> hosts;
+                         for (int l : leaders) {
+                           const Json copies =
+                               parse_json(listed.at(static_cast<size_t>(l)),
+                                          "memory copies of rank " + std::to_string(l));
+                           if (copies.is_object())
+                             throw Error(copies.at("error").get<std::string>());
+                           hosts.push_back(copies_from_json(copies));
+                         }
+                         text = plan_json(plan_memory_copies(hosts, disk_step, root)).dump();
+                       }));
   const MemoryCopyPlan plan = plan_from_json(Json::parse(world.broadcast_text(text, 0)));
   if (!plan.step || plan.transfers.empty()) return plan;
   const fs::path dir = checkpoint_dir(root, *plan.step);

@@ -28,7 +28,9 @@ struct HostMemoryCopies {
   };
   std::vector<Step> steps;
 };
-// What `root` (memory_checkpoint_root) holds on this host; nothing when it does not exist.
+// What `root` (memory_checkpoint_root) holds on this host; nothing when it does not exist. Throws
+// Error naming the folder and its owner when it, or a step folder in it, is not private
+// (memory_folder.h).
 HostMemoryCopies host_memory_copies(const std::filesystem::path& root);
 
 // One file sent from host `from`, which holds it with the size its step needs, to host `to`.
@@ -60,7 +62,8 @@ MemoryCopyPlan plan_memory_copies(const std::vector<HostMemoryCopies>& hosts, in
 // runtime::host_leaders) lists its copies of `run_dir`'s memory checkpoints, rank 0 plans
 // (plan_memory_copies), and each transfer is sent over MPI in chunks from the sending host's leader
 // to the receiving host's, which writes it into its step directory atomically, the manifest last
-// (after every host's other files are in place). Returns the same plan on every rank once every
+// (after every host's other files are in place), into private folders. A host whose folder is not
+// private stops the gathering: the Error names it. Returns the same plan on every rank once every
 // file is written; throws the same Error on every rank if any rank failed.
 MemoryCopyPlan gather_memory_copies(const comm::Communicator& world,
                                     const std::filesystem::path& run_dir,

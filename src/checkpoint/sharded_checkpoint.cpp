@@ -18,6 +18,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/checkpoint_detail.h"
+#include "checkpoint/retention.h"
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
@@ -318,11 +319,23 @@ CheckpointIndex::CheckpointIndex(const fs::path& dir)
         std::error_code ec;
         check(fs::is_regular_file(d / kManifest, ec),
               "checkpoint " + d.string() + ": not a checkpoint: no manifest.json");
-        return read_file(d / kManifest);
+        return std::make_shared<const CheckpointReadLock>(d);
       }()) {}
+
+CheckpointIndex::CheckpointIndex(const fs::path& dir,
+                                 std::shared_ptr<const CheckpointReadLock> lock)
+    : CheckpointIndex(dir, lock->manifest_text()) {
+  lock_ = std::move(lock);
+}
 
 CheckpointIndex::CheckpointIndex(const fs::path& dir, const std::string& manifest_text)
     : dir_(normalized(dir)), text_(manifest_text) {
+  // Held while this index lives, so retention leaves the checkpoint alone (retention.h). A
+  // manifest not written yet (a save verifying its pieces first) has nothing to lock.
+  std::error_code ec;
+  if (fs::is_regular_file(dir_ / kManifest, ec)) {
+    lock_ = std::make_shared<const CheckpointReadLock>(dir_);
+  }
   const std::string where = "checkpoint " + dir_.string();
   const std::string source = where + ": manifest.json";
   manifest_ = verified_manifest(text_, source, &version_);

@@ -34,5 +34,7 @@ void add_import_command(CLI::App& app);
 void add_tokenizer_command(CLI::App& app);
 // launch
 void add_launch_command(CLI::App& app);
+// clean-memory
+void add_clean_memory_command(CLI::App& app);
 
 }  // namespace malleus::cli

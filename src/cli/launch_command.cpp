@@ -1,13 +1,15 @@
 // launch: a training job under the supervisor that restarts it after lost ranks
-// (launch/supervisor.h).
+// (launch/supervisor.h); clean-memory: a run's memory copies removed from this host.
 #include <unistd.h>
 
 #include <climits>
 #include <memory>
 #include <sstream>
 
+#include "checkpoint/memory_checkpoint.h"
 #include "cli/commands.h"
 #include "common/error.h"
+#include "common/format.h"
 #include "launch/supervisor.h"
 
 namespace malleus::cli {
@@ -59,6 +61,41 @@ void add_launch_command(CLI::App& app) {
     args->options.binary = own_binary();
     const int status = launch::supervise(args->options);
     if (status != 0) throw ExitStatus{status};
+  });
+}
+
+void add_clean_memory_command(CLI::App& app) {
+  auto runs = std::make_shared<std::vector<std::string>>();
+  auto abandoned = std::make_shared<bool>(false);
+  auto* cmd = app.add_subcommand(
+      "clean-memory",
+      "Remove the memory copies of runs (checkpoints kept in /dev/shm or "
+      "$MALLEUS_MEMORY_CHECKPOINT_DIR) from this host: malleus clean-memory RUN_DIR...");
+  cmd->add_option("run_dirs", *runs, "Run directories whose copies go");
+  cmd->add_flag("--abandoned", *abandoned,
+                "Also every copy of yours whose run's processes are all gone (docs/recovery.md)");
+  cmd->callback([runs, abandoned] {
+    check(!runs->empty() || *abandoned, "give the run directories, or --abandoned");
+    for (const std::string& run : *runs) {
+      const std::filesystem::path root = checkpoint::memory_checkpoint_root(run);
+      // Another user's folder of that name: the error names it and its owner.
+      const std::optional<std::filesystem::path> mine = checkpoint::private_memory_root(run);
+      if (!mine) {
+        std::printf("%s: no memory copies on %s (%s)\n", run.c_str(),
+                    checkpoint::host_name().c_str(), root.c_str());
+        continue;
+      }
+      const int64_t bytes = checkpoint::folder_bytes(*mine);
+      checkpoint::remove_memory_checkpoints(run);
+      std::printf("%s: removed %s (%s of memory) on %s\n", run.c_str(), mine->c_str(),
+                  format_bytes(static_cast<double>(bytes)).c_str(),
+                  checkpoint::host_name().c_str());
+    }
+    if (*abandoned) {
+      for (const std::string& line : checkpoint::remove_abandoned_memory_copies({})) {
+        std::printf("%s\n", line.c_str());
+      }
+    }
   });
 }
 

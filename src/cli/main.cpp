@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   malleus::cli::add_import_command(app);
   malleus::cli::add_tokenizer_command(app);
   malleus::cli::add_launch_command(app);
+  malleus::cli::add_clean_memory_command(app);
   try {
     check_subcommand_name(app, argc, argv);
     app.parse(argc, argv);  // runs the chosen subcommand's callback

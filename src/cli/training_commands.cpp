@@ -3,12 +3,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/memory_checkpoint.h"
 #include "cli/commands.h"
 #include "comm/communicator.h"
 #include "comm/mpi_session.h"
@@ -105,6 +107,18 @@ auto with_mpi(Body&& body) {
   }
 }
 
+// The first rank on each host removes the memory copies of runs whose processes are all gone
+// (checkpoint/memory_folder.h), never those of `run_dir`, the run starting.
+void sweep_abandoned_memory_copies(const std::string& run_dir) {
+  const char* local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (local_rank != nullptr && std::string(local_rank) != "0") return;
+  for (const std::string& line :
+       checkpoint::remove_abandoned_memory_copies(checkpoint::memory_checkpoint_root(run_dir))) {
+    std::printf("%s\n", line.c_str());
+  }
+  std::fflush(stdout);
+}
+
 struct TrainArgs {
   std::string config_file, resume;
   bool print_config = false;
@@ -167,6 +181,7 @@ void run_train(const TrainArgs& args) {
       if (world.rank() == 0) std::printf("%s\n", config.to_json().dump(2).c_str());
       return 0;
     }
+    sweep_abandoned_memory_copies(config.out_dir);
     const model::ModelConfig model =
         resume ? resume->checkpoint.model : model::load_model_config(config.model);
     // A resumed run's parameters are read, never initialised first.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fnmatch.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,12 +22,24 @@ std::string errno_text(int error = errno) {
 }
 }  // namespace
 
-AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
+AtomicFile::AtomicFile(fs::path path, FileAccess access) : path_(std::move(path)) {
   temp_path_ = path_;
   temp_path_ += ".tmp." + std::to_string(::getpid());
-  file_ = std::fopen(temp_path_.c_str(), "wb");
+  const bool mine = access == FileAccess::kPrivate;
+  // A private file is never readable by others, not even for a moment: created 0600, and set so
+  // where a temporary of that name was left over (O_TRUNC keeps its mode). A symbolic link in its
+  // place is refused rather than followed.
+  const int fd = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
+                        mine ? 0600 : 0666);
+  if (fd >= 0 && mine && ::fchmod(fd, 0600) != 0) {
+    const int error = errno;
+    ::close(fd);
+    throw Error("cannot make " + temp_path_.string() + " private: " + errno_text(error));
+  }
+  if (fd >= 0) file_ = ::fdopen(fd, "wb");
   if (file_ == nullptr) {
     const int error = errno;
+    if (fd >= 0) ::close(fd);
     throw Error("cannot create " + temp_path_.string() + ": " + errno_text(error));
   }
 }
@@ -65,8 +78,8 @@ void AtomicFile::commit() {
   sync_directory(path_.has_parent_path() ? path_.parent_path() : fs::path("."));
 }
 
-void write_file_atomic(const fs::path& path, const std::string& contents) {
-  AtomicFile file(path);
+void write_file_atomic(const fs::path& path, const std::string& contents, FileAccess access) {
+  AtomicFile file(path, access);
   file.write(contents);
   file.commit();
 }

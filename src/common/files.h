@@ -12,11 +12,15 @@ namespace malleus {
 
 namespace fs = std::filesystem;
 
+// Who may read a file written: everyone the umask lets (kShared), or its owner alone (kPrivate:
+// mode 0600 from its creation on, whatever the umask; what memory copies are written with).
+enum class FileAccess { kShared, kPrivate };
+
 // Writes to "<path>.tmp.<pid>" and renames it over `path` on commit(); the temporary file is
 // removed if the object is destroyed without commit() (an exception was thrown midway).
 class AtomicFile {
  public:
-  explicit AtomicFile(fs::path path);
+  explicit AtomicFile(fs::path path, FileAccess access = FileAccess::kShared);
   ~AtomicFile();
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -34,7 +38,8 @@ class AtomicFile {
 };
 
 // Writes a whole file atomically.
-void write_file_atomic(const fs::path& path, const std::string& contents);
+void write_file_atomic(const fs::path& path, const std::string& contents,
+                       FileAccess access = FileAccess::kShared);
 
 // Reads a whole file; throws Error naming the file if it is missing or unreadable.
 std::string read_file(const fs::path& path);

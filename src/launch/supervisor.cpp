@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/memory_checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -281,12 +282,35 @@ class Supervisor {
         devices_(o),
         config_(resolved_config(o)),
         run_dir_(config_.at("out_dir").get<std::string>()),
-        command_(o.command) {}
+        command_(o.command) {
+    // The jobs' ranks name this process in their memory copies' owner record; copies of other
+    // runs whose processes are all gone are removed now (checkpoint/memory_folder.h).
+    ::setenv("MALLEUS_SUPERVISOR", checkpoint::supervisor_text().c_str(), 1);
+    for (const std::string& line :
+         checkpoint::remove_abandoned_memory_copies(checkpoint::memory_checkpoint_root(run_dir_))) {
+      std::printf("launch: %s\n", line.c_str());
+    }
+    std::fflush(stdout);
+  }
 
-  // Runs jobs until one finishes, stops or fails, or a restart is refused (Error).
+  // Runs jobs until one finishes, stops or fails, or a restart is refused (Error). When it gives
+  // up, says where the run's memory copies are left.
   int run() {
+    try {
+      const int status = run_jobs();
+      if (status != 0) report_memory_left();
+      return status;
+    } catch (const Error&) {
+      report_memory_left();
+      throw;
+    }
+  }
+
+ private:
+  int run_jobs() {
     for (int attempt = 0;; ++attempt) {
       const std::vector<std::string> ranks = devices_.next_job();
+      last_hosts_ = std::set<std::string>(ranks.begin(), ranks.end());
       const int n = static_cast<int>(ranks.size());
       check(n >= o_.min_ranks, "launch: " + format_counted(n, "device") +
                                    " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
@@ -301,7 +325,35 @@ class Supervisor {
     }
   }
 
- private:
+  // After the supervisor gave up: where the run's memory copies stay, what they hold, and the
+  // command that removes them (on stderr, after the error or the job's status).
+  void report_memory_left() const {
+    const std::optional<checkpoint::MemoryCopiesHeld> here =
+        checkpoint::memory_copies_held(run_dir_);
+    std::set<std::string> elsewhere = last_hosts_;
+    elsewhere.erase("localhost");
+    elsewhere.erase(checkpoint::host_name());
+    if (!here && elsewhere.empty()) return;
+    std::string where;
+    if (here) {
+      where = here->root.string() + " on " + checkpoint::host_name() + " (" +
+              format_bytes(static_cast<double>(here->bytes)) + " of memory)";
+    }
+    if (!elsewhere.empty()) {
+      std::string hosts;
+      for (const std::string& h : elsewhere) hosts += (hosts.empty() ? "" : ", ") + h;
+      where += std::string(where.empty() ? "" : ", and ") + "on " + hosts +
+               " in their own memory (" + checkpoint::memory_checkpoint_base().string() + ")";
+    }
+    std::fprintf(
+        stderr,
+        "launch: the run's memory copies stay in %s; malleus clean-memory %s removes them%s "
+        "(else the next malleus train or launch on that host removes them, once "
+        "this run's processes are gone)\n",
+        where.c_str(), run_dir_.c_str(), elsewhere.empty() ? "" : ", run on each host");
+    std::fflush(stderr);
+  }
+
   // mpirun's command line for a job on `ranks` (a device per rank).
   std::vector<std::string> job_argv(const std::vector<std::string>& ranks, int attempt) const {
     std::vector<std::string> argv = {o_.mpirun};
@@ -320,6 +372,9 @@ class Supervisor {
       argv.insert(argv.end(), {"--hostfile", hostfile.string()});
     }
     argv.insert(argv.end(), {"-np", std::to_string(ranks.size())});
+    // Every rank, on every host, learns who supervises it: the owner record of its memory copies
+    // names this process, so that they outlive the job until the restart (memory_folder.h).
+    argv.insert(argv.end(), {"-x", "MALLEUS_SUPERVISOR"});
     argv.insert(argv.end(), o_.mpirun_args.begin(), o_.mpirun_args.end());
     argv.push_back(o_.binary);
     argv.insert(argv.end(), command_.begin(), command_.end());
@@ -485,7 +540,8 @@ class Supervisor {
   int restarts_ = 0;
   std::optional<int64_t> restarted_from_;  // the checkpoint step of the last restart
   std::string last_reason_;
-  double failed_job_ended_ = 0;  // when the last failed job ended (Unix time)
+  double failed_job_ended_ = 0;       // when the last failed job ended (Unix time)
+  std::set<std::string> last_hosts_;  // of the last job
 };
 
 }  // namespace

@@ -54,14 +54,14 @@ bool same_tokenizer(const Tokenizer& a, const Tokenizer& b) {
   return a.kind() == b.kind() && a.model_file() == b.model_file();
 }
 
-void save_tokenizer(const Tokenizer& tokenizer, const fs::path& dir) {
+void save_tokenizer(const Tokenizer& tokenizer, const fs::path& dir, FileAccess access) {
   const SpecialTokens s = tokenizer.special_tokens();
   Json meta = {{"kind", tokenizer.kind()}, {"vocab_size", tokenizer.vocab_size()},
                {"bos_token_id", s.bos},    {"eos_token_id", s.eos},
                {"pad_token_id", s.pad},    {"unk_token_id", s.unk}};
   const std::string& model = tokenizer.model_file();
   if (!model.empty()) {
-    write_file_atomic(dir / kModelFile, model);
+    write_file_atomic(dir / kModelFile, model, access);
     meta["model_file"] = {{"name", kModelFile},
                           {"bytes", model.size()},
                           {"xxh3", checksum_hex(model.data(), model.size())}};
@@ -70,7 +70,7 @@ void save_tokenizer(const Tokenizer& tokenizer, const fs::path& dir) {
     fs::remove(dir / kModelFile, ec);
     check(!ec, "cannot remove stale " + (dir / kModelFile).string() + ": " + ec.message());
   }
-  write_file_atomic(dir / kMetaFile, meta.dump(2) + "\n");
+  write_file_atomic(dir / kMetaFile, meta.dump(2) + "\n", access);
 }
 
 std::shared_ptr<const Tokenizer> load_saved_tokenizer(const fs::path& dir) {

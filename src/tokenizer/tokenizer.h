@@ -15,6 +15,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/files.h"
+
 namespace malleus::tokenizer {
 
 // Special token ids; -1 where the tokenizer has none.
@@ -59,8 +61,10 @@ bool same_tokenizer(const Tokenizer& a, const Tokenizer& b);
 
 // Saved form in a directory: tokenizer_meta.json (kind, vocabulary size, special ids, and the
 // model file's size and checksum) and, for SentencePiece, tokenizer.model. Both written
-// atomically; a stale tokenizer.model is removed when saving the byte tokenizer.
-void save_tokenizer(const Tokenizer& tokenizer, const std::filesystem::path& dir);
+// atomically (`access`: common/files.h); a stale tokenizer.model is removed when saving the byte
+// tokenizer.
+void save_tokenizer(const Tokenizer& tokenizer, const std::filesystem::path& dir,
+                    FileAccess access = FileAccess::kShared);
 // The tokenizer saved in `dir`, or null when the directory holds none (no tokenizer_meta.json).
 // Throws Error naming the file for a malformed description, a missing, corrupt or mismatching
 // model file.

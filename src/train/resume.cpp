@@ -16,6 +16,7 @@ namespace fs = std::filesystem;
 std::optional<fs::path> usable_memory_copy(const fs::path& memory, int64_t disk_step,
                                            std::string* refused) {
   try {
+    checkpoint::check_memory_copy_dir(memory);  // never a copy another user could have placed
     const checkpoint::CheckpointIndex index(memory);
     check(index.sharded(), "checkpoint " + memory.string() + ": not a sharded checkpoint");
     if (index.header().step <= disk_step) {
@@ -34,7 +35,13 @@ std::optional<fs::path> usable_memory_copy(const fs::path& memory, int64_t disk_
 
 std::optional<fs::path> usable_memory_checkpoint(const fs::path& run_dir, int64_t disk_step,
                                                  std::string* refused) {
-  const std::optional<fs::path> memory = checkpoint::latest_memory_checkpoint(run_dir);
+  std::optional<fs::path> memory;
+  try {
+    memory = checkpoint::latest_memory_checkpoint(run_dir);
+  } catch (const Error& e) {
+    *refused = e.what();  // another user's folder
+    return std::nullopt;
+  }
   if (!memory) return std::nullopt;
   return usable_memory_copy(*memory, disk_step, refused);
 }
@@ -46,7 +53,11 @@ std::optional<int64_t> restart_step(const fs::path& run_dir, MemoryHosts hosts) 
   }
   std::optional<fs::path> memory;
   if (hosts == MemoryHosts::kSeveral) {
-    memory = checkpoint::latest_memory_checkpoint(run_dir);
+    try {
+      memory = checkpoint::latest_memory_checkpoint(run_dir);
+    } catch (const Error&) {
+      // another user's folder: not the run's copies (the restarted job says so)
+    }
   } else {
     std::string refused;
     memory = usable_memory_checkpoint(run_dir, step.value_or(-1), &refused);
@@ -137,12 +148,16 @@ ResumePoint find_resume_point(const fs::path& given, comm::Communicator& world) 
 }
 
 void restore_resume_point(Trainer& trainer, ResumePoint& point, comm::Communicator& world) {
+  // Once read, the checkpoint's index (and its read lock, checkpoint/retention.h) goes: the run's
+  // retention may then remove it like any other.
   if (!point.memory) {
     trainer.restore(point.checkpoint);
+    point.checkpoint.sharded.reset();
     return;
   }
   try {
     trainer.restore(point.checkpoint);
+    point.checkpoint.sharded.reset();
     return;
   } catch (const Error& e) {
     // Every rank has the same error (restore agrees on it).
@@ -156,6 +171,7 @@ void restore_resume_point(Trainer& trainer, ResumePoint& point, comm::Communicat
   point.memory.reset();
   point.checkpoint = load_checkpoint_on_root(*point.disk, world);
   trainer.restore(point.checkpoint);
+  point.checkpoint.sharded.reset();
 }
 
 }  // namespace malleus::train

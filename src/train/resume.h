@@ -3,8 +3,9 @@
 // verified; on several hosts, the newest whose every file some host holds, the files a host lacks
 // first sent to it (checkpoint::gather_memory_copies). A memory copy that cannot be used — a file
 // missing or of the wrong size (its holder's host gone, a segment removed), a checksum that does
-// not match (a torn or damaged copy), a manifest that does not verify — is refused with a line
-// saying why, and the disk checkpoint is read instead.
+// not match (a torn or damaged copy), a manifest that does not verify, a folder another user owns
+// or could have written into (checkpoint/memory_folder.h) — is refused with a line saying why, and
+// the disk checkpoint is read instead.
 #pragma once
 
 #include <filesystem>
