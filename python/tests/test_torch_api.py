@@ -87,6 +87,59 @@ class Arguments(unittest.TestCase):
         self.assertEqual(mt.split_of_plan(mt.plan_of_split([3, 0, 5], 1, 4), 3), [3, 0, 5])
 
 
+class ProcessGroupFaults(unittest.TestCase):
+    """A rank that exits, or stops answering, in the middle of a step: the others stop with an
+    error naming the step (at once, or after the process group's timeout), never hang, and the
+    launcher reports the rank that failed first."""
+
+    def run_fault(self, how, timeout_s):
+        import tempfile
+        import time
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "error.txt")
+            worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_worker.py")
+            start = time.monotonic()
+            status = run.launch([sys.executable, worker, "fault", out, how, str(timeout_s)], 2,
+                                timeout=240)
+            elapsed = time.monotonic() - start
+            with open(out) as f:
+                return status, f.read(), elapsed
+
+    def test_a_rank_that_exits_stops_the_others_at_once(self):
+        status, error, _ = self.run_fault("exit", 300)
+        self.assertEqual(status, 3)  # rank 1's own status, not the others' that follow from it
+        self.assertIn("malleus.torch: step 2: the all-reduce of the gradients failed on rank 0 "
+                      "of 2: another rank exited or did not answer", error)
+
+    def test_a_rank_that_stops_answering_fails_the_others_after_the_timeout(self):
+        status, error, elapsed = self.run_fault("hang", 5)
+        self.assertEqual(status, 1)  # rank 0's; the launcher then stopped rank 1
+        self.assertIn("malleus.torch: step 2: the all-reduce of the gradients failed", error)
+        self.assertIn("Timed out", error)
+        self.assertLess(elapsed, 120)
+
+    def test_bad_environment_and_timeout(self):
+        saved = dict(os.environ)
+        try:
+            with self.assertRaisesRegex(ValueError, "timeout_s must be a positive number"):
+                mt.init_from_env("gloo", timeout_s=0)
+            with self.assertRaisesRegex(ValueError, "timeout_s must be a positive number"):
+                mt.init_from_env("gloo", timeout_s=float("nan"))
+            os.environ.pop("MASTER_PORT", None)
+            with self.assertRaisesRegex(RuntimeError, r"\$MASTER_PORT is not set"):
+                mt.init_from_env("gloo")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="x", RANK="0", WORLD_SIZE="1")
+            with self.assertRaisesRegex(ValueError, r"\$MASTER_PORT must be a non-negative "
+                                                    "integer, got 'x'"):
+                mt.init_from_env("gloo")
+            os.environ.update(MASTER_PORT="1234", RANK="2", WORLD_SIZE="2")
+            with self.assertRaisesRegex(ValueError, r"\$RANK 2 is not below \$WORLD_SIZE 2"):
+                mt.init_from_env("gloo")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
 class WithoutTorch(unittest.TestCase):
     def test_import_names_the_interpreter_and_the_package(self):
         # An interpreter that cannot import torch (the pyenv python3 earlier on PATH than

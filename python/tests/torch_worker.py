@@ -6,12 +6,17 @@
                                                trains with re-planning on; rank 0 starts two busy
                                                processes pinned to CORE before step BUSY_FROM and
                                                stops them before step BUSY_TO; saves the step log
+    torch_worker.py fault OUT exit|hang TIMEOUT_S
+                                               rank 1 exits with status 3 (or hangs) in the
+                                               compute of step 2; rank 0 writes the error its
+                                               step raised to OUT and exits with status 1
 """
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -93,10 +98,34 @@ def straggler(out, steps, busy_from, busy_to, core):
             json.dump(log, f)
 
 
+def fault(out, how):
+    model = tc.make_model()
+    dp = mt.DataParallel(model, tc.make_optimizer(model), global_batch=tc.GLOBAL_BATCH,
+                         micro_batch=tc.MICRO_BATCH, seq_len=tc.SEQ, replan=False)
+
+    def loss_fn(m, samples):
+        if dist.get_rank() == 1 and dp.steps == 1:  # in step 2, before its all-reduce
+            if how == "exit":
+                os._exit(3)
+            time.sleep(3600)
+        return tc.loss_sum(m, samples)
+    try:
+        for data in tc.batches(4):
+            dp.step(data, loss_fn)
+    except RuntimeError as e:
+        with open(out, "w") as f:
+            f.write(str(e))
+        sys.exit(1)
+
+
 def main():
     torch.set_num_threads(1)
-    mt.init_from_env("gloo")
     mode, out = sys.argv[1], sys.argv[2]
+    if mode == "fault":
+        mt.init_from_env("gloo", timeout_s=float(sys.argv[4]))
+        fault(out, sys.argv[3])
+        return
+    mt.init_from_env("gloo")
     if mode == "exact":
         exact(out, json.loads(sys.argv[3]))
     else:

@@ -307,12 +307,20 @@ class DataParallel:
             self._stats_bucket[-self._stats_len:] = torch.tensor(stats, dtype=torch.float32)
         else:
             separate = torch.tensor(stats, dtype=torch.float64, device=self.comm_device)
-        works = [dist.all_reduce(flat, group=self.group, async_op=True)
-                 for _, flat, _ in self._buckets]
-        if separate is not None:
-            works.append(dist.all_reduce(separate, group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+        try:
+            works = [dist.all_reduce(flat, group=self.group, async_op=True)
+                     for _, flat, _ in self._buckets]
+            if separate is not None:
+                works.append(dist.all_reduce(separate, group=self.group, async_op=True))
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            # A peer that exited (its connection closed) or stopped answering (past the process
+            # group's timeout): this rank stops too, saying so, rather than waiting.
+            raise RuntimeError(
+                f"malleus.torch: step {self.steps + 1}: the all-reduce of the gradients failed on "
+                f"rank {self.rank} of {self.world_size}: another rank exited or did not answer "
+                f"within the process group's timeout ({e})") from e
         summed = separate if separate is not None else self._stats_bucket[-self._stats_len:]
         return summed.double().cpu().tolist()
 

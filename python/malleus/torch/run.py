@@ -48,11 +48,16 @@ def wait(procs: List[subprocess.Popen], timeout: Optional[float] = None) -> int:
     first non-zero exit status, or 0."""
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+    while [p.poll() for p in procs].count(None):  # every rank polled (any() would stop early)
+        # The rank that failed first (the others' errors follow from it).
+        failed = [(r, p.returncode) for r, p in enumerate(procs)
+                  if p.returncode not in (None, 0)]
         late = deadline is not None and time.monotonic() > deadline
         if failed or late:
-            status = failed[0] if failed else 124
+            status = failed[0][1] if failed else 124
+            print(f"malleus.torch.run: " + (f"rank {failed[0][0]} exited with status {status}"
+                                            if failed else f"still running after {timeout} s")
+                  + "; stopping the other ranks", file=sys.stderr, flush=True)
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
