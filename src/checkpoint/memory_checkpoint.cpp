@@ -193,7 +193,7 @@ MemoryCheckpointer::MemoryCheckpointer(comm::Communicator world, const fs::path&
 void MemoryCheckpointer::prepare_step_dir(const fs::path& dir) {
   // A private folder for the run, with its owner record, and a fresh one for this step (one left
   // by a save that died is replaced). Another user's folder, or one others can write, is refused.
-  check_memory_base(root_.parent_path());
+  make_memory_base(root_.parent_path());
   make_private_dir(root_, "memory checkpoints");
   if (!owner_written_) {
     write_memory_owner(root_, owner_);

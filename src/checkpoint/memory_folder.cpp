@@ -135,6 +135,17 @@ void make_private_dir(const fs::path& dir, const std::string& what) {
   check_private_dir(dir, what);
 }
 
+void make_memory_base(const fs::path& base) {
+  struct stat st;
+  if (::stat(base.c_str(), &st) != 0 && errno == ENOENT) {
+    // Not there yet (a $MALLEUS_MEMORY_CHECKPOINT_DIR to be): made, the last folder private.
+    std::error_code ec;
+    fs::create_directories(base, ec);
+    if (!ec) ::chmod(base.c_str(), 0700);
+  }
+  check_memory_base(base);
+}
+
 void check_memory_base(const fs::path& base) {
   const std::string what = "the memory checkpoint base";
   struct stat st;

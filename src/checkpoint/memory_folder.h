@@ -39,6 +39,8 @@ void make_private_dir(const std::filesystem::path& dir, const std::string& what)
 // Throws Error naming `base` and its owner unless it is a directory owned by the effective user
 // or root that others can write only with its sticky bit set.
 void check_memory_base(const std::filesystem::path& base);
+// Creates `base` (its last folder 0700) when it does not exist, then checks it as above.
+void make_memory_base(const std::filesystem::path& base);
 
 // A process on this host: its pid and its start time (clock ticks after boot, /proc/PID/stat),
 // which tells it from a later process given the same pid.

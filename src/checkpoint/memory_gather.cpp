@@ -228,7 +228,7 @@ std::string receive_copy(const comm::Communicator& world, const fs::path& dir,
                          const MemoryCopyTransfer& t, int source) {
   std::optional<AtomicFile> file;
   std::string error = comm::error_of([&] {
-    check_memory_base(dir.parent_path().parent_path());
+    make_memory_base(dir.parent_path().parent_path());
     make_private_dir(dir.parent_path(), "memory checkpoints");
     make_private_dir(dir, "memory checkpoint");
     file.emplace(dir / t.file, FileAccess::kPrivate);
