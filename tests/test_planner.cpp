@@ -484,6 +484,53 @@ TEST(Planner, DataParallelSplitsMicroBatchesByRatesDownToNone) {
   EXPECT_EQ(std::find(names.begin(), names.end(), "data-parallel"), names.end());
 }
 
+// A runtime without tensor parallelism (malleus.torch's pipelines) limits the planner to TP groups
+// of one rank (CostModel::limit_tensor_parallel): on 8 devices of one node with little memory,
+// where the unlimited search forms TP groups, every stage of every strategy's plan then has one
+// rank, under every rate pattern, and the plans stay valid (with a device slow or gone a strategy
+// may find none that fits, its documented error).
+TEST(Planner, KeepsTensorParallelGroupsWithinTheCostModelsLimit) {
+  const auto model = small_model();
+  auto cluster = small_cluster(1, 8);
+  cluster.memory_bytes = 0.6e9;  // tight: the search forms TP groups to fit
+  CostModel cost(model, cluster, plan::BatchConfig{16, 1, 1024});
+  auto widest = [](const plan::Plan& p) {
+    int w = 0;
+    for (const auto& pipe : p.pipelines) {
+      for (const auto& s : pipe.stages) w = std::max(w, s.tp());
+    }
+    return w;
+  };
+  auto widest_of_all = [&](int limit) {
+    int w = 0;
+    for (const auto& rates : rate_patterns(8)) {
+      const std::string label = plan::rates_to_json(rates).dump();
+      for (const auto& name : plan::strategy_names()) {
+        plan::PlanResult r;
+        try {
+          r = plan::make_strategy(name)->plan(cost, {rates, {}, std::nullopt});
+        } catch (const Error& e) {
+          // Under the limit a strategy may find nothing that fits in so little memory (the
+          // planners' documented error), but not on the healthy cluster.
+          EXPECT_TRUE(limit > 0 && rates != rate_patterns(8)[0])
+              << name << " " << label << ": " << e.what();
+          continue;
+        }
+        EXPECT_NO_THROW(plan::validate(r.plan, model, 8, 16, name)) << name << " " << label;
+        if (limit > 0) {
+          EXPECT_LE(widest(r.plan), limit) << name << " " << label << ": " << r.plan.summary();
+        }
+        w = std::max(w, widest(r.plan));
+      }
+    }
+    return w;
+  };
+  ASSERT_GT(widest_of_all(0), 1) << "the unlimited search should form TP groups here, or this "
+                                    "test checks nothing";
+  cost.limit_tensor_parallel(1);
+  EXPECT_EQ(widest_of_all(1), 1);
+}
+
 // With one node's link ten times slower, the planner moves the gradient sync (every parameter)
 // off the link and puts pipeline hand-offs (one activation) on it: pipelines whose stages span
 // the nodes, the same stage of every pipeline on one node. Tensor parallelism stays inside nodes.

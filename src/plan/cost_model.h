@@ -199,6 +199,10 @@ class CostModel {
   // (the runtime's distributed optimizer, on by default as there).
   void use_distributed_optimizer(bool on) { distributed_optimizer_ = on; }
   bool distributed_optimizer() const { return distributed_optimizer_; }
+  // The widest TP group the planners may form (0: as wide as a node and the KV heads allow): 1
+  // for a runtime without tensor parallelism (malleus.torch's pipelines).
+  void limit_tensor_parallel(int max_tp) { max_tp_ = max_tp; }
+  int max_tensor_parallel() const { return max_tp_; }
   // This model on the same cluster whose nodes' links are `link_rates` times slower
   // (ClusterSpec::link_rates; empty: all healthy). Throws Error for a rate below 1.
   CostModel with_link_rates(std::vector<double> link_rates) const;
@@ -304,6 +308,7 @@ class CostModel {
   bool shifted_recompute_ = false;
   bool tp_subpipeline_ = false;
   bool distributed_optimizer_ = true;
+  int max_tp_ = 0;
   double attention_params_ = 0, ffn_params_ = 0;  // per layer, matmuls
   double layer_flops_per_s_fwd_ = 0, layer_flops_per_s_bwd_ = 0, head_flops_per_s_ = 0;
 };

@@ -27,7 +27,8 @@ bool uses_gone(const std::vector<int>& ranks, const Rates& rates) {
 std::vector<int> tp_degrees(const CostModel& cost) {
   std::vector<int> out;
   const int D = cost.cluster().devices_per_node;
-  for (int t = 1; t <= D && t <= cost.model().num_kv_heads; t *= 2) {
+  const int limit = cost.max_tensor_parallel();
+  for (int t = 1; t <= D && t <= cost.model().num_kv_heads && (limit <= 0 || t <= limit); t *= 2) {
     if (D % t == 0) out.push_back(t);
   }
   return out;

@@ -40,7 +40,7 @@ class PhaseClock {
 Rates full_rates(const Rates& rates, int devices);
 bool uses_gone(const std::vector<int>& ranks, const Rates& rates);
 // TP degrees the planners consider: powers of two dividing the devices per node, at most the KV
-// heads.
+// heads and the cost model's limit (CostModel::max_tensor_parallel).
 std::vector<int> tp_degrees(const CostModel& cost);
 
 // Layer ranges from per-stage counts.
