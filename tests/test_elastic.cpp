@@ -246,6 +246,11 @@ TEST(Monitor, GeometriesIgnoreThePositionInTheModelButNotTheShape) {
   const auto dp = elastic::work_geometries(
       layout::plan_layout(plan::uniform_plan(model, 2, 1, 1, 8, 1), model));
   EXPECT_EQ(dp[0], dp[1]);
+  // Layers moved between the stages: the same shapes, so the same references.
+  plan::Plan moved = plan;
+  moved.pipelines[0].stages[0].layer_end = 1;
+  moved.pipelines[0].stages[1].layer_begin = 1;
+  EXPECT_EQ(elastic::work_geometries(layout::plan_layout(moved, model)), geometries);
 }
 
 TEST(Controller, ProfileOfAWholeCoreIsScaledToARanksShare) {

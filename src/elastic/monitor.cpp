@@ -162,8 +162,10 @@ std::vector<std::string> work_geometries(const layout::Layout& layout) {
       geometries.emplace_back("probe");
       continue;
     }
-    std::string g = "layers " + std::to_string(shard->layer_end - shard->layer_begin) + ", heads " +
-                    std::to_string(shard->heads) + ", ffn " + std::to_string(shard->ffn);
+    // Not the layer count: layers of one shape run at one time per FLOP, so a stage given more
+    // or fewer layers keeps its reference (a seed taken while the rank's slowdown changed would
+    // otherwise hold it on the stage the controller gave it, docs/elastic.md).
+    std::string g = "heads " + std::to_string(shard->heads) + ", ffn " + std::to_string(shard->ffn);
     if (shard->has_embedding) g += ", embedding";
     if (shard->has_head) g += ", head (vocab " + std::to_string(shard->vocab) + ")";
     geometries.push_back(std::move(g));

@@ -126,8 +126,9 @@ class LinkMonitor {
   std::vector<double> node_rates_;
 };
 
-// The geometry of every rank's work under `layout`: its shard's shape (layers, head / FFN /
-// vocabulary shares, embedding, LM head; not its position in the model), or "probe" when idle.
+// The geometry of every rank's work under `layout`: its shard's shape (head / FFN / vocabulary
+// shares, embedding, LM head; not its layer count nor its position in the model), or "probe" when
+// idle.
 std::vector<std::string> work_geometries(const layout::Layout& layout);
 
 }  // namespace malleus::elastic
