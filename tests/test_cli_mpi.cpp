@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include "common/files.h"
 #include "common/json.h"
 #include "test_util.h"
+#include "train/stop_signal.h"
 
 using namespace malleus;
 using malleus::testing::CommandResult;
@@ -644,4 +646,82 @@ TEST(MemoryCopies, AForeignCopyIsRefusedNamingItsOwnerAndTheDiskIsRead) {
                                          "mode 0720"))
       << again.output;
   fs::remove_all(root);
+}
+
+// ---- Retention of disk checkpoints (checkpoint/retention.h) ----
+
+TEST(CliMpi, ARetentionLimitKeepsExactlyThatManyLoadableCheckpoints) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const fs::path checkpoints = dir / "run" / "checkpoints";
+  const auto first = run_mpi(
+      2, "train " + tiny_flags(dir, "run", 7) + " --checkpoint-every 1 --keep-checkpoints 3");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto steps_kept = [&] {
+    std::vector<int> kept;
+    for (const auto& entry : fs::directory_iterator(checkpoints)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("step_", 0) == 0) kept.push_back(std::atoi(name.c_str() + 5));
+    }
+    std::sort(kept.begin(), kept.end());
+    return kept;
+  };
+  EXPECT_EQ(steps_kept(), (std::vector<int>{5, 6, 7})) << first.output;
+  EXPECT_TRUE(contains(first.output, "removed checkpoint " +
+                                         (checkpoints / checkpoint_name(4)).string() +
+                                         " (--keep-checkpoints 3)"))
+      << first.output;
+  for (const int step : steps_kept()) {
+    EXPECT_EQ(checkpoint::load_checkpoint(checkpoints / checkpoint_name(step)).step, step);
+  }
+  // A checkpoint marked to keep stays whatever the limit; the latest is one of the newest.
+  write_file_atomic(checkpoints / checkpoint_name(5) / "keep", "");
+  const auto more = run_mpi(2, "train --resume " + (dir / "run").string() + " --steps 10");
+  ASSERT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_EQ(steps_kept(), (std::vector<int>{5, 8, 9, 10})) << more.output;
+  EXPECT_EQ(read_file(checkpoints / "latest"), checkpoint_name(10) + "\n");
+  for (const int step : steps_kept()) {
+    EXPECT_EQ(checkpoint::load_checkpoint(checkpoints / checkpoint_name(step)).step, step);
+  }
+}
+
+// A stop whose save was killed before its commit (the test hook kills rank 1 in the save): the
+// run directory says which step was being saved and which checkpoint is complete, and the next
+// run says so before it resumes from that one.
+TEST(CliMpi, AStopKilledBeforeItsSaveIsNamedByTheNextRun) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const auto first = run_mpi(2, "train " + tiny_flags(dir, "run", 2));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path complete = dir / "run" / "checkpoints" / checkpoint_name(2);
+  {
+    malleus::testing::BackgroundCommand job(
+        mpi_command(2,
+                    "train --resume " + (dir / "run").string() +
+                        " --steps 100000 --no-memory-checkpoints",  // the disk's case
+                    "-x MALLEUS_FAULT_DIE_IN_SAVE=1"),
+        dir / "job.out");
+    ASSERT_TRUE(job.wait_for_output("step     4/", kTimeoutS)) << job.output();
+    ::kill(rank_pid(job.pid(), 0), SIGTERM);
+    EXPECT_NE(job.wait(kTimeoutS), -1) << job.output();
+  }
+  const auto record = train::read_stop_record(dir / "run");
+  ASSERT_TRUE(record.has_value());
+  EXPECT_FALSE(record->saved);
+  EXPECT_EQ(record->signal, "SIGTERM");
+  EXPECT_GE(record->step, 4);
+  EXPECT_EQ(record->previous, complete.string());
+  EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), checkpoint_name(2) + "\n");
+  const auto next = run_mpi(2, "train --resume " + (dir / "run").string() + " --steps " +
+                                   std::to_string(record->step + 1));
+  ASSERT_EQ(next.exit_code, 0) << next.output;
+  EXPECT_TRUE(contains(
+      next.output,
+      "the last run was stopped by SIGTERM after step " + std::to_string(record->step) +
+          ", but killed before its checkpoint (" + record->checkpoint +
+          ") was complete; the latest complete checkpoint on disk is " + complete.string()))
+      << next.output;
+  EXPECT_TRUE(contains(next.output, "resuming from " + complete.string() + " at step 2"))
+      << next.output;
+  EXPECT_FALSE(fs::exists(train::stop_record_path(dir / "run")));
 }

@@ -6,11 +6,11 @@
 #include <cmath>
 #include <fstream>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "comm/communicator.h"
 #include "layout/layout.h"
 #include "test_util.h"
-#include "checkpoint/checkpoint.h"
-#include "checkpoint/checkpoint_writer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 #include "train_config_samples.h"
@@ -143,7 +143,7 @@ TEST(CheckpointWriter, BackgroundCopyIsTheStateAtBegin) {
     header.step = step;
     writer.begin(dir / "ckpt", header,
                  checkpoint::saved_state(model, refinement, 0, full, p.data(), &blocks, m.data(),
-                                    v.data(), /*moments_split=*/false),
+                                         v.data(), /*moments_split=*/false),
                  /*background=*/true, /*copy_in_background=*/true);
     writer.wait_for_copy();
     EXPECT_FALSE(writer.copying());
@@ -267,7 +267,8 @@ TEST(MemoryCheck, DistributedOptimizerFitsWhatWholeMomentsDoNot) {
     const layout::Layout layout = layout::plan_layout(plan, model);
     const model::ParameterLayout full(model);
     int64_t owned = 0;
-    for (const auto& p : checkpoint::owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
+    for (const auto& p :
+         checkpoint::owned_pieces(layout::common_refinement(model, {&layout}), rank)) {
       owned += layout::piece_elements(full, p.piece);
     }
     const int64_t old_count = 16 * whole.held_elements + 12 * owned;
@@ -306,4 +307,40 @@ TEST(MemoryCheck, DistributedOptimizerFitsWhatWholeMomentsDoNot) {
   EXPECT_EQ(one.optimizer, 8 * whole_model);
   EXPECT_EQ(one.checkpoint_copy, 12 * whole_model);
   EXPECT_EQ(one.total(), 28 * whole_model);
+}
+
+// Memory checkpoints count too: a rank holds two host buffers (its own shard's snapshot, the
+// shard it receives) and writes the received shard, and its own where its peer is on another
+// host (or it is alone), into host memory, twice over while a save replaces the last.
+TEST(MemoryCheck, MemoryCopiesAndTheirBuffersCount) {
+  const model::ModelConfig model = malleus::testing::parallel_test_model();
+  const auto whole_model = static_cast<int64_t>(model.num_parameters());
+  // One rank alone: its own shard (the whole state, 12 bytes a parameter) in a buffer, and twice
+  // in host memory.
+  const plan::Plan single = plan::uniform_plan(model, 1, 1, 1, 8, 1, 1);
+  const int64_t state = train::model_state_bytes(model, single, 0, true).total();
+  const int64_t copies = 3 * 12 * whole_model;
+  const std::vector<int> one_host{0};
+  EXPECT_NO_THROW(train::check_model_state_fits(model, single, 0, true, state, 1));
+  EXPECT_NO_THROW(
+      train::check_model_state_fits(model, single, 0, true, state + copies, 1, &one_host));
+  try {
+    train::check_model_state_fits(model, single, 0, true, state + copies - 1, 1, &one_host);
+    ADD_FAILURE() << "the memory copies were not counted";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("for memory checkpoints: "), std::string::npos) << message;
+    EXPECT_NE(message.find("--no-memory-checkpoints"), std::string::npos) << message;
+  }
+  // Two ranks on one host, dp2: each receives the other's shard (half the moments' rows each)
+  // and holds it in memory; its own copy lives on its peer.
+  const plan::Plan dp2 = plan::uniform_plan(model, 2, 1, 1, 8, 1, 2);
+  const std::vector<int> host{0, 0};
+  for (int rank = 0; rank < 2; ++rank) {
+    const train::ModelStateBytes need = train::model_state_bytes(model, dp2, rank, true);
+    const int64_t other = train::model_state_bytes(model, dp2, 1 - rank, true).checkpoint_copy;
+    const int64_t total = need.total() + need.checkpoint_copy + other + 2 * other;
+    EXPECT_NO_THROW(train::check_model_state_fits(model, dp2, rank, true, total, 1, &host));
+    EXPECT_THROW(train::check_model_state_fits(model, dp2, rank, true, total - 1, 1, &host), Error);
+  }
 }

@@ -47,6 +47,7 @@ inline Json every_field_changed() {
               {"eval_every", 9},
               {"eval_samples", 16},
               {"checkpoint_every", 11},
+              {"keep_checkpoints", 4},
               {"async_checkpoints", false},
               {"memory_checkpoints", false},
               {"memory_checkpoint_every", 3},

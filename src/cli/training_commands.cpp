@@ -193,7 +193,15 @@ void run_train(const TrainArgs& args) {
     // Taken once every input has been checked (so bad input leaves nothing on disk) and before
     // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
     std::optional<train::RunDirectory> run_dir;
-    if (world.rank() == 0) run_dir.emplace(config.out_dir, resumed_run);
+    if (world.rank() == 0) {
+      run_dir.emplace(config.out_dir, resumed_run);
+      // A stop killed before its checkpoint was complete: say what this run continues from.
+      if (const auto stop = train::read_stop_record(config.out_dir); stop && !stop->saved) {
+        std::printf("the last run was %s\n", train::describe_stop(*stop).c_str());
+      }
+      std::error_code ignored;
+      fs::remove(train::stop_record_path(config.out_dir), ignored);
+    }
     root = world.rank() == 0;
     try {
       return trainer.run();

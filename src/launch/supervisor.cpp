@@ -429,6 +429,10 @@ class Supervisor {
       return 0;
     }
     if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
+      // Which step the stop saved, and where, as the job recorded it (its own lines may be lost).
+      if (const std::optional<train::StopRecord> stop = train::read_stop_record(run_dir_)) {
+        std::printf("launch: the job %s\n", train::describe_stop(*stop).c_str());
+      }
       std::printf(
           "launch: the job was stopped (exit status %d); continue with: malleus launch "
           "... -- %s\n",

@@ -20,7 +20,9 @@ double median(std::vector<double> v) {
 }  // namespace
 
 Checkpointing::Checkpointing(comm::Communicator world, const TrainConfig& config)
-    : world_(world), config_(config), writer_(std::move(world)) {}
+    : world_(world), config_(config), writer_(std::move(world)) {
+  writer_.set_keep(config_.keep_checkpoints);  // older checkpoints go after each commit
+}
 
 void Checkpointing::start_memory_checkpoints(const std::vector<int>& hosts) {
   if (!config_.memory_checkpoints) return;
@@ -112,7 +114,15 @@ void Checkpointing::report_saved() {
   std::printf("saved checkpoint %s (%s; step held %s, written in %s)\n", s.dir.c_str(),
               format_bytes(static_cast<double>(s.bytes)).c_str(),
               format_duration(s.stall_s).c_str(), format_duration(s.total_s).c_str());
+  for (const std::filesystem::path& removed : s.removed) {
+    std::printf("removed checkpoint %s (--keep-checkpoints %d)\n", removed.c_str(),
+                config_.keep_checkpoints);
+  }
   std::fflush(stdout);
+  for (const std::string& left : s.left) {
+    std::fprintf(stderr, "warning: checkpoint %s; kept past --keep-checkpoints %d for now\n",
+                 left.c_str(), config_.keep_checkpoints);
+  }
 }
 
 std::vector<checkpoint::SavedKind> saved_state(runtime::Engine& engine,

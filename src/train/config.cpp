@@ -197,6 +197,10 @@ std::vector<ConfigField> output_fields() {
             "Validation sequences per evaluation", positive<int>()),
       field(&C::checkpoint_every, "checkpoint_every", "--checkpoint-every", P::kHonoured,
             "Checkpoint every N steps (0: only at the end)", not_negative<int64_t>()),
+      field(&C::keep_checkpoints, "keep_checkpoints", "--keep-checkpoints", P::kHonoured,
+            "Keep the newest N disk checkpoints, removing older ones after each save (0: keep "
+            "all; the latest, any with a `keep` file and any being read always stay)",
+            not_negative<int>()),
       field(&C::async_checkpoints, "async_checkpoints", "--async-checkpoints", P::kHonoured,
             "Write checkpoints in the background; the step waits only for a copy in memory "
             "(--no-async-checkpoints: the step waits for the files)"),

@@ -84,6 +84,9 @@ struct TrainConfig {
   int64_t eval_every = 100;  // steps; 0 disables periodic evaluation
   int eval_samples = 64;     // validation sequences per evaluation (capped at the split's size)
   int64_t checkpoint_every = 100;  // steps; 0: only at the end
+  // Disk checkpoints kept: the newest N (and the latest, any marked with a `keep` file, any being
+  // read; checkpoint/retention.h); 0 keeps every one.
+  int keep_checkpoints = 0;
   // Write checkpoints in the background: the saving step waits only for the copy of each rank's
   // pieces to host memory (checkpoint/checkpoint_writer.h).
   bool async_checkpoints = true;

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/memory_checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -90,11 +91,37 @@ ModelStateBytes model_state_bytes(const model::ModelConfig& model, const plan::P
   return bytes;
 }
 
+namespace {
+
+// The memory copies' part of what rank `rank` holds (checkpoint::memory_copy_bytes).
+checkpoint::MemoryCopyBytes memory_copies_need(const model::ModelConfig& model,
+                                               const plan::Plan& plan, int rank,
+                                               bool distributed_optimizer,
+                                               const ModelStateBytes& need,
+                                               const std::vector<int>& hosts) {
+  // Its own shard, and the shard of the rank whose copy it receives: the only two it holds.
+  const checkpoint::MemoryHolders holders = checkpoint::memory_holders(hosts, rank);
+  std::vector<int64_t> shards(hosts.size(), 0);
+  shards.at(static_cast<size_t>(rank)) = need.checkpoint_copy;
+  if (holders.source != rank) {
+    shards.at(static_cast<size_t>(holders.source)) =
+        model_state_bytes(model, plan, holders.source, distributed_optimizer).checkpoint_copy;
+  }
+  return checkpoint::memory_copy_bytes(hosts, rank, shards);
+}
+
+}  // namespace
+
 void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& plan, int rank,
-                            bool distributed_optimizer, int64_t available_bytes, int ranks_here) {
+                            bool distributed_optimizer, int64_t available_bytes, int ranks_here,
+                            const std::vector<int>* memory_hosts) {
   const ModelStateBytes need = model_state_bytes(model, plan, rank, distributed_optimizer);
+  const checkpoint::MemoryCopyBytes copies =
+      memory_hosts
+          ? memory_copies_need(model, plan, rank, distributed_optimizer, need, *memory_hosts)
+          : checkpoint::MemoryCopyBytes{};
   const double share = static_cast<double>(available_bytes) / std::max(1, ranks_here);
-  if (static_cast<double>(need.total()) <= share) return;
+  if (static_cast<double>(need.total() + copies.total()) <= share) return;
   const auto held = static_cast<double>(need.held_elements);
   std::string parts;
   if (need.moments_split) {
@@ -108,17 +135,25 @@ void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& p
     parts = "whose parameters, gradients and Adam moments take " +
             format_bytes(static_cast<double>(need.parameters + need.gradients + need.optimizer));
   }
-  throw Error("model \"" + model.name + "\" (" +
-              format_count(static_cast<double>(model.num_parameters())) +
-              " parameters) does not fit: under this plan rank " + std::to_string(rank) +
-              " holds " + format_count(held) + " parameter elements, " + parts + " (plus " +
-              format_bytes(static_cast<double>(need.checkpoint_copy)) +
-              " for its part of a checkpoint), but this machine has " +
-              format_bytes(static_cast<double>(available_bytes)) + " available" +
-              (ranks_here > 1 ? ", " + format_bytes(share) + " for each of its " +
-                                    std::to_string(ranks_here) + " ranks"
-                              : "") +
-              ": use more ranks, a plan that shards the model further, or a smaller model");
+  throw Error(
+      "model \"" + model.name + "\" (" + format_count(static_cast<double>(model.num_parameters())) +
+      " parameters) does not fit: under this plan rank " + std::to_string(rank) + " holds " +
+      format_count(held) + " parameter elements, " + parts + " (plus " +
+      format_bytes(static_cast<double>(need.checkpoint_copy)) + " for its part of a checkpoint" +
+      (memory_hosts
+           ? ", and " + format_bytes(static_cast<double>(copies.total())) +
+                 " for memory checkpoints: " + format_bytes(static_cast<double>(copies.buffers)) +
+                 " of host buffers and " + format_bytes(static_cast<double>(copies.files)) +
+                 " of copies in host memory, two steps' while a save replaces "
+                 "the last"
+           : std::string()) +
+      "), but this machine has " + format_bytes(static_cast<double>(available_bytes)) +
+      " available" +
+      (ranks_here > 1 ? ", " + format_bytes(share) + " for each of its " +
+                            std::to_string(ranks_here) + " ranks"
+                      : "") +
+      ": use more ranks, a plan that shards the model further, or a smaller model" +
+      (memory_hosts ? std::string(" (or --no-memory-checkpoints)") : std::string()));
 }
 
 int resolve_threads(int configured, int ranks) {

@@ -103,10 +103,13 @@ ModelStateBytes model_state_bytes(const model::ModelConfig& model, const plan::P
                                   bool distributed_optimizer);
 
 // Throws Error, naming the parts and their sizes, if rank `rank`'s model state under `plan`
-// (model_state_bytes) exceeds its share of `available_bytes` among `ranks_here` ranks. The trainer
-// calls it before anything is allocated, with the machine's available memory. Activations come on
-// top, so passing is necessary, not sufficient.
+// (model_state_bytes) exceeds its share of `available_bytes` among `ranks_here` ranks. With
+// `memory_hosts` (each rank's host; memory checkpoints on) the memory copies count too: the host
+// buffers and the files in host memory that checkpoint::memory_copy_bytes gives for this rank's
+// shard and the one it receives. The trainer calls it before anything is allocated, with the
+// machine's available memory. Activations come on top, so passing is necessary, not sufficient.
 void check_model_state_fits(const model::ModelConfig& model, const plan::Plan& plan, int rank,
-                            bool distributed_optimizer, int64_t available_bytes, int ranks_here);
+                            bool distributed_optimizer, int64_t available_bytes, int ranks_here,
+                            const std::vector<int>* memory_hosts = nullptr);
 
 }  // namespace malleus::train

@@ -8,6 +8,9 @@
 #include <csignal>
 #include <cstring>
 
+#include "common/files.h"
+#include "common/json.h"
+
 namespace malleus::train {
 
 namespace {
@@ -85,6 +88,42 @@ std::string StopSignals::name(int signal) {
     default:
       return "signal " + std::to_string(signal);
   }
+}
+
+std::filesystem::path stop_record_path(const std::filesystem::path& run_dir) {
+  return run_dir / "stop.json";
+}
+
+void write_stop_record(const std::filesystem::path& run_dir, const StopRecord& r) {
+  const Json record = {{"signal", r.signal},
+                       {"step", r.step},
+                       {"checkpoint", r.checkpoint},
+                       {"saved", r.saved},
+                       {"previous", r.previous}};
+  write_file_atomic(stop_record_path(run_dir), record.dump(2) + "\n");
+}
+
+std::optional<StopRecord> read_stop_record(const std::filesystem::path& run_dir) {
+  try {
+    const Json j = Json::parse(read_file(stop_record_path(run_dir)));
+    StopRecord r;
+    r.signal = j.at("signal").get<std::string>();
+    r.step = j.at("step").get<int64_t>();
+    r.checkpoint = j.at("checkpoint").get<std::string>();
+    r.saved = j.at("saved").get<bool>();
+    r.previous = j.at("previous").get<std::string>();
+    return r;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::string describe_stop(const StopRecord& r) {
+  const std::string stopped = "stopped by " + r.signal + " after step " + std::to_string(r.step);
+  if (r.saved) return stopped + "; its checkpoint is " + r.checkpoint;
+  return stopped + ", but killed before its checkpoint (" + r.checkpoint +
+         ") was complete; the latest complete checkpoint on disk is " +
+         (r.previous.empty() ? std::string("none") : r.previous);
 }
 
 }  // namespace malleus::train

@@ -7,9 +7,34 @@
 // the same kind gets the default action: the process ends at once.
 #pragma once
 
+#include <cstdint>
+#include <filesystem>
+#include <optional>
 #include <string>
 
 namespace malleus::train {
+
+// What a stop saves, on disk where it outlives the stop's output (a terminated mpirun forwards
+// none of it): rank 0 writes <run>/stop.json before the stop's save, with `saved` false, and again
+// once the checkpoint is committed. So when the kill comes before the commit, the run directory
+// still says which step was being saved and which checkpoint is the latest complete one; the
+// supervisor and the next resume say so.
+struct StopRecord {
+  std::string signal;      // "SIGTERM"
+  int64_t step = 0;        // the step whose checkpoint the stop saves
+  std::string checkpoint;  // where
+  bool saved = false;      // committed
+  std::string previous;    // the latest complete checkpoint before it ("" if none)
+};
+std::filesystem::path stop_record_path(const std::filesystem::path& run_dir);
+void write_stop_record(const std::filesystem::path& run_dir, const StopRecord& record);
+// Nothing when there is none, or one this reader cannot parse.
+std::optional<StopRecord> read_stop_record(const std::filesystem::path& run_dir);
+// The sentence a stop, the supervisor and a resume say of it: "stopped by SIGTERM after step 18;
+// its checkpoint is runs/x/checkpoints/step_00000018", or, unsaved, "stopped by SIGTERM after step
+// 18, but killed before its checkpoint (runs/x/checkpoints/step_00000018) was complete; the latest
+// complete checkpoint on disk is runs/x/checkpoints/step_00000010" (a memory copy may be newer).
+std::string describe_stop(const StopRecord& record);
 
 class StopSignals {
  public:

@@ -55,10 +55,14 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // The plan and the limits are checked completely before any rank allocates or communicates.
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
   engine_options_ = engine_options(config_, world_.size());
-  // Before anything is allocated: the model state must fit this rank's share of the machine.
+  // Collective: each rank's host, which the memory check needs too (where the memory copies go).
+  engine_options_.hosts = runtime::host_indices(world_);
+  // Before anything is allocated: the model state, and the memory copies when they are on, must
+  // fit this rank's share of the machine.
   if (const int64_t available = available_memory_bytes(); available > 0) {
     check_model_state_fits(model_config, plan, world_.rank(), config_.distributed_optimizer,
-                           available, ranks_on_this_node(world_.size()));
+                           available, ranks_on_this_node(world_.size()),
+                           config_.memory_checkpoints ? &engine_options_.hosts : nullptr);
   }
   controller_ = make_controller(config_, model_config, world_.size(), engine_options_.threads);
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
@@ -67,7 +71,6 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   engine_options_.core_lease = cores_.lease;
   // On several hosts, the links between them are monitored too, per node of the cluster the
   // controller plans for (ranks fill nodes in order, as `--map-by ppr:K:node` starts them).
-  engine_options_.hosts = runtime::host_indices(world_);
   checkpoints_.start_memory_checkpoints(engine_options_.hosts);
   link_monitor_ = make_link_monitor(config_, model_config, engine_options_.hosts);
   if (!link_monitor_) engine_options_.hosts.clear();
@@ -313,8 +316,27 @@ int Trainer::run() {
 
 void Trainer::stop_for_signal(int signal, bool saved, const std::filesystem::path& out) {
   StopSignals::unblock_output();
+  // Which step is being saved and where, on disk before the save: the kill may come first.
+  StopRecord record{StopSignals::name(signal), step_,
+                    checkpoint::checkpoint_dir(out / "checkpoints", step_).string(), false, ""};
+  if (is_root()) {
+    try {
+      if (const auto latest = checkpoint::latest_checkpoint(out / "checkpoints")) {
+        record.previous = latest->string();
+      }
+    } catch (const Error&) {
+      // a `latest` that names nothing: no complete checkpoint to name
+    }
+    write_stop_record(out, record);
+    std::fprintf(stderr, "stopping on %s after step %lld: saving its checkpoint into %s\n",
+                 record.signal.c_str(), static_cast<long long>(step_), record.checkpoint.c_str());
+  }
   if (!saved) checkpoints_.save(out / "checkpoints", checkpoint_header(), saved_state());
   checkpoints_.finish();
+  if (is_root()) {
+    record.saved = true;
+    write_stop_record(out, record);
+  }
   checkpoints_.clear_memory();  // the checkpoint of this step supersedes them
   if (is_root()) {
     std::printf("stopped by %s after step %lld of %lld; continue with: malleus train --resume %s\n",
