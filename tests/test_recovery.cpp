@@ -102,6 +102,9 @@ TEST(Watchdog, EndsTheProcessNamingTheStaleRank) {
   EXPECT_EQ(report["phase"], "step");
   EXPECT_GE(report["waited_s"].get<double>(), 0.5);
   EXPECT_LT(report["waited_s"].get<double>(), 10.0);
+  // Where the stuck thread was: in the sleep above (libc's nanosleep, named by dladdr).
+  EXPECT_NE(report["stack"].get<std::string>().find("nanosleep"), std::string::npos)
+      << report["stack"];
 }
 
 TEST(Watchdog, LeavesPhasesThatEndInTimeAlone) {

@@ -55,7 +55,8 @@ inline void remove_memory_copies_of_runs_under(const fs::path& dir) {
 }
 
 // A fresh directory, removed afterwards; named after the running test, so tests can run in
-// parallel (ctest -j) and leave nothing behind.
+// parallel (ctest -j) and leave nothing behind. MALLEUS_KEEP_SCRATCH=1 keeps the directory of a
+// failed test (its runs' logs, metrics and hang records) and prints where it is.
 class ScratchDir {
  public:
   ScratchDir() {
@@ -68,6 +69,11 @@ class ScratchDir {
     fs::create_directories(path_);
   }
   ~ScratchDir() {
+    const char* keep = std::getenv("MALLEUS_KEEP_SCRATCH");
+    if (keep != nullptr && std::string(keep) == "1" && ::testing::Test::HasFailure()) {
+      std::fprintf(stderr, "kept the failed test's directory %s\n", path_.c_str());
+      return;
+    }
     std::error_code ignored;
     fs::remove_all(path_, ignored);
     remove_memory_copies_of_runs_under(path_);

@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/stack_dump.h"
 #include "common/stats.h"
 
 namespace malleus::train {
@@ -166,6 +167,8 @@ Watchdog::Watchdog(const fs::path& run_dir, int rank, int world_size, WatchdogOp
   check(!ec, "cannot create " + heartbeat_dir(run_dir_).string() + ": " + ec.message());
   phase_since_unix_ = unix_now();
   phase_start_ = Clock::now();
+  training_thread_ = ::pthread_self();
+  prepare_stack_dumps();
   beat();
   thread_ = std::thread([this] { loop(); });
 }
@@ -263,6 +266,11 @@ void Watchdog::report_hang(double waited_s, double limit_s) {
   const std::string waited = "watchdog: " + describe(phase, step) + " has taken " +
                              one_decimal(waited_s) + " s, over its limit of " +
                              one_decimal(limit_s) + " s";
+  // Where this rank's training thread waits (common/stack_dump.h): with every rank's, the call
+  // the job is stuck in.
+  const std::string stack = stack_of(training_thread_);
+  std::fprintf(stderr, "[rank %d] watchdog: the training thread's stack:\n%s", rank_,
+               stack.c_str());
   std::error_code ec;
   if (fs::exists(path, ec)) {
     // Another rank named the culprits first (and mpirun may since have woken a stopped one).
@@ -285,11 +293,17 @@ void Watchdog::report_hang(double waited_s, double limit_s) {
   const double stale_after = std::max(3 * options_.beat_interval_s, limit_s / 2);
   const HangDiagnosis d = diagnose_hang(heartbeats, unix_now(), stale_after);
   const std::string message = waited + "; " + d.message;
-  const Json report = {
-      {"detected_by", rank_},       {"step", step},       {"phase", phase},
-      {"waited_s", waited_s},       {"limit_s", limit_s}, {"stale_after_s", stale_after},
-      {"lost_ranks", d.lost_ranks}, {"message", message}, {"ranks", d.ranks},
-      {"time", unix_now()}};
+  const Json report = {{"detected_by", rank_},
+                       {"step", step},
+                       {"phase", phase},
+                       {"waited_s", waited_s},
+                       {"limit_s", limit_s},
+                       {"stale_after_s", stale_after},
+                       {"lost_ranks", d.lost_ranks},
+                       {"message", message},
+                       {"ranks", d.ranks},
+                       {"stack", stack},
+                       {"time", unix_now()}};
   // The first rank to get here writes the report: link() does not replace an existing file.
   const fs::path temp = path.string() + ".tmp." + std::to_string(::getpid());
   const std::string text = report.dump(2) + "\n";

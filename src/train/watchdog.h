@@ -16,6 +16,8 @@
 // heartbeats to be compared; a rank whose heartbeat is missing is named as missing.
 #pragma once
 
+#include <pthread.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -74,7 +76,8 @@ std::filesystem::path hang_report_path(const std::filesystem::path& run_dir);
 
 class Watchdog {
  public:
-  // Starts the thread. Rank 0 should call clear() first, before every rank starts.
+  // Starts the thread. Rank 0 should call clear() first, before every rank starts. The calling
+  // thread is the one whose stack a hang report shows (common/stack_dump.h).
   Watchdog(const std::filesystem::path& run_dir, int rank, int world_size, WatchdogOptions options);
   ~Watchdog();  // stops the thread
   Watchdog(const Watchdog&) = delete;
@@ -109,6 +112,7 @@ class Watchdog {
   Clock::time_point phase_start_;
   double phase_since_unix_ = 0;
   std::map<std::string, std::vector<double>> durations_;  // the latest of each phase, newest last
+  pthread_t training_thread_{};  // the thread that made the watchdog: its stack goes in a report
   std::thread thread_;
 };
 
