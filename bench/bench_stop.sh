@@ -40,6 +40,7 @@ run() {
   esac
   rm -rf "$dir"
   mkdir -p "$dir"
+  : > "$dir/out.log"  # before the job's shell opens it: the wait below reads it at once
   timeout 1200 mpirun -np 2 --bind-to core --map-by core build/malleus train "${flags[@]}" \
     --steps 100000 --checkpoint-every 0 --micro-batch 1 --threads 1 --val-data "" \
     --eval-every 0 --no-replan --no-memory-checkpoints --warmup-steps 2 --out "$dir/run" \
