@@ -25,7 +25,7 @@ prepare() {
   # The Python module is built too (for this machine's python3): its position-independent static
   # libraries are what the device links its own module from (python_module below).
   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DMALLEUS_BUILD_CUDA=ON \
-    -DMALLEUS_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3 "${launcher[@]}" \
+    -DMALLEUS_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3 -DMALLEUS_BUILD_PYTHON=ON "${launcher[@]}" \
     > build-cuda-configure.log
   cmake --build build-cuda --parallel "$(nproc)" \
     --target test_cuda_backend bench_step_throughput malleus malleus_python
