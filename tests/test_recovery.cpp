@@ -1,6 +1,7 @@
-// Recovery from lost ranks: the watchdog's diagnosis (train/watchdog.h) and the supervisor's
-// reading of hostfiles and of how a job ended (launch/supervisor.h). The end-to-end runs under
-// `malleus launch` are in test_recovery_runs.cpp.
+// Recovery from lost ranks: the watchdog's diagnosis (watchdog/watchdog.h), its probes between
+// hosts and the partition rule (watchdog/probe.h, watchdog/partition.h), and the supervisor's
+// reading of hostfiles and of how a job ended (launch/supervisor.h). The
+// end-to-end runs under `malleus launch` are in test_recovery_runs.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,13 +11,18 @@
 #include <map>
 #include <thread>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "checkpoint/memory_checkpoint.h"
 #include "checkpoint/memory_gather.h"
 #include "common/files.h"
 #include "common/json.h"
 #include "launch/supervisor.h"
 #include "test_util.h"
-#include "train/watchdog.h"
+#include "watchdog/watchdog.h"
 
 using namespace malleus;
 using malleus::testing::error_of;
@@ -24,8 +30,8 @@ using malleus::testing::ScratchDir;
 
 namespace {
 
-train::Heartbeat beat(int rank, int64_t step, const std::string& phase, double at) {
-  train::Heartbeat h;
+watchdog::Heartbeat beat(int rank, int64_t step, const std::string& phase, double at) {
+  watchdog::Heartbeat h;
   h.rank = rank;
   h.pid = 1000 + rank;
   h.host = "node0";
@@ -45,9 +51,10 @@ double unix_now() {
 TEST(Watchdog, NamesTheRankWhoseHeartbeatStopped) {
   const double now = 1000;
   // Ranks 0, 1 and 3 wait in step 7, alive; rank 2 last beat 30 s ago.
-  const auto d = train::diagnose_hang({beat(0, 7, "step", now - 0.5), beat(1, 7, "step", now - 0.2),
-                                       beat(2, 7, "step", now - 30), beat(3, 7, "step", now - 0.4)},
-                                      now, 5);
+  const auto d =
+      watchdog::diagnose_hang({beat(0, 7, "step", now - 0.5), beat(1, 7, "step", now - 0.2),
+                               beat(2, 7, "step", now - 30), beat(3, 7, "step", now - 0.4)},
+                              now, 5);
   EXPECT_EQ(d.lost_ranks, std::vector<int>{2});
   EXPECT_NE(d.message.find("rank 2: no heartbeat for 30.0 s"), std::string::npos) << d.message;
   EXPECT_EQ(d.ranks[2]["status"], "stale");
@@ -58,23 +65,23 @@ TEST(Watchdog, NamesRanksBehindTheOthersAndMissingOnes) {
   const double now = 1000;
   // Rank 1 is alive but still in step 6's checkpoint while the others are in step 7; rank 3
   // never wrote a heartbeat.
-  const auto d = train::diagnose_hang({beat(0, 7, "step", now), beat(1, 6, "checkpoint", now),
-                                       beat(2, 7, "step", now), std::nullopt},
-                                      now, 5);
+  const auto d = watchdog::diagnose_hang({beat(0, 7, "step", now), beat(1, 6, "checkpoint", now),
+                                          beat(2, 7, "step", now), std::nullopt},
+                                         now, 5);
   EXPECT_EQ(d.lost_ranks, (std::vector<int>{1, 3}));
   EXPECT_NE(d.message.find("rank 1: still in the checkpoint of step 6"), std::string::npos)
       << d.message;
   EXPECT_NE(d.message.find("rank 3: no heartbeat"), std::string::npos) << d.message;
   // Within a step, the phases are ordered: an evaluation comes before the checkpoint.
   const auto e =
-      train::diagnose_hang({beat(0, 7, "checkpoint", now), beat(1, 7, "eval", now)}, now, 5);
+      watchdog::diagnose_hang({beat(0, 7, "checkpoint", now), beat(1, 7, "eval", now)}, now, 5);
   EXPECT_EQ(e.lost_ranks, std::vector<int>{1});
 }
 
 TEST(Watchdog, NamesNobodyWhenEveryRankWaitsAtTheSamePoint) {
   const double now = 1000;
   const auto d =
-      train::diagnose_hang({beat(0, 3, "step", now), beat(1, 3, "step", now - 1)}, now, 5);
+      watchdog::diagnose_hang({beat(0, 3, "step", now), beat(1, 3, "step", now - 1)}, now, 5);
   EXPECT_TRUE(d.lost_ranks.empty());
   EXPECT_NE(d.message.find("no rank to blame"), std::string::npos) << d.message;
 }
@@ -83,20 +90,20 @@ TEST(Watchdog, EndsTheProcessNamingTheStaleRank) {
   ScratchDir dir;
   const auto run = dir.path();
   // Rank 1 of a 2-rank job beat once, long ago; this process is rank 0 in step 1.
-  std::filesystem::create_directories(train::heartbeat_dir(run));
-  write_file_atomic(train::heartbeat_dir(run) / "rank_00001.json",
+  std::filesystem::create_directories(watchdog::heartbeat_dir(run));
+  write_file_atomic(watchdog::heartbeat_dir(run) / "rank_00001.json",
                     beat(1, 1, "step", unix_now() - 60).to_json().dump());
   // The default ("fast") death test forks here, so the child writes into this very directory.
   EXPECT_EXIT(
       {
-        train::Watchdog watchdog(run, 0, 2,
-                                 {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+        watchdog::Watchdog watchdog(run, 0, 2,
+                                    {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
         watchdog.enter("step", 1);
         std::this_thread::sleep_for(std::chrono::seconds(20));
         std::_Exit(0);
       },
-      ::testing::ExitedWithCode(train::kHangExitCode), "rank 1: no heartbeat for");
-  const Json report = read_json_file(train::hang_report_path(run).string());
+      ::testing::ExitedWithCode(watchdog::kHangExitCode), "rank 1: no heartbeat for");
+  const Json report = read_json_file(watchdog::hang_report_path(run).string());
   EXPECT_EQ(report["lost_ranks"], Json::array({1}));
   EXPECT_EQ(report["detected_by"], 0);
   EXPECT_EQ(report["phase"], "step");
@@ -109,8 +116,8 @@ TEST(Watchdog, EndsTheProcessNamingTheStaleRank) {
 
 TEST(Watchdog, LeavesPhasesThatEndInTimeAlone) {
   ScratchDir dir;
-  train::Watchdog watchdog(dir.path(), 0, 2,
-                           {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+  watchdog::Watchdog watchdog(dir.path(), 0, 2,
+                              {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
   // Twenty steps of 0.1 s each, under a limit of max(0.5 s, 10 × median): no alarm.
   for (int step = 1; step <= 20; ++step) {
     watchdog.enter("step", step);
@@ -118,10 +125,236 @@ TEST(Watchdog, LeavesPhasesThatEndInTimeAlone) {
   }
   EXPECT_GE(watchdog.limit_s("step"), 0.9);  // 10 × ~0.1 s
   EXPECT_EQ(watchdog.limit_s("eval"), 0.5);  // never seen: the floor
-  EXPECT_FALSE(std::filesystem::exists(train::hang_report_path(dir.path())));
-  const Json own = read_json_file((train::heartbeat_dir(dir.path()) / "rank_00000.json").string());
+  EXPECT_FALSE(std::filesystem::exists(watchdog::hang_report_path(dir.path())));
+  const Json own =
+      read_json_file((watchdog::heartbeat_dir(dir.path()) / "rank_00000.json").string());
   EXPECT_EQ(own["step"], 20);
   EXPECT_EQ(own["phase"], "step");
+}
+
+// ---- The probes between hosts and the partition rule ----
+
+namespace {
+
+// A listening socket on 127.0.0.1 that never accepts, its queue filled: a SYN to it is dropped
+// (Linux drops SYNs to a listener whose accept queue is full), so a probe of it times out, as
+// over a link that is down. Closes everything at the end.
+class Unanswering {
+ public:
+  Unanswering() {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t size = sizeof a;
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::listen(listener_, 0), 0);
+    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &size), 0);
+    port_ = ntohs(a.sin_port);
+    for (int i = 0; i < 3; ++i) {  // backlog 0 takes one; the rest wait in SYN_SENT
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+      fillers_.push_back(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ~Unanswering() {
+    for (int fd : fillers_) ::close(fd);
+    ::close(listener_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int listener_ = -1, port_ = 0;
+  std::vector<int> fillers_;
+};
+
+// Waits up to `seconds` for `done`.
+template <typename Done>
+bool eventually(double seconds, Done&& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+watchdog::HostReport report(const std::string& host, std::map<std::string, watchdog::Reach> reach) {
+  return {host, std::move(reach)};
+}
+
+}  // namespace
+
+TEST(Probe, ReachesAListenerAndARefusingHostButNotASilentOne) {
+  using watchdog::Endpoint;
+  watchdog::Prober target({"127.0.0.1"});
+  ASSERT_EQ(target.endpoints().size(), 1u);
+  EXPECT_EQ(target.endpoints()[0].address, "127.0.0.1");
+  // A port nobody listens on: the host answers with a reset, so the path is there.
+  int closed_port = 0;
+  {
+    watchdog::Prober gone({"127.0.0.1"});
+    closed_port = gone.endpoints()[0].port;
+  }
+  Unanswering silent;
+  watchdog::Prober prober({"127.0.0.1"});
+  EXPECT_FALSE(prober.probing());
+  prober.set_targets({{"up", target.endpoints()},
+                      {"refusing", {{"127.0.0.1", closed_port}}},
+                      {"silent", {{"127.0.0.1", silent.port()}}}});
+  EXPECT_TRUE(prober.probing());
+  ASSERT_TRUE(eventually(10, [&] {
+    const auto r = prober.reach();
+    return r.at("up").last_ok > 0 && r.at("refusing").last_ok > 0 && r.at("silent").last_fail > 0;
+  }));
+  const auto r = prober.reach();
+  EXPECT_EQ(r.at("up").last_fail, 0);
+  EXPECT_EQ(r.at("silent").last_ok, 0);
+  // A failed probe took the whole timeout (the SYN went unanswered), counted from its start.
+  EXPECT_GE(r.at("silent").last_fail - r.at("silent").since, watchdog::Prober::kTimeoutS - 0.05);
+  EXPECT_EQ(r.at("silent").failures, r.at("silent").probes);
+  EXPECT_EQ(r.at("silent").spells, 1);
+  EXPECT_EQ(r.at("up").failures, 0);
+  EXPECT_GE(r.at("up").probes, 1);
+  // New targets start fresh records; none stops probing.
+  prober.set_targets({{"up", target.endpoints()}});
+  EXPECT_EQ(prober.reach().size(), 1u);
+  prober.set_targets({});
+  EXPECT_FALSE(prober.probing());
+  EXPECT_EQ(Endpoint::parse("198.18.13.1:40123", "x"), (Endpoint{"198.18.13.1", 40123}));
+  EXPECT_EQ(error_of([] { Endpoint::parse("node0:80", "rank_00001.json"); }),
+            "rank_00001.json: \"node0:80\" is not an address:port like 198.18.13.1:40123");
+}
+
+TEST(Probe, KeepsTheAddressesOfTheJobsNetwork) {
+  // Whatever this machine's interfaces are: each address is its own /32, and a range or name
+  // that matches none keeps none; loopback is never the job's network.
+  for (const std::string& a : watchdog::job_addresses("")) {
+    EXPECT_EQ(watchdog::job_addresses(a + "/32"), std::vector<std::string>{a});
+  }
+  EXPECT_TRUE(watchdog::job_addresses("127.0.0.0/8").empty());
+  EXPECT_TRUE(watchdog::job_addresses("no-such-interface0").empty());
+  EXPECT_EQ(error_of([] { watchdog::job_addresses("198.18.13.0/33"); }),
+            "watchdog network \"198.18.13.0/33\": \"198.18.13.0/33\" is neither an interface "
+            "name nor a CIDR range like 198.18.13.0/24");
+}
+
+TEST(Partition, AHostNoProbeReachedForTheGraceIsCutOff) {
+  const double now = 1000;
+  // h0 probed h1 from 990 on: nothing since 992 (its last success); h1 saw the same of h0.
+  const watchdog::Reach down{990, 992, 999.8, 30, 22, 1};
+  const auto p = watchdog::find_partition(
+      {"h0", "h1"}, {report("h0", {{"h1", down}}), report("h1", {{"h0", down}})}, now, 3);
+  EXPECT_EQ(p.kept, std::vector<std::string>{"h0"});  // even halves: rank 0's host stays
+  EXPECT_EQ(p.cut_off, std::vector<std::string>{"h1"});
+  EXPECT_EQ(p.message(), "host h1 is cut off (h0 – h1: no probe connected for 8.0 s)");
+  // One side's report is enough (h1's leader may be gone with its heartbeat).
+  EXPECT_EQ(watchdog::find_partition({"h0", "h1"}, {report("h0", {{"h1", down}})}, now, 3).cut_off,
+            std::vector<std::string>{"h1"});
+  // Not yet for the grace: failing, and the watchdog waits.
+  const auto young = watchdog::find_partition({"h0", "h1"}, {report("h0", {{"h1", down}})}, 994, 3);
+  EXPECT_FALSE(young.partitioned());
+  EXPECT_EQ(young.failing, std::vector<std::string>{"h0 – h1: probes failing for 2.0 s"});
+}
+
+TEST(Partition, ALossyLinkCountsAsCutAndAHealedOneDoesNot) {
+  const double now = 1000;
+  const auto judged = [&](watchdog::Reach r) {
+    return watchdog::find_partition({"h0", "h1"}, {report("h0", {{"h1", r}})}, now, 3);
+  };
+  // 6 of 40 probes failed, in 4 spells, the latest 1 s ago; the latest probe connected: lossy,
+  // so cut off.
+  const auto lossy = judged({990, 999.9, 999, 40, 6, 4});
+  EXPECT_EQ(lossy.cut_off, std::vector<std::string>{"h1"});
+  EXPECT_EQ(lossy.lossy, std::vector<std::string>{"h0 – h1: 6 of 40 probes failed, in 4 spells"});
+  EXPECT_EQ(lossy.message(), "host h1 is cut off (h0 – h1: 6 of 40 probes failed, in 4 spells)");
+  // Fewer than one in ten: not lossy (a probe lost now and then), only healed.
+  const auto rare = judged({990, 999.9, 999, 40, 2, 2});
+  EXPECT_FALSE(rare.partitioned());
+  EXPECT_EQ(rare.healed, std::vector<std::string>{"h0 – h1"});
+  // One spell (down, then up again a second ago): healed, however many probes it cost.
+  const auto back = judged({990, 999.9, 999, 40, 20, 1});
+  EXPECT_FALSE(back.partitioned());
+  EXPECT_EQ(back.healed, std::vector<std::string>{"h0 – h1"});
+  // Its latest probe failed, 0.5 s after one connected: failing, judged again shortly.
+  const auto failing = judged({990, 999.5, 999.9, 40, 6, 4});
+  EXPECT_FALSE(failing.partitioned());
+  EXPECT_EQ(failing.failing.size(), 1u);
+  // Lossy spells long ago, every probe connected for the last 4 s: healed, nothing cut.
+  const auto healed = judged({990, 999.9, 996, 40, 16, 5});
+  EXPECT_FALSE(healed.partitioned());
+  EXPECT_TRUE(healed.failing.empty() && healed.lossy.empty());
+  EXPECT_EQ(healed.healed, std::vector<std::string>{"h0 – h1"});
+  // Probes that never failed: nothing at all.
+  const auto fine = judged({990, 999.9, 0, 40, 0, 0});
+  EXPECT_TRUE(fine.cut.empty() && fine.lossy.empty() && fine.failing.empty() &&
+              fine.healed.empty());
+}
+
+TEST(Partition, TheHostCutFromTheOthersGoesAndTheLargestGroupStays) {
+  const double now = 1000;
+  const watchdog::Reach up{990, 999.9, 0, 40, 0, 0}, down{990, 0, 999.9, 40, 40, 1};
+  // Three hosts: h1's link is down, so h0 and h2 reach each other but neither reaches h1.
+  const auto p = watchdog::find_partition(
+      {"h0", "h1", "h2"},
+      {report("h0", {{"h1", down}, {"h2", up}}), report("h2", {{"h0", up}, {"h1", down}})}, now, 3);
+  EXPECT_EQ(p.kept, (std::vector<std::string>{"h0", "h2"}));
+  EXPECT_EQ(p.cut_off, std::vector<std::string>{"h1"});
+  EXPECT_EQ(p.message(),
+            "host h1 is cut off (h0 – h1: no probe connected for 10.0 s, h1 – h2: no probe "
+            "connected for 10.0 s)");
+  // Rank 0's host alone on its side: the larger group stays.
+  const auto q = watchdog::find_partition(
+      {"h0", "h1", "h2"},
+      {report("h0", {{"h1", down}, {"h2", down}}), report("h1", {{"h0", down}, {"h2", up}})}, now,
+      3);
+  EXPECT_EQ(q.kept, (std::vector<std::string>{"h1", "h2"}));
+  EXPECT_EQ(q.cut_off, std::vector<std::string>{"h0"});
+}
+
+TEST(Partition, NamesTheRanksOfTheHostsCutOff) {
+  std::vector<std::optional<watchdog::Heartbeat>> beats;
+  for (int r = 0; r < 4; ++r) {
+    watchdog::Heartbeat h = beat(r, 7, "step", 1000);
+    h.host = r < 2 ? "h0" : "h1";
+    beats.push_back(h);
+  }
+  watchdog::Partition p;
+  p.kept = {"h0"};
+  p.cut_off = {"h1"};
+  p.cut = {"h0 – h1: no probe connected for 5.0 s"};
+  const auto d = watchdog::diagnose_partition(beats, p);
+  EXPECT_EQ(d.lost_ranks, (std::vector<int>{2, 3}));
+  EXPECT_EQ(d.message,
+            "host h1 is cut off (h0 – h1: no probe connected for 5.0 s): ranks 2, 3 left out");
+  EXPECT_EQ(d.ranks[2]["status"], "cut off");
+  EXPECT_EQ(watchdog::job_hosts(beats), (std::vector<std::string>{"h0", "h1"}));
+}
+
+TEST(Partition, OnlyEachHostsLeaderProbesTheOtherLeaders) {
+  std::vector<std::optional<watchdog::Heartbeat>> beats(4);
+  for (int r : {0, 1, 3}) {  // rank 2 has no heartbeat: rank 3 leads h1
+    watchdog::Heartbeat h = beat(r, 7, "step", 1000);
+    h.host = r < 2 ? "h0" : "h1";
+    h.probe = {{"198.18.13." + std::to_string(r < 2 ? 1 : 2), 4000 + r}};
+    beats[static_cast<size_t>(r)] = h;
+  }
+  using Targets = std::map<std::string, std::vector<watchdog::Endpoint>>;
+  EXPECT_EQ(watchdog::probe_targets(beats, 0), (Targets{{"h1", {{"198.18.13.2", 4003}}}}));
+  EXPECT_EQ(watchdog::probe_targets(beats, 3), (Targets{{"h0", {{"198.18.13.1", 4000}}}}));
+  EXPECT_TRUE(watchdog::probe_targets(beats, 1).empty());
+  // What a leader found travels in its heartbeat.
+  beats[0]->reach = {{"h1", {990, 992, 999, 30, 21, 3}}};
+  const auto back = watchdog::Heartbeat::from_json(beats[0]->to_json(), "rank_00000.json");
+  EXPECT_EQ(back.probe, beats[0]->probe);
+  EXPECT_EQ(back.reach.at("h1").last_ok, 992);
+  EXPECT_EQ(back.reach.at("h1").failures, 21);
+  EXPECT_EQ(back.reach.at("h1").spells, 3);
+  const auto reports = watchdog::leader_reports(beats, 1000, 5);
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].host, "h0");
+  EXPECT_TRUE(watchdog::leader_reports(beats, 1010, 5).empty());  // its heartbeat went stale
 }
 
 TEST(Launch, ReadsHostfiles) {
@@ -158,7 +391,7 @@ TEST(Launch, TellsLostRanksFromStopsAndErrors) {
 
   // The watchdog's report wins over mpirun's words about the rank that ended the job.
   const Json hang = {{"lost_ranks", {2}}, {"message", "watchdog: ... rank 2: no heartbeat"}};
-  const auto h = launch::classify(train::kHangExitCode, "exited with status 87", hang);
+  const auto h = launch::classify(watchdog::kHangExitCode, "exited with status 87", hang);
   EXPECT_EQ(h.kind, Kind::kLost);
   EXPECT_EQ(h.reason, "hung");
   EXPECT_EQ(h.lost_ranks, std::vector<int>{2});

@@ -73,7 +73,9 @@ inline Json every_field_changed() {
               {"straggler_trace", "trace.json"},
               {"watchdog", false},
               {"watchdog_floor_s", 30},
-              {"watchdog_multiple", 4}};
+              {"watchdog_multiple", 4},
+              {"watchdog_cut_after_s", 5},
+              {"watchdog_network", "198.18.13.0/24,eth1"}};
 }
 
 // Quotes a command-line argument for the shell.

@@ -294,6 +294,13 @@ std::vector<ConfigField> fault_fields() {
             positive<float>()),
       field(&C::watchdog_multiple, "watchdog_multiple", "--watchdog-multiple", P::kHonoured,
             "... or this many times its median duration so far, if longer", at_least(1.0f)),
+      field(&C::watchdog_cut_after_s, "watchdog_cut_after_s", "--watchdog-cut-after", P::kHonoured,
+            "Seconds no probe between two hosts may connect before the watchdog calls their link "
+            "cut and leaves the hosts on its far side out",
+            positive<float>()),
+      field(&C::watchdog_network, "watchdog_network", "--watchdog-network", P::kHonoured,
+            "The job's network for the watchdog's probes: CIDR ranges or interface names, "
+            "comma-separated (default: Open MPI's btl_tcp_if_include, else every interface)"),
 
   };
 }

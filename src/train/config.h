@@ -141,12 +141,16 @@ struct TrainConfig {
   std::vector<std::string> stragglers;
   std::string straggler_trace;
 
-  // Hang detection on several ranks (train/watchdog.h): a step, evaluation or checkpoint that
+  // Hang detection on several ranks (watchdog/watchdog.h): a step, evaluation or checkpoint that
   // takes longer than max(watchdog_floor_s, watchdog_multiple × its median so far) ends the job,
-  // naming the ranks that did not arrive.
+  // naming the ranks that did not arrive, or the hosts cut off: those its probes over the job's
+  // network (watchdog_network: CIDR ranges or interface names; "": Open MPI's btl_tcp_if_include,
+  // else every interface) could not reach for watchdog_cut_after_s.
   bool watchdog = true;
   float watchdog_floor_s = 120.0f;
   float watchdog_multiple = 10.0f;
+  float watchdog_cut_after_s = 3.0f;
+  std::string watchdog_network;
 
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }
 

@@ -137,6 +137,8 @@ void Trainer::replan_if_asked(StepStats* out) {
     plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
                    "re-plan");
     runtime::MigrationStats migration;
+    // A phase of its own for the watchdog: a migration's time is not a step's.
+    if (watchdog_) watchdog_->enter("migration", step_);
     // Timed here, the old engine's end included: what training waits for (an overlapped switch's
     // background part shows in the next step's time).
     const auto start = Clock::now();
@@ -255,9 +257,17 @@ int Trainer::run() {
   std::optional<Watchdog> watchdog;
   if (config_.watchdog && world_.size() > 1) {  // one rank waits for nobody
     start_watchdog(out, world_,
-                   {.floor_s = config_.watchdog_floor_s, .multiple = config_.watchdog_multiple},
+                   {.floor_s = config_.watchdog_floor_s,
+                    .multiple = config_.watchdog_multiple,
+                    .cut_after_s = config_.watchdog_cut_after_s,
+                    .network = config_.watchdog_network},
                    &watchdog);
   }
+  watchdog_ = watchdog ? &*watchdog : nullptr;
+  struct Unwatch {  // run() may leave by a return or an exception
+    Trainer* trainer;
+    ~Unwatch() { trainer->watchdog_ = nullptr; }
+  } unwatch{this};
   const auto watch = [&](const char* phase, int64_t step) {
     if (watchdog) watchdog->enter(phase, step);
   };

@@ -28,6 +28,10 @@
 #include "train/schedule.h"
 #include "train/setup.h"
 
+namespace malleus::watchdog {
+class Watchdog;
+}
+
 namespace malleus::train {
 
 // The run stopped at a step whose loss or gradient norm was not finite (Trainer::run).
@@ -126,6 +130,7 @@ class Trainer {
   int restarts_ = 0;
   bool state_ready_ = false;   // initialised from the seed, or restored
   Checkpointing checkpoints_;  // disk and memory checkpoints: when they are due, and the writers
+  watchdog::Watchdog* watchdog_ = nullptr;  // while run() runs with one: the phases it watches
 };
 
 // Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and
