@@ -1,6 +1,6 @@
 // Recovery from lost ranks: the watchdog's diagnosis (watchdog/watchdog.h), its probes between
 // hosts and the partition rule (watchdog/probe.h, watchdog/partition.h), and the supervisor's
-// reading of hostfiles and of how a job ended (launch/supervisor.h). The
+// reading of hostfiles and of how a job ended (launch/supervisor.h, launch/job_end.h). The
 // end-to-end runs under `malleus launch` are in test_recovery_runs.cpp.
 #include <gtest/gtest.h>
 
@@ -20,6 +20,7 @@
 #include "checkpoint/memory_gather.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "launch/job_end.h"
 #include "launch/supervisor.h"
 #include "test_util.h"
 #include "watchdog/watchdog.h"
@@ -396,11 +397,67 @@ TEST(Launch, TellsLostRanksFromStopsAndErrors) {
   EXPECT_EQ(h.reason, "hung");
   EXPECT_EQ(h.lost_ranks, std::vector<int>{2});
 
+  // A partition: the ranks of the hosts cut off.
+  const Json cut = {{"lost_ranks", {2, 3}},
+                    {"cut_off_hosts", {"h1"}},
+                    {"message", "watchdog: ... host h1 is cut off (...)"}};
+  const auto c = launch::classify(watchdog::kHangExitCode, "", cut);
+  EXPECT_EQ(c.kind, Kind::kLost);
+  EXPECT_EQ(c.reason, "cut off");
+  EXPECT_EQ(c.lost_ranks, (std::vector<int>{2, 3}));
+  EXPECT_EQ(c.cut_off_hosts, std::vector<std::string>{"h1"});
+
   EXPECT_EQ(launch::classify(128 + SIGUSR1, "stopped by SIGUSR1", std::nullopt).kind,
             Kind::kStopped);
   const auto e = launch::classify(1, "error: [rank 0] bad.json: no such file\n", std::nullopt);
   EXPECT_EQ(e.kind, Kind::kFailed);
   EXPECT_EQ(e.detail, "error: [rank 0] bad.json: no such file");
+}
+
+TEST(Launch, SeesMpirunAbortingAJob) {
+  EXPECT_EQ(launch::job_abort_sign("step 5\nPrimary job  terminated normally, but 1 process "
+                                   "returned\na non-zero exit code. Per user-direction, the job "
+                                   "has been aborted.\n"),
+            "a non-zero exit code. Per user-direction, the job has been aborted.");
+  EXPECT_TRUE(
+      launch::job_abort_sign("mpirun noticed that process rank 3 with PID 4242 on node "
+                             "box exited on signal 9 (Killed).\n"));
+  EXPECT_FALSE(launch::job_abort_sign("step 5/20 | loss 5.1\nsaved checkpoint run/step_5\n"));
+}
+
+TEST(Launch, EndsAProcessTreeAndNamesTheRanksStillBeating) {
+  // A shell whose child and grandchild sleep: all three end.
+  const pid_t root = ::fork();
+  ASSERT_GE(root, 0);
+  if (root == 0) {
+    ::execl("/bin/sh", "sh", "-c", "sleep 60 & (sleep 60 & wait) & wait", nullptr);
+    std::_Exit(127);
+  }
+  ASSERT_TRUE(eventually(10, [&] { return launch::process_tree(root).size() >= 4; }));
+  const auto tree = launch::process_tree(root);
+  EXPECT_EQ(tree.front(), root);
+  const auto killed = launch::kill_process_tree(root);
+  EXPECT_EQ(killed.size(), tree.size());
+  int status = 0;
+  ASSERT_EQ(::waitpid(root, &status, 0), root);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  for (pid_t pid : tree) {
+    EXPECT_TRUE(eventually(10, [&] { return launch::process_tree(pid).empty(); })) << pid;
+  }
+  // Heartbeats: rank 1 beat after the end, rank 0 before it, rank 2 never.
+  ScratchDir dir;
+  fs::create_directories(watchdog::heartbeat_dir(dir.path()));
+  for (int r : {0, 1}) {
+    watchdog::Heartbeat h = beat(r, 7, "step", r == 0 ? 990 : 1010);
+    h.host = "h" + std::to_string(r);
+    write_file_atomic(
+        watchdog::heartbeat_dir(dir.path()) / ("rank_0000" + std::to_string(r) + ".json"),
+        h.to_json().dump());
+  }
+  const auto running = launch::ranks_beating_since(dir.path(), 3, 1000);
+  ASSERT_EQ(running.size(), 1u);
+  EXPECT_EQ(running[0].rank, 1);
+  EXPECT_EQ(launch::describe(running), "rank 1 (pid 1001 on h1)");
 }
 
 TEST(MemoryHolders, PeersAreOnAnotherHostWhereThereIsOne) {

@@ -5,6 +5,7 @@
 // the ranks keep in each other's memory, and the disk where a copy is gone, stale or damaged.
 // Every command runs under `timeout`, so a hang fails the test instead of blocking it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <csignal>
@@ -21,6 +22,7 @@
 #include "metrics/metrics.h"
 #include "test_util.h"
 #include "train/resume.h"
+#include "watchdog/watchdog.h"
 
 using namespace malleus;
 using malleus::testing::BackgroundCommand;
@@ -88,13 +90,25 @@ bool wait_for_step(BackgroundCommand& job, int step) {
   return job.wait_for_output(text + "/", kTimeoutS);
 }
 
+std::map<int64_t, double> uninterrupted_with(const ScratchDir& dir, const std::string& train);
+
 // Losses of the same run never interrupted, on 4 ranks (at full speed: the injected straggler
 // changes timings only), in a session of its own like the job (tests/own_session.sh).
 std::map<int64_t, double> uninterrupted(const ScratchDir& dir, int steps) {
-  const auto r =
-      run_command(MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kMpiEnvironment + "timeout " +
-                  std::to_string(kTimeoutS) + " " + MALLEUS_MPIRUN + " --oversubscribe -np 4 " +
-                  MALLEUS_BINARY + " train " + tiny_flags(dir, "straight", steps, Pace::kFull));
+  return uninterrupted_with(dir, tiny_flags(dir, "run", steps, Pace::kFull));
+}
+
+// ... of the run `train` gives (its --out replaced).
+std::map<int64_t, double> uninterrupted_with(const ScratchDir& dir, const std::string& train) {
+  const std::string run = "--out " + (dir / "run").string();
+  std::string flags = train;
+  const size_t at = flags.find(run);
+  EXPECT_NE(at, std::string::npos) << flags;
+  if (at != std::string::npos)
+    flags.replace(at, run.size(), "--out " + (dir / "straight").string());
+  const auto r = run_command(MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kMpiEnvironment +
+                             "timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_MPIRUN +
+                             " --oversubscribe -np 4 " + MALLEUS_BINARY + " train " + flags);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return read_metrics(dir / "straight").losses;
 }
@@ -260,6 +274,107 @@ TEST_F(RecoverySlow, TooFewDevicesLeftStopsWithoutRestarting) {
   EXPECT_FALSE(fs::exists(held->root));
 }
 
+// ---- A job mpirun cannot end (launch/job_end.h) ----
+//
+// A stand-in for mpirun that behaves as mpirun does when a link went down: the job failed (its
+// watchdog wrote hang.json naming rank 1 cut off) and mpirun never returns, waiting for the
+// daemon of a host it cannot reach; that host's rank still beats (a process outside the stand-in's
+// tree, as a rank on another machine is). A second job (-np 1) finishes at once.
+
+namespace {
+
+void write_stand_in(const fs::path& path, const fs::path& run, const std::string& second_job) {
+  const std::string heartbeat = (run / "heartbeats" / "rank_00001.json").string();
+  write_file_atomic(path,
+                    "#!/bin/bash\n"
+                    "for a in \"$@\"; do [[ $a == 1 && $np == 1 ]] && { " +
+                        second_job +
+                        "; }; "
+                        "[[ $a == -np ]] && np=1 || np=; done\n"
+                        "mkdir -p " +
+                        (run / "heartbeats").string() +
+                        "\n"
+                        "(setsid bash -c 'while :; do echo "
+                        "\"{\\\"rank\\\":1,\\\"pid\\\":$$,\\\"host\\\":\\\"far\\\","
+                        "\\\"step\\\":3,\\\"phase\\\":\\\"step\\\",\\\"phase_since\\\":0,"
+                        "\\\"beat\\\":$EPOCHREALTIME}\" "
+                        "> " +
+                        heartbeat + ".tmp && mv " + heartbeat + ".tmp " + heartbeat +
+                        "; sleep 0.2; done' "
+                        "< /dev/null > /dev/null 2>&1 &)\n"
+                        "echo \"step     3/20 | loss 5.0\"\n"
+                        "sleep 0.5\n"
+                        "echo '{\"lost_ranks\": [1], \"cut_off_hosts\": [\"far\"], \"message\": "
+                        "\"watchdog: host far "
+                        "is cut off\"}' > " +
+                        (run / "hang.json").string() +
+                        "\n"
+                        "exec sleep 600\n");
+  fs::permissions(path, fs::perms::owner_all);
+}
+
+}  // namespace
+
+TEST_F(RecoverySlow, AJobMpirunCannotEndIsEndedAfterTheGraceAndWhatBeatsOnIsNamed) {
+  // The run needs a checkpoint to restart from: two steps of the real job first.
+  ASSERT_EQ(run_command(kMpiEnvironment + "timeout 120 " MALLEUS_MPIRUN " --oversubscribe -np 2 " +
+                        MALLEUS_BINARY + " train " + tiny_flags(dir, "run", 2, Pace::kFull))
+                .exit_code,
+            0);
+  const fs::path stand_in = dir / "mpirun";
+  write_stand_in(stand_in, run, "echo 'step     4/20'; exit 0");
+  const auto r = run_command("timeout 120 " MALLEUS_BINARY
+                             " launch --np 2 --exit-grace 2 "
+                             "--mpirun " +
+                             stand_in.string() + " -- train " +
+                             tiny_flags(dir, "run", 20, Pace::kFull) + " --resume " + run.string());
+  // From the job's failure (the report's time of writing; kept as hang-1.json) to the end of the
+  // supervisor, the restart's stand-in job included (under load, the start may take longer).
+  struct stat report {};
+  ASSERT_EQ(::stat((run / "hang-1.json").c_str(), &report), 0) << r.output;
+  const double took =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count() -
+      (static_cast<double>(report.st_mtim.tv_sec) +
+       1e-9 * static_cast<double>(report.st_mtim.tv_nsec));
+  // The rank that beat on, named by the pid in its heartbeat: ended here, after the test.
+  const Json last = read_json_file((run / "heartbeats" / "rank_00001.json").string());
+  ::kill(static_cast<pid_t>(last["pid"].get<int64_t>()), SIGKILL);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(took, 15) << r.output;  // 2 s of grace, 1.5 s to see who beats on, the restart
+  EXPECT_NE(r.output.find("launch: the job failed (the watchdog's " + (run / "hang.json").string() +
+                          ") and mpirun had not ended it 2."),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("could not end rank 1 (pid " +
+                          std::to_string(last["pid"].get<int64_t>()) + " on far): still running"),
+            std::string::npos)
+      << r.output;
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << r.output;
+  EXPECT_EQ(m.restarts[0].reason, "cut off");
+  EXPECT_EQ(m.restarts[0].cut_off_hosts, std::vector<std::string>{"far"});
+  EXPECT_EQ(m.restarts[0].ended_by, "launch");
+  EXPECT_EQ(m.restarts[0].unended_ranks, std::vector<int64_t>{1});
+  EXPECT_EQ(m.restarts[0].ranks_after, 1);
+}
+
+TEST_F(RecoverySlow, AJobThatPrintsNothingIsEndedAfterTheStartTimeout) {
+  const fs::path stand_in = dir / "mpirun";
+  write_file_atomic(stand_in, "#!/bin/bash\nexec sleep 600\n");
+  fs::permissions(stand_in, fs::perms::owner_all);
+  const auto r =
+      run_command("timeout 120 " MALLEUS_BINARY
+                  " launch --np 2 --start-timeout 2 "
+                  "--mpirun " +
+                  stand_in.string() + " -- train " + tiny_flags(dir, "run", 20, Pace::kFull));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: launch: the job printed nothing within 2.0 s of its start "
+                          "(--start-timeout): mpirun may be waiting for a host it cannot reach; "
+                          "ended it, not restarting"),
+            std::string::npos)
+      << r.output;
+}
+
 namespace {
 
 // A 4-rank job under plain mpirun (no supervisor), memory checkpoints every step and disk ones
@@ -418,9 +533,10 @@ TEST_F(RecoverySlow, StaleOrUnfinishedMemoryCopiesAreNotTaken) {
 namespace {
 
 // The bed's namespaces and addresses, apart from the other tests' (tests/CMakeLists.txt).
-const std::string kBed = kMpiEnvironment +
-                         "MALLEUS_HOSTS_PREFIX=mr MALLEUS_HOSTS_SUBNET=198.18.15 "
-                         "MALLEUS_HOSTS_SLOTS=2 " MALLEUS_SOURCE_DIR "/scripts/hosts.sh ";
+const std::string kBedEnvironment =
+    kMpiEnvironment +
+    "MALLEUS_HOSTS_PREFIX=mr MALLEUS_HOSTS_SUBNET=198.18.15 MALLEUS_HOSTS_SLOTS=2 ";
+const std::string kBed = kBedEnvironment + MALLEUS_SOURCE_DIR "/scripts/hosts.sh ";
 
 // Brings the bed of 2 hosts up (skipped() where namespaces cannot be made) and always down again.
 class TwoHosts {

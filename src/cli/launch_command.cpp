@@ -54,6 +54,16 @@ void add_launch_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--mpirun-args", args->mpirun_args,
                   "Extra arguments for mpirun, in one word: --mpirun-args='--oversubscribe'");
+  cmd->add_option("--exit-grace", args->options.exit_grace_s,
+                  "Seconds mpirun gets to end a failed job (a rank hung, cut off or killed) before "
+                  "the supervisor ends mpirun and its local ranks itself")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--start-timeout", args->options.start_timeout_s,
+                  "Seconds a job may print nothing after its start before it is ended and not "
+                  "restarted (a host mpirun cannot reach); 0: no limit")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("command", args->options.command, "-- train <arguments>")->required();
   cmd->callback([args] {
     std::istringstream words(args->mpirun_args);

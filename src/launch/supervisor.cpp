@@ -17,23 +17,31 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/memory_checkpoint.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
+#include "launch/job_end.h"
 #include "metrics/metrics.h"
 #include "train/resume.h"
 #include "train/setup.h"
 #include "train/stop_signal.h"
-#include "train/watchdog.h"
+#include "watchdog/watchdog.h"
 
 namespace malleus::launch {
 
 namespace fs = std::filesystem;
 
 namespace {
+
+std::string one_decimal(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", seconds);
+  return text;
+}
 
 double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -94,23 +102,29 @@ int wait_status(pid_t pid) {
 }
 
 // Forwards the child's output to ours until both pipes close, keeping the last `keep` bytes of
-// it; `on_stdout` sees every chunk of its stdout. A stop signal to the supervisor is passed on
-// to the child once, as SIGUSR1 (which mpirun forwards to every rank: they checkpoint and stop).
+// it; `on_output` sees every chunk (and whether it came on stdout). A stop signal to the supervisor
+// is passed on to the child once, as SIGUSR1 (which mpirun forwards to every rank: they checkpoint
+// and stop). `on_tick` runs every 200 ms; once it returns true (the job was ended), the pipes get
+// kDrainS more seconds to close (a process out of reach may hold them open).
 struct Forwarded {
   std::string tail;
   bool stop_forwarded = false;
 };
-template <typename OnStdout>
-Forwarded forward(const Child& child, size_t keep, OnStdout&& on_stdout) {
+constexpr double kDrainS = 2;
+template <typename OnOutput, typename OnTick>
+Forwarded forward(const Child& child, size_t keep, OnOutput&& on_output, OnTick&& on_tick) {
   Forwarded f;
   pollfd fds[2] = {{child.out, POLLIN, 0}, {child.err, POLLIN, 0}};
   int open = 2;
   char buffer[65536];
+  std::optional<double> drain_until;
   while (open > 0) {
     if (!f.stop_forwarded && train::StopSignals::received() != 0) {
       ::kill(child.pid, SIGUSR1);
       f.stop_forwarded = true;
     }
+    if (!drain_until && on_tick()) drain_until = unix_now() + kDrainS;
+    if (drain_until && unix_now() > *drain_until) break;
     const int ready = ::poll(fds, 2, 200);
     if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
     for (int i = 0; i < 2 && ready > 0; ++i) {
@@ -127,10 +141,13 @@ Forwarded forward(const Child& child, size_t keep, OnStdout&& on_stdout) {
       std::FILE* to = i == 0 ? stdout : stderr;
       std::fwrite(chunk.data(), 1, chunk.size(), to);
       std::fflush(to);
-      if (i == 0) on_stdout(chunk);
+      on_output(chunk, i == 0);
       f.tail += chunk;
       if (f.tail.size() > keep) f.tail.erase(0, f.tail.size() - keep);
     }
+  }
+  for (int fd : {fds[0].fd, fds[1].fd}) {
+    if (fd >= 0) ::close(fd);
   }
   return f;
 }
@@ -274,6 +291,77 @@ class ScratchDir {
   fs::path path_;
 };
 
+// How one job ended: mpirun's status and output, and whether the supervisor had to end it.
+struct JobEnd {
+  Forwarded forwarded;
+  int status = 0;
+  double ended_at = 0;  // Unix time
+  std::string ended_by = "mpirun";
+  std::vector<UnendedRank> unended;  // ranks still running after the supervisor ended the job
+};
+
+// Watches a running job for the signs that it failed (job_end.h): the watchdog's hang.json, or
+// mpirun's word that it is aborting the job. mpirun then gets `grace_s` to end the job; after that
+// the supervisor ends mpirun's whole process tree itself.
+class FailureWatch {
+ public:
+  FailureWatch(fs::path hang_path, const LaunchOptions& o, pid_t job)
+      : hang_path_(std::move(hang_path)),
+        grace_s_(o.exit_grace_s),
+        start_timeout_s_(o.start_timeout_s),
+        job_(job),
+        started_at_(unix_now()) {}
+
+  void on_output(const std::string& chunk, bool is_stdout) {
+    printed_ = printed_ || is_stdout;
+    if (seen_at_) return;
+    const std::string text = carry_ + chunk;  // a sign split between two chunks
+    if (const auto sign = job_abort_sign(text)) note("mpirun's \"" + *sign + "\"");
+    carry_ = text.substr(text.size() > 200 ? text.size() - 200 : 0);
+  }
+
+  // Called every 200 ms: true once the job was ended here.
+  bool tick() {
+    if (ended_at_) return true;
+    std::error_code ec;
+    if (!seen_at_ && fs::exists(hang_path_, ec)) note("the watchdog's " + hang_path_.string());
+    if (!seen_at_ && !printed_ && start_timeout_s_ > 0 &&
+        unix_now() - started_at_ > start_timeout_s_) {
+      // mpirun waits without limit for a daemon it cannot reach; so may ssh. No grace: it had its
+      // time.
+      did_not_start_ = true;
+      note("nothing printed within " + one_decimal(start_timeout_s_) + " s of its start");
+      seen_at_ = unix_now() - grace_s_;
+    }
+    if (!seen_at_ || unix_now() - *seen_at_ < grace_s_) return false;
+    ended_at_ = unix_now();
+    const size_t killed = kill_process_tree(job_).size();
+    std::printf(
+        "launch: the job failed (%s) and mpirun had not ended it %.1f s later (--exit-grace): "
+        "ended it (%zu process%s on this host)\n",
+        sign_.c_str(), *ended_at_ - *seen_at_, killed, killed == 1 ? "" : "es");
+    std::fflush(stdout);
+    return true;
+  }
+
+  std::optional<double> ended_at() const { return ended_at_; }
+  bool did_not_start() const { return did_not_start_; }
+
+ private:
+  void note(const std::string& sign) {
+    seen_at_ = unix_now();
+    sign_ = sign;
+  }
+
+  const fs::path hang_path_;
+  const double grace_s_, start_timeout_s_;
+  const pid_t job_;
+  const double started_at_;
+  bool printed_ = false, did_not_start_ = false;
+  std::string carry_, sign_;
+  std::optional<double> seen_at_, ended_at_;
+};
+
 // One supervision: the jobs it starts, one after another, and what it remembers between them.
 class Supervisor {
  public:
@@ -315,13 +403,11 @@ class Supervisor {
       check(n >= o_.min_ranks, "launch: " + format_counted(n, "device") +
                                    " left, fewer than --min-ranks " + std::to_string(o_.min_ranks) +
                                    ": not starting the job");
-      int status = 0;
-      const Forwarded forwarded = run_job(job_argv(ranks, attempt), attempt == 0, &status);
-      const double ended_at = unix_now();
-      failed_job_ended_ = ended_at;
-      const Outcome outcome = classify(status, forwarded.tail, take_hang_report());
-      if (const std::optional<int> code = ended(outcome, forwarded, status)) return *code;
-      if (const std::optional<int> code = restart(outcome, ranks, ended_at)) return *code;
+      const JobEnd job = run_job(job_argv(ranks, attempt), attempt == 0, n);
+      failed_job_ended_ = job.ended_at;
+      const Outcome outcome = classify(job.status, job.forwarded.tail, take_hang_report());
+      if (const std::optional<int> code = ended(outcome, job.forwarded, job.status)) return *code;
+      if (const std::optional<int> code = restart(outcome, ranks, job)) return *code;
     }
   }
 
@@ -381,16 +467,23 @@ class Supervisor {
     return argv;
   }
 
-  // Runs one job to its end, forwarding its output; after a restart, says when its first step
-  // came. Sets mpirun's exit status.
-  Forwarded run_job(const std::vector<std::string>& argv, bool first_job, int* status) const {
+  // Runs one job of `n` ranks to its end, forwarding its output, and ends it itself when mpirun
+  // does not end it within the grace period after it failed (FailureWatch); after a restart, says
+  // when its first step came.
+  JobEnd run_job(const std::vector<std::string>& argv, bool first_job, int n) const {
     std::printf("launch: %s\n", shell_words(argv).c_str());
     std::fflush(stdout);
+    // A report no job of this supervision wrote (an earlier run's) is not this job's failure.
+    std::error_code ec;
+    if (first_job) fs::remove(watchdog::hang_report_path(run_dir_), ec);
     const Child child = spawn(argv);
+    FailureWatch watch(watchdog::hang_report_path(run_dir_), o_, child.pid);
     bool first_step_seen = first_job;
     std::string line_start = "\n";  // the stdout seen so far ends here (for "step " at a line)
-    const Forwarded forwarded = forward(child, 1 << 20, [&](const std::string& chunk) {
-      if (first_step_seen) return;
+    JobEnd job;
+    const auto on_output = [&](const std::string& chunk, bool is_stdout) {
+      watch.on_output(chunk, is_stdout);
+      if (first_step_seen || !is_stdout) return;
       const std::string text = line_start + chunk;
       if (text.find("\nstep ") != std::string::npos) {
         first_step_seen = true;
@@ -399,15 +492,40 @@ class Supervisor {
         std::fflush(stdout);
       }
       line_start = text.substr(text.size() > 8 ? text.size() - 8 : 0);
-    });
-    *status = wait_status(child.pid);
-    return forwarded;
+    };
+    job.forwarded = forward(child, 1 << 20, on_output, [&] { return watch.tick(); });
+    job.status = wait_status(child.pid);
+    job.ended_at = unix_now();
+    if (const std::optional<double> ended_at = watch.ended_at()) {
+      job.ended_by = "launch";
+      job.unended = still_running(n, *ended_at);
+    }
+    check(!watch.did_not_start(),
+          "launch: the job printed nothing within " + one_decimal(o_.start_timeout_s) +
+              " s of its start (--start-timeout): mpirun may be waiting for a host it cannot "
+              "reach; ended it, not restarting");
+    return job;
+  }
+
+  // The ranks of a job the supervisor ended that beat again after it did (on hosts out of its
+  // reach), named on stderr. A heartbeat comes at least once a second (watchdog/watchdog.h).
+  std::vector<UnendedRank> still_running(int n, double ended_at) const {
+    const double wait_s = ended_at + 1.5 - unix_now();
+    if (wait_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
+    std::vector<UnendedRank> unended = ranks_beating_since(run_dir_, n, ended_at);
+    if (!unended.empty()) {
+      std::fprintf(stderr,
+                   "launch: warning: could not end %s: still running on a host this one cannot "
+                   "reach (its own watchdog ends it; else end it there)\n",
+                   describe(unended).c_str());
+    }
+    return unended;
   }
 
   // The watchdog's report, kept as hang-<restart>.json (the next job clears hang.json).
   std::optional<Json> take_hang_report() const {
     std::optional<Json> hang_report;
-    const fs::path hang_path = train::hang_report_path(run_dir_);
+    const fs::path hang_path = watchdog::hang_report_path(run_dir_);
     if (fs::exists(hang_path)) {
       try {
         hang_report = parse_json(read_file(hang_path), hang_path.string());
@@ -452,7 +570,7 @@ class Supervisor {
   // devices left (recorded in metrics.jsonl and on stdout). Returns 0 when the run had already
   // finished; throws Error when no restart can be made.
   std::optional<int> restart(const Outcome& outcome, const std::vector<std::string>& ranks,
-                             double ended_at) {
+                             const JobEnd& job) {
     const int n = static_cast<int>(ranks.size());
     std::vector<int> lost;
     for (int r : outcome.lost_ranks) {
@@ -501,7 +619,11 @@ class Supervisor {
     for (int r : lost) record.lost_ranks.push_back(r);
     record.ranks_before = n;
     record.ranks_after = left;
-    record.failed_at = ended_at;
+    record.failed_at = job.ended_at;
+    record.cut_off_hosts = outcome.cut_off_hosts;
+    record.ended_by = job.ended_by;
+    for (const UnendedRank& r : job.unended) record.unended_ranks.push_back(r.rank);
+    record.unended = describe(job.unended);
     report_restart(record, who);
     restarted_from_ = from;
     last_reason_ = outcome.reason;
@@ -589,9 +711,10 @@ Outcome classify(int status, const std::string& output, const std::optional<Json
   }
   if (hang_report) {
     o.kind = Outcome::Kind::kLost;
-    o.reason = "hung";
     JsonReader r(*hang_report, "hang report");
     o.lost_ranks = r.optional<std::vector<int>>("lost_ranks", {});
+    o.cut_off_hosts = r.optional<std::vector<std::string>>("cut_off_hosts", {});
+    o.reason = o.cut_off_hosts.empty() ? "hung" : "cut off";
     o.detail = r.optional<std::string>("message", "");
     return o;
   }

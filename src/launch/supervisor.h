@@ -1,7 +1,7 @@
 // The supervisor behind `malleus launch`: it starts a training job with mpirun on a set of
 // devices (the slots of a hostfile, or local slots), forwards its output, and when the job ends
 // because ranks were lost — a rank killed (mpirun names it), or a rank hung (the watchdog's
-// <run>/hang.json names it, train/watchdog.h) — it restarts the job from the run's latest
+// <run>/hang.json names it, watchdog/watchdog.h) — it restarts the job from the run's latest
 // complete checkpoint on the devices that are left, with the planner's plan for them
 // (`--plan auto`; a checkpoint reshards to any plan and world size). Each restart is a record in
 // metrics.jsonl and a line on stdout, and the step lines of the restarted job count the restarts.
@@ -45,6 +45,7 @@ struct Outcome {
   std::string reason;  // "killed", "hung"; for kFailed and kStopped, what was seen
   std::string detail;  // mpirun's or the watchdog's words
   std::vector<int> lost_ranks;
+  std::vector<std::string> cut_off_hosts;  // "cut off": the hosts the watchdog found cut off
 };
 // `status`: mpirun's exit status (128 + n when mpirun itself died of signal n). `output`: what
 // mpirun printed (its "process rank R ... exited on signal S" lines name killed ranks).
@@ -60,6 +61,12 @@ struct LaunchOptions {
   std::vector<std::string> mpirun_args;  // extra arguments for mpirun, e.g. --oversubscribe
   std::string binary;                    // the malleus executable the ranks run
   std::vector<std::string> command;      // "train" and its arguments
+  // After a job failed (job_end.h), how long mpirun may take to end it before the supervisor ends
+  // mpirun and its local ranks itself.
+  double exit_grace_s = 5;
+  // A job that has printed nothing on stdout this long after its start is ended (mpirun waits
+  // without limit for a host it cannot reach at the start too), and not restarted. 0: no limit.
+  double start_timeout_s = 300;
 };
 
 // Runs the job to its end, restarting it as described above. Returns the exit status for the

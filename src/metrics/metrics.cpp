@@ -121,7 +121,11 @@ constexpr auto fields(const RestartRecord*) {
                     Field<R, std::vector<int64_t>>{"lost_ranks", &R::lost_ranks},
                     Field<R, int64_t>{"ranks_before", &R::ranks_before},
                     Field<R, int64_t>{"ranks_after", &R::ranks_after},
-                    Field<R, double>{"failed_at", &R::failed_at}};
+                    Field<R, double>{"failed_at", &R::failed_at},
+                    Field<R, std::vector<std::string>>{"cut_off_hosts", &R::cut_off_hosts},
+                    Field<R, std::string>{"ended_by", &R::ended_by},
+                    Field<R, std::vector<int64_t>>{"unended_ranks", &R::unended_ranks},
+                    Field<R, std::string>{"unended", &R::unended}};
 }
 
 constexpr const char* kSwitched = "replan";
@@ -194,6 +198,16 @@ class Reader {
     for (const Json& element : *value) {
       if (!element.is_number_integer()) wrong_type(key, "an array of integers");
       out.push_back(element.get<int64_t>());
+    }
+  }
+
+  void get(const char* key, bool required, std::vector<std::string>& out) const {
+    const Json* value = find(key, required);
+    if (value == nullptr || value->is_null()) return;
+    if (!value->is_array()) wrong_type(key, "an array of strings");
+    for (const Json& element : *value) {
+      if (!element.is_string()) wrong_type(key, "an array of strings");
+      out.push_back(element.get<std::string>());
     }
   }
 

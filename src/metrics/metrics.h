@@ -87,6 +87,15 @@ struct RestartRecord {
   std::vector<int64_t> lost_ranks;  // ranks of the failed job
   int64_t ranks_before = 0, ranks_after = 0;
   double failed_at = kUnknown;  // Unix time the failed job ended
+  // The hosts the watchdog found cut off from the others (reason "cut off"), left out.
+  std::vector<std::string> cut_off_hosts;
+  // "mpirun": it ended the failed job itself; "launch": it had not within the grace period, and the
+  // supervisor ended it and its local ranks.
+  std::string ended_by;
+  // Ranks of the failed job still running after the supervisor ended what it could (on hosts it
+  // cannot reach), and the words naming them ("rank 2 (pid 1234 on node1)").
+  std::vector<int64_t> unended_ranks;
+  std::string unended;
 };
 
 using MetricsRecord = std::variant<StepRecord, EvalRecord, ReplanRecord, RestartRecord>;
