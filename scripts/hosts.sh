@@ -11,10 +11,18 @@
 #   scripts/hosts.sh shape HOST RATE  limit HOST's link to RATE (tc units: 100mbit, 1gbit,
 #                                     12500kbps...) in both directions; repeat to change it
 #                                     while a job runs
-#   scripts/hosts.sh unshape HOST     remove the limit
+#   scripts/hosts.sh unshape HOST     remove the limit (and a loss)
+#   scripts/hosts.sh loss HOST PCT    drop PCT % of the packets on HOST's link, at random, in both
+#                                     directions (replaces a shaping; unshape removes it). This
+#                                     kernel has no netem: a classic-BPF tc filter sorts each packet
+#                                     by a random number into a class whose queue holds nothing
+#   scripts/hosts.sh cut HOST         take HOST's link down (as a NIC, cable or switch port fails)
+#   scripts/hosts.sh heal HOST        bring it up again
 #   scripts/hosts.sh hostfile [SLOTS] print an OpenMPI hostfile, SLOTS (default 2) per host
 #   scripts/hosts.sh mpirun ARGS...   mpirun from host 0 across every host (-np, --map-by and the
-#                                     program come from ARGS); ranks fill host 0 first, then 1...
+#                                     program come from ARGS); ranks fill host 0 first, then 1...;
+#                                     a --hostfile in ARGS (of bed addresses) replaces the bed's
+#                                     own: what `malleus launch --mpirun scripts/bed_mpirun.sh` gives
 #   scripts/hosts.sh exec HOST CMD... run CMD inside HOST's namespace
 #   scripts/hosts.sh run N SECONDS ARGS...
 #                                     up N, mpirun ARGS with a time limit of SECONDS (then the
@@ -79,6 +87,9 @@ cmd_down() {
     xargs -r kill -9 < "$dir/cgroup.procs" 2> /dev/null || true
     rmdir "$dir" 2> /dev/null || { sleep 0.5; rmdir "$dir"; }
   done
+  # Open MPI's session directories of the hosts (named after their host names), which a daemon
+  # killed above leaves behind.
+  rm -rf -- "${TMPDIR:-/tmp}/ompi.$prefix-h"[0-9]*".$(id -u)"
   # The hosts' memory: lost with them.
   for dir in "$MALLEUS_HOSTS_SHM/$prefix"-h*; do
     [[ ! -d $dir ]] || [[ ! $dir =~ /$prefix-h[0-9]+$ ]] || rm -rf -- "$dir"
@@ -185,6 +196,39 @@ cmd_unshape() {
   ip netns exec "$switch_ns" tc qdisc del dev "port$host" root 2> /dev/null || true
 }
 
+# Random loss without netem, on both ends of the host's link: an htb root whose filter, a classic
+# BPF program, draws a random number per packet (ld rand) and sends PCT in 100 of them to class
+# 1:20, whose pfifo holds no packet (every one enqueued there is dropped); the rest go to 1:10.
+cmd_loss() {
+  local host=${1:-} pct=${2:-}
+  require_host "$host"
+  [[ $pct =~ ^[0-9]+$ ]] && ((pct <= 100)) || die "loss: '$pct': expected a percentage 0..100"
+  # A = random u32; A %= 100; A >= pct ? 1:10 (pass) : 1:20 (drop).
+  local program="5,32 0 0 4294963256,148 0 0 100,53 1 0 $pct,6 0 0 65568,6 0 0 65552"
+  local dev ns
+  for dev in "eth0@$prefix-h$host" "port$host@$switch_ns"; do
+    ns=${dev#*@}
+    dev=${dev%@*}
+    ip netns exec "$ns" tc qdisc del dev "$dev" root 2> /dev/null || true
+    ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: htb default 10 r2q 100000
+    ip netns exec "$ns" tc class add dev "$dev" parent 1: classid 1:10 htb rate 100gbit
+    ip netns exec "$ns" tc class add dev "$dev" parent 1: classid 1:20 htb rate 100gbit
+    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1:20 handle 20: pfifo limit 0
+    ip netns exec "$ns" tc filter add dev "$dev" parent 1: protocol all bpf bytecode "$program"
+  done
+}
+
+# The host's end of its link down or up: the host's routes over it go (and come back), its peers'
+# packets to it are lost on the switch.
+cmd_cut() {
+  require_host "${1:-}"
+  ip -n "$prefix-h$1" link set dev eth0 down
+}
+cmd_heal() {
+  require_host "${1:-}"
+  ip -n "$prefix-h$1" link set dev eth0 up
+}
+
 cmd_hostfile() {
   local slots=${1:-${MALLEUS_HOSTS_SLOTS:-2}} i
   [[ $slots =~ ^[1-9][0-9]*$ ]] || die "hostfile: slots '$slots': expected a positive count"
@@ -237,9 +281,23 @@ cmd_exec() {
 
 cmd_mpirun() {
   [[ -n $(hosts) ]] || die "mpirun: no hosts are up (scripts/hosts.sh up N)"
-  local hostfile
+  local hostfile arg args=()
   hostfile=$(mktemp "/tmp/$prefix-hostfile.XXXXXX")
   cmd_hostfile > "$hostfile"
+  # A hostfile of the caller's (malleus launch writes one per job) replaces the bed's.
+  while (($# > 0)); do
+    arg=$1
+    shift
+    case $arg in
+      --hostfile | -hostfile | --machinefile | -machinefile)
+        (($# > 0)) || die "mpirun: $arg needs a file"
+        cp -- "$1" "$hostfile"
+        shift ;;
+      --hostfile=*) cp -- "${arg#*=}" "$hostfile" ;;
+      *) args+=("$arg") ;;
+    esac
+  done
+  set -- "${args[@]}"
   local btl=${MALLEUS_HOSTS_BTL:-tcp,self}
   # mpirun itself runs on host 0 (it lists host 0's address, so it starts host 0's ranks itself);
   # the agent starts an orted in each other host. OOB and BTL traffic stay on the veth subnet.
@@ -274,6 +332,9 @@ case ${1:-} in
   status) cmd_status ;;
   shape) cmd_shape "${@:2}" ;;
   unshape) cmd_unshape "${@:2}" ;;
+  loss) cmd_loss "${@:2}" ;;
+  cut) cmd_cut "${@:2}" ;;
+  heal) cmd_heal "${@:2}" ;;
   hostfile) cmd_hostfile "${@:2}" ;;
   agent) cmd_agent "${@:2}" ;;
   exec) cmd_exec "${@:2}" ;;

@@ -645,3 +645,195 @@ TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
   expect_resumed_from_disk(r.output, copy, "rank_00001.bin is missing on every host", disk);
   expect_same_losses(read_metrics(run).losses, uninterrupted(dir, kHostSteps), kHostSteps);
 }
+
+// ---- A host cut off on the bed (watchdog/partition.h, launch/job_end.h) ----
+//
+// `malleus launch` across the bed's 2 hosts × 2 ranks (the supervisor on host 0: it sees host 0's
+// memory), the tiny run with a memory checkpoint every step and the watchdog's floor at 10 s. Host
+// 1's link goes down at a chosen point of a step: the watchdog's probes find host 1 cut off,
+// mpirun (which cannot reach host 1's daemon) is ended by the supervisor after its grace, and the
+// job restarts on host 0 from host 0's memory (its ranks' own shards and their peers' copies of
+// host 1's), with the losses of a run never cut. The time from the cut to the first step of the
+// restarted job is printed.
+
+namespace {
+
+constexpr int kCutSteps = 24;
+constexpr double kFloorS = 10;
+
+// `malleus launch` on the bed (the hostfile of its 2 hosts in `hosts`), training `train`.
+std::string launch_on_bed(const fs::path& hosts, const std::string& train) {
+  const std::string base = checkpoint::memory_checkpoint_base().string();
+  return MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kBedEnvironment +
+         "MALLEUS_HOSTS_SHM=" + base + " MALLEUS_MEMORY_CHECKPOINT_DIR=" + base +
+         "/mr-h0 timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_BINARY +
+         " launch --hostfile " + hosts.string() +
+         " --mpirun " MALLEUS_SOURCE_DIR "/scripts/bed_mpirun.sh --exit-grace 3 -- train " + train;
+}
+
+// The tiny run for the bed: memory checkpoints every step, the watchdog's floor at 10 s.
+std::string bed_flags(const ScratchDir& dir, const std::string& extra = "") {
+  return tiny_flags(dir, "run", kCutSteps) + " --memory-checkpoint-every 1 --watchdog-floor " +
+         std::to_string(static_cast<int>(kFloorS)) + extra;
+}
+
+// Rank `rank`'s heartbeat's phase, or "" while it has none.
+std::string phase_of(const fs::path& run, int rank) {
+  try {
+    return read_json_file(
+               (watchdog::heartbeat_dir(run) / ("rank_0000" + std::to_string(rank) + ".json"))
+                   .string())["phase"]
+        .get<std::string>();
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// Polls `ready` every 10 ms for up to the test's time limit.
+template <typename Ready>
+bool poll_until(Ready&& ready) {
+  for (int i = 0; i < 100 * kTimeoutS; ++i) {
+    if (ready()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// The bed up, its hostfile written, a job launched on it; host 1's link cut when asked.
+class CutBed {
+ public:
+  CutBed(const ScratchDir& dir, const fs::path& run) : dir_(dir), run_(run) {}
+  bool skipped() const { return bed_.skipped(); }
+
+  BackgroundCommand& launch(const std::string& train) {
+    const auto r = run_command("timeout 60 " + kBed + "hostfile");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    write_file_atomic(dir_.path() / "hosts", r.output);
+    job_.emplace(launch_on_bed(dir_.path() / "hosts", train), dir_.path() / "job.out");
+    return *job_;
+  }
+  // `hosts.sh COMMAND` (cut 1, heal 1, loss 1 10, shape 1 2mbit...).
+  void bed(const std::string& command) {
+    const auto r = run_command("timeout 60 " + kBed + command);
+    EXPECT_EQ(r.exit_code, 0) << command << ": " << r.output;
+  }
+  void cut() {
+    bed("cut 1");
+    cut_at_ = std::chrono::steady_clock::now();
+  }
+  // Seconds from the cut to the first step of the restarted job (which says "| restarts 1").
+  double cut_to_first_step() {
+    EXPECT_TRUE(job_->wait_for_output("| restarts 1", kTimeoutS)) << job_->output();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at_).count();
+    std::printf("cut to the first step of the restarted job: %.1f s (watchdog floor %.0f s)\n", s,
+                kFloorS);
+    return s;
+  }
+
+ private:
+  const ScratchDir& dir_;
+  const fs::path run_;
+  TwoHosts bed_;  // before job_: the job goes first
+  std::optional<BackgroundCommand> job_;
+  std::chrono::steady_clock::time_point cut_at_;
+};
+
+// What every cut run must show: the watchdog named host 1 cut off in `phase`, the supervisor ended
+// the job itself and restarted it on host 0's two ranks from host 0's memory, and the run finished
+// with the losses of one never cut.
+void expect_left_out_and_finished(const ScratchDir& dir, const fs::path& run,
+                                  const std::string& out, const std::string& phase,
+                                  const std::string& reference_flags = "") {
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << out;
+  const metrics::RestartRecord& r = m.restarts.front();
+  EXPECT_EQ(r.reason, "cut off") << out;
+  EXPECT_EQ(r.cut_off_hosts, std::vector<std::string>{"mr-h1"});
+  EXPECT_EQ(r.lost_ranks, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(r.ranks_after, 2);
+  EXPECT_EQ(r.ended_by, "launch") << out;             // mpirun could not reach host 1 to end it
+  EXPECT_TRUE(r.unended_ranks.empty()) << r.unended;  // host 1's watchdogs ended its ranks
+  EXPECT_LE(r.steps_lost, 1) << out;
+  const Json hang = read_json_file((run / "hang-1.json").string());
+  EXPECT_EQ(hang["phase"], phase) << hang.dump(2);
+  EXPECT_EQ(hang["cut_off_hosts"], Json::array({"mr-h1"}));
+  EXPECT_NE(out.find("(a memory checkpoint) at step " + std::to_string(r.step)), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("launch: the run finished after 1 restart"), std::string::npos) << out;
+  expect_same_losses(m.losses,
+                     reference_flags.empty() ? uninterrupted(dir, kCutSteps)
+                                             : uninterrupted_with(dir, reference_flags),
+                     kCutSteps);
+}
+
+}  // namespace
+
+TEST_F(RecoverySlow, LinkDownMidStepLeavesTheHostOutAndTheRunFinishesFromMemory) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  BackgroundCommand& job = bed.launch(bed_flags(dir));
+  ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
+  ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
+  bed.cut();
+  EXPECT_LT(bed.cut_to_first_step(), kFloorS + 20);
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  expect_left_out_and_finished(dir, run, job.output(), "step");
+}
+
+namespace {
+
+// The demo model (3.5M parameters) at 16 tokens a sample, across the bed with host 1's link at
+// 100 Mbit/s: a memory save sends each rank's 10 MiB shard to the other host and a migration moves
+// optimizer shards between the hosts, so each lasts a second or two and can be cut in the middle.
+std::string slow_link_flags(const ScratchDir& dir, const std::string& extra) {
+  return "--model demo --seq-len 16 --micro-batch 1 --global-batch 12 --threads 1 "
+         "--warmup-steps 1 --min-lr-ratio 1 --val-data '' --checkpoint-every 100 --steps " +
+         std::to_string(kCutSteps) + " --train-data '" + (dir / "data" / "train_*.bin").string() +
+         "' --out " + (dir / "run").string() + " --memory-checkpoint-every 1 --watchdog-floor " +
+         std::to_string(static_cast<int>(kFloorS)) + extra;
+}
+
+}  // namespace
+
+TEST_F(RecoverySlow, LinkDownMidCheckpointLeavesTheHostOutAndTheRunFinishesFromMemory) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  bed.bed("shape 1 100mbit");
+  BackgroundCommand& job = bed.launch(slow_link_flags(dir, " --no-replan"));
+  ASSERT_TRUE(wait_for_step(job, 3)) << job.output();
+  // A memory save under way: a step directory on host 0 without its manifest yet.
+  const fs::path copies = TwoHosts::memory_root(0, run);
+  ASSERT_TRUE(poll_until([&] {
+    std::error_code ec;
+    for (const auto& s : fs::directory_iterator(copies, ec)) {
+      if (checkpoint::checkpoint_dir_step(s.path()).value_or(0) > 3 &&
+          !fs::exists(s.path() / "manifest.json")) {
+        return true;
+      }
+    }
+    return false;
+  }));
+  bed.cut();
+  bed.cut_to_first_step();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  expect_left_out_and_finished(dir, run, job.output(), "checkpoint",
+                               slow_link_flags(dir, " --no-replan"));
+}
+
+TEST_F(RecoverySlow, LinkDownMidMigrationLeavesTheHostOutAndTheRunFinishesFromMemory) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  bed.bed("shape 1 100mbit");
+  // Rank 1 20 times slower in step 3: the controller leaves it out, and the optimizer's shards
+  // (ZeRO-1) move to the ranks left, two of them on the other host, before the next step (no
+  // overlap). Rank 1 is on host 0, which the restarted job keeps.
+  BackgroundCommand& job =
+      bed.launch(slow_link_flags(dir, " --straggler 1:20:3-3 --no-overlap-switch"));
+  ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "migration" || job.wait(0) != -1; }))
+      << job.output();
+  bed.cut();
+  bed.cut_to_first_step();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  expect_left_out_and_finished(dir, run, job.output(), "migration", slow_link_flags(dir, ""));
+}
