@@ -6,12 +6,14 @@
 namespace malleus::python {
 void bind_planning(pybind11::module_& m);
 void bind_elastic(pybind11::module_& m);
+void bind_watchdog(pybind11::module_& m);
 }  // namespace malleus::python
 
 PYBIND11_MODULE(_malleus, m) {
-  m.doc() = "malleus's planner, simulator, rate monitor and controller (C++).";
+  m.doc() = "malleus's planner, simulator, rate monitor, controller and watchdog (C++).";
   // Bad input: a ValueError carrying the C++ message (it names the file, key or value).
   pybind11::register_exception<malleus::Error>(m, "Error", PyExc_ValueError);
   malleus::python::bind_planning(m);
   malleus::python::bind_elastic(m);
+  malleus::python::bind_watchdog(m);
 }

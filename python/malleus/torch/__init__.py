@@ -6,7 +6,8 @@ Modules:
   parallelism;
 - ``plans``: a data-parallel split and its malleus plan, both ways;
 - ``distributed``: ``init_from_env``, the process group from the environment;
-- ``run``: ``python3 -m malleus.torch.run``, the launcher of N local ranks.
+- ``run``: ``python3 -m malleus.torch.run``, the launcher of N local ranks;
+- ``watchdog``: ``Watchdog``, which ends a job a rank or a host no longer answers, naming it.
 
 See docs/python.md.
 """
@@ -25,5 +26,7 @@ except ImportError as e:  # most often a python3 earlier on PATH than Debian's, 
 from .data_parallel import DataParallel, StepResult  # noqa: E402
 from .distributed import init_from_env  # noqa: E402
 from .plans import plan_of_split, split_of_plan  # noqa: E402
+from .watchdog import Watchdog  # noqa: E402
 
-__all__ = ["DataParallel", "StepResult", "init_from_env", "split_of_plan", "plan_of_split"]
+__all__ = ["DataParallel", "StepResult", "Watchdog", "init_from_env", "split_of_plan",
+           "plan_of_split"]
