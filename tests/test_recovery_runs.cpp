@@ -837,3 +837,64 @@ TEST_F(RecoverySlow, LinkDownMidMigrationLeavesTheHostOutAndTheRunFinishesFromMe
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
   expect_left_out_and_finished(dir, run, job.output(), "migration", slow_link_flags(dir, ""));
 }
+
+// ---- A link that comes back, and links that drop packets (watchdog/partition.h's rule) ----
+
+TEST_F(RecoverySlow, ALinkThatComesBackWithinTheLimitCostsNoRestart) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  BackgroundCommand& job = bed.launch(bed_flags(dir));
+  ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
+  ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
+  // Down for 7 s of a step whose limit is 10 s: past half the limit, so the probes see it fail;
+  // TCP's resends (their timeout doubling) may resume the collective only after the limit, when
+  // the probes connect again: healed, and the phase gets more time.
+  bed.cut();
+  std::this_thread::sleep_for(std::chrono::seconds(7));
+  bed.bed("heal 1");
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const Metrics m = read_metrics(run);
+  EXPECT_TRUE(m.restarts.empty()) << job.output();
+  EXPECT_FALSE(fs::exists(run / "hang.json")) << job.output();
+  const bool extended = job.output().find("went down and came back") != std::string::npos;
+  std::printf("the step outlasted its limit and was given more time: %s\n",
+              extended ? "yes" : "no (it ended within the limit)");
+  expect_same_losses(m.losses, uninterrupted(dir, kCutSteps), kCutSteps);
+}
+
+TEST_F(RecoverySlow, ALinkThatDropsSomePacketsIsTrainedThrough) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  // The floor at 30 s: on this loaded machine a resend's timeout (which grows with the measured
+  // round trip's variance) can hold a phase past 10 s at 5 % loss, and then the link is judged
+  // lossy and cut (ALinkThatDropsMostPacketsIsTreatedAsCut).
+  BackgroundCommand& job = bed.launch(tiny_flags(dir, "run", kCutSteps) +
+                                      " --memory-checkpoint-every 1 --watchdog-floor 30");
+  ASSERT_TRUE(wait_for_step(job, 3)) << job.output();
+  // 5 % of host 1's packets lost in each direction: TCP resends them, steps take longer, none
+  // outlasts its limit: no phase is judged, the run finishes on both hosts.
+  bed.bed("loss 1 5");
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const Metrics m = read_metrics(run);
+  EXPECT_TRUE(m.restarts.empty()) << job.output();
+  expect_same_losses(m.losses, uninterrupted(dir, kCutSteps), kCutSteps);
+}
+
+TEST_F(RecoverySlow, ALinkThatDropsMostPacketsIsTreatedAsCut) {
+  CutBed bed(dir, run);
+  if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
+  BackgroundCommand& job = bed.launch(bed_flags(dir));
+  ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
+  // 70 % lost each way: a collective stalls past its limit, and the probes that connect now and
+  // then make the link lossy (or cut): host 1 is left out as if its link were down.
+  bed.bed("loss 1 70");
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  const Metrics m = read_metrics(run);
+  ASSERT_EQ(m.restarts.size(), 1u) << job.output();
+  EXPECT_EQ(m.restarts[0].reason, "cut off") << job.output();
+  EXPECT_EQ(m.restarts[0].cut_off_hosts, std::vector<std::string>{"mr-h1"});
+  EXPECT_EQ(m.restarts[0].ranks_after, 2);
+  const Json hang = read_json_file((run / "hang-1.json").string());
+  std::printf("judged: %s\n", hang["message"].get<std::string>().c_str());
+  expect_same_losses(m.losses, uninterrupted(dir, kCutSteps), kCutSteps);
+}
