@@ -739,11 +739,12 @@ class CutBed {
   std::chrono::steady_clock::time_point cut_at_;
 };
 
-// What every cut run must show: the watchdog named host 1 cut off in `phase`, the supervisor ended
+// What every cut run must show: the watchdog named host 1 cut off in `phases` (one, or several
+// as "step|checkpoint"), the supervisor ended
 // the job itself and restarted it on host 0's two ranks from host 0's memory, and the run finished
 // with the losses of one never cut.
 void expect_left_out_and_finished(const ScratchDir& dir, const fs::path& run,
-                                  const std::string& out, const std::string& phase,
+                                  const std::string& out, const std::string& phases,
                                   const std::string& reference_flags = "") {
   const Metrics m = read_metrics(run);
   ASSERT_EQ(m.restarts.size(), 1u) << out;
@@ -756,7 +757,8 @@ void expect_left_out_and_finished(const ScratchDir& dir, const fs::path& run,
   EXPECT_TRUE(r.unended_ranks.empty()) << r.unended;  // host 1's watchdogs ended its ranks
   EXPECT_LE(r.steps_lost, 1) << out;
   const Json hang = read_json_file((run / "hang-1.json").string());
-  EXPECT_EQ(hang["phase"], phase) << hang.dump(2);
+  const std::string phase = hang["phase"].get<std::string>();
+  EXPECT_NE(("|" + phases + "|").find("|" + phase + "|"), std::string::npos) << hang.dump(2);
   EXPECT_EQ(hang["cut_off_hosts"], Json::array({"mr-h1"}));
   EXPECT_NE(out.find("(a memory checkpoint) at step " + std::to_string(r.step)), std::string::npos)
       << out;
@@ -778,7 +780,9 @@ TEST_F(RecoverySlow, LinkDownMidStepLeavesTheHostOutAndTheRunFinishesFromMemory)
   bed.cut();
   EXPECT_LT(bed.cut_to_first_step(), kFloorS + 20);
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
-  expect_left_out_and_finished(dir, run, job.output(), "step");
+  // A rank's sends end once in its socket buffers, and what it receives may have arrived before
+  // the cut: rank 0 can finish the step and wait in the memory save that follows it.
+  expect_left_out_and_finished(dir, run, job.output(), "step|checkpoint");
 }
 
 namespace {
