@@ -20,6 +20,7 @@ packages=(
   clang-format
   cpulimit  # slows a rank from outside malleus in straggler experiments (scripts/slow_rank.sh)
   iproute2  # network namespaces, veth links and tc shaping of the multi-host test bed (scripts/hosts.sh)
+  slurm-wlm munge  # a Slurm cluster on this machine for the Slurm tests and examples/slurm (scripts/slurm.sh)
 )
 
 missing=()

@@ -7,6 +7,7 @@ namespace malleus::python {
 void bind_planning(pybind11::module_& m);
 void bind_elastic(pybind11::module_& m);
 void bind_watchdog(pybind11::module_& m);
+void bind_slurm(pybind11::module_& m);
 }  // namespace malleus::python
 
 PYBIND11_MODULE(_malleus, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_malleus, m) {
   malleus::python::bind_planning(m);
   malleus::python::bind_elastic(m);
   malleus::python::bind_watchdog(m);
+  malleus::python::bind_slurm(m);
 }

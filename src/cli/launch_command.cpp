@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <climits>
+#include <cstdlib>
 #include <memory>
 #include <sstream>
 
@@ -24,20 +25,44 @@ std::string own_binary() {
   return std::string(path, static_cast<size_t>(n));
 }
 
+// Words of a one-word option value ("--a --b=c" -> --a, --b=c).
+std::vector<std::string> words_of(const std::string& text) {
+  std::vector<std::string> words;
+  std::istringstream in(text);
+  for (std::string word; in >> word;) words.push_back(word);
+  return words;
+}
+
+// --launcher: "auto" is srun inside a Slurm allocation (SLURM_JOB_ID set) unless a hostfile is
+// given, mpirun elsewhere.
+launch::Launcher resolve_launcher(const std::string& name, const std::string& hostfile) {
+  const char* job = std::getenv("SLURM_JOB_ID");
+  const bool in_slurm = job != nullptr && *job != '\0';
+  if (name == "srun" || (name == "auto" && in_slurm && hostfile.empty())) {
+    check(hostfile.empty(),
+          "--hostfile is for mpirun: under srun the nodes come from the Slurm "
+          "allocation (give --launcher mpirun to use the hostfile)");
+    return launch::Launcher::kSrun;
+  }
+  return launch::Launcher::kMpirun;
+}
+
 }  // namespace
 
 void add_launch_command(CLI::App& app) {
   struct Args {
     launch::LaunchOptions options;
-    std::string mpirun_args;
+    std::string mpirun_args, srun_args, launcher = "auto";
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand(
       "launch",
-      "Run `train` under mpirun and restart it from its latest checkpoint on the devices left "
-      "when ranks are lost (killed, or hung as the watchdog finds): malleus launch --np 4 -- "
-      "train <arguments>");
-  cmd->add_option("--np", args->options.np, "Ranks (default: every slot of the hostfile)")
+      "Run `train` under mpirun (or srun, in a Slurm allocation) and restart it from its latest "
+      "checkpoint on the devices left when ranks are lost (killed, or hung as the watchdog "
+      "finds): malleus launch --np 4 -- train <arguments>");
+  cmd->add_option("--np", args->options.np,
+                  "Ranks (default: every slot of the hostfile, or every task of the Slurm "
+                  "allocation)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--hostfile", args->options.hostfile,
                   "Open MPI hostfile (\"host slots=N\" lines); read again at every restart, "
@@ -64,10 +89,22 @@ void add_launch_command(CLI::App& app) {
                   "restarted (a host mpirun cannot reach); 0: no limit")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--launcher", args->launcher,
+                  "What starts the ranks: srun (inside a Slurm allocation: its nodes and tasks, "
+                  "docs/slurm.md), mpirun, or auto (srun where SLURM_JOB_ID is set and no "
+                  "--hostfile is given, else mpirun)")
+      ->check(CLI::IsMember({"auto", "mpirun", "srun"}))
+      ->capture_default_str();
+  cmd->add_option("--srun", args->options.srun, "The srun to start jobs with")
+      ->capture_default_str();
+  cmd->add_option("--srun-args", args->srun_args,
+                  "Extra arguments for srun, in one word, after malleus's own (which they "
+                  "override): --srun-args='--mpi=pmix_v4 --cpu-bind=cores'");
   cmd->add_option("command", args->options.command, "-- train <arguments>")->required();
   cmd->callback([args] {
-    std::istringstream words(args->mpirun_args);
-    for (std::string word; words >> word;) args->options.mpirun_args.push_back(word);
+    args->options.mpirun_args = words_of(args->mpirun_args);
+    args->options.srun_args = words_of(args->srun_args);
+    args->options.launcher = resolve_launcher(args->launcher, args->options.hostfile);
     args->options.binary = own_binary();
     const int status = launch::supervise(args->options);
     if (status != 0) throw ExitStatus{status};

@@ -20,6 +20,7 @@
 #include "data/dataset.h"
 #include "data/prepare.h"
 #include "hf/export.h"
+#include "launch/slurm.h"
 #include "metrics/metrics.h"
 #include "model/config.h"
 #include "plan/plan.h"
@@ -131,6 +132,54 @@ bool gives(const train::ConfigValues& values, const std::string& key) {
                      [&](const train::ConfigValue& v) { return v.field->key == key; });
 }
 
+// A requeued Slurm job (preempted, `scontrol requeue`, a failed node under --requeue) runs its
+// batch script again with the same arguments. The run in --out then goes on from its newest
+// complete checkpoint, on disk or in any host's memory, as with --resume <out>; when it has none
+// yet (stopped before its first), it starts again in that directory. Collective: the ranks agree.
+struct Requeued {
+  fs::path run;
+  bool checkpointed = false;
+};
+std::optional<Requeued> requeued_run(const TrainArgs& args, const train::ConfigValues& flags,
+                                     comm::Communicator& world) {
+  const int restarts = launch::slurm_restart_count();
+  if (restarts == 0 || !args.resume.empty()) return std::nullopt;
+  train::TrainConfig config;
+  if (!args.config_file.empty()) {
+    config = train::TrainConfig::from_json(read_json_file(args.config_file), args.config_file);
+  }
+  config.apply(flags);
+  Requeued r{config.out_dir};
+  // Each rank looks at the disk and its own host's memory: a host that kept a copy counts.
+  const int64_t here = train::restart_step(r.run, train::MemoryHosts::kSeveral) ? 1 : 0;
+  r.checkpointed = (world.size() > 1 ? world.all_reduce_sum(here) : here) > 0;
+  if (world.rank() == 0 && !args.print_config) {
+    const char* job = std::getenv("SLURM_JOB_ID");
+    const std::string what = r.checkpointed
+                                 ? "continuing " + r.run.string() + " from its newest checkpoint"
+                                 : r.run.string() + " holds no checkpoint: starting the run again";
+    std::printf("requeued Slurm job %s (restart %d): %s\n", job ? job : "?", restarts,
+                what.c_str());
+    std::fflush(stdout);
+  }
+  return r;
+}
+
+// `malleus train` run straight from a batch script of several tasks trains on one rank: say how
+// to use the allocation.
+void warn_if_alone_in_allocation(const comm::Communicator& world) {
+  const char* tasks = std::getenv("SLURM_NTASKS");
+  if (world.size() != 1 || std::getenv("SLURM_STEP_ID") != nullptr || tasks == nullptr ||
+      std::atoi(tasks) <= 1) {
+    return;
+  }
+  std::fprintf(stderr,
+               "warning: Slurm job %s has %s tasks, but this is one rank started without srun: "
+               "start the ranks with srun --mpi=pmix malleus train ..., or malleus launch -- "
+               "train ... (docs/slurm.md)\n",
+               std::getenv("SLURM_JOB_ID") ? std::getenv("SLURM_JOB_ID") : "?", tasks);
+}
+
 void run_train(const TrainArgs& args) {
   // The cheap, purely syntactic checks first: every flag's value, straggler specs included,
   // before any file is read.
@@ -144,8 +193,12 @@ void run_train(const TrainArgs& args) {
     std::optional<train::ResumePoint> resume;
     std::optional<fs::path> resumed_run;
     train::TrainConfig config;
-    if (!args.resume.empty()) {
-      resume = train::find_resume_point(args.resume, world);
+    if (!args.print_config) warn_if_alone_in_allocation(world);
+    const std::optional<Requeued> requeued = requeued_run(args, flags, world);
+    const std::string resume_from =
+        requeued && requeued->checkpointed ? requeued->run.string() : args.resume;
+    if (!resume_from.empty()) {
+      resume = train::find_resume_point(resume_from, world);
       const checkpoint::Checkpoint* checkpoint = &resume->checkpoint;
       const train::TrainConfig saved = train::TrainConfig::from_json(
           checkpoint->train_config, (resume->dir() / "manifest.json").string());
@@ -193,8 +246,9 @@ void run_train(const TrainArgs& args) {
     // Taken once every input has been checked (so bad input leaves nothing on disk) and before
     // anything is written. Rank 0 writes the run directory, so rank 0 owns it.
     std::optional<train::RunDirectory> run_dir;
+    // A requeued job's directory is its own run's, checkpointed or not.
     if (world.rank() == 0) {
-      run_dir.emplace(config.out_dir, resumed_run);
+      run_dir.emplace(config.out_dir, requeued ? requeued->run : resumed_run);
       // A stop killed before its checkpoint was complete: say what this run continues from.
       if (const auto stop = train::read_stop_record(config.out_dir); stop && !stop->saved) {
         std::printf("the last run was %s\n", train::describe_stop(*stop).c_str());

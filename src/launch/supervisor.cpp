@@ -25,6 +25,7 @@
 #include "common/files.h"
 #include "common/format.h"
 #include "launch/job_end.h"
+#include "launch/slurm.h"
 #include "metrics/metrics.h"
 #include "train/resume.h"
 #include "train/setup.h"
@@ -217,10 +218,15 @@ std::vector<std::string> restart_command(const std::vector<std::string>& command
   return args;
 }
 
-// The devices jobs may run on: the hostfile's slots (or np local ones), less the lost ones.
+// The devices jobs may run on: the hostfile's slots (or np local ones, or the tasks of the Slurm
+// allocation on the nodes Slurm still lets us use), less the lost ones.
 class Devices {
  public:
   explicit Devices(const LaunchOptions& o) : hostfile_(o.hostfile) {
+    if (o.launcher == Launcher::kSrun) {
+      from_allocation(o);
+      return;
+    }
     if (hostfile_.empty()) {
       check(o.np > 0, "give --np or --hostfile");
       listed_ = {{"localhost", o.np}};
@@ -247,11 +253,28 @@ class Devices {
     return ranks;
   }
 
-  void exclude(const std::string& host) { ++excluded_[host]; }
+  // A lost rank's device; not counted against a node Slurm has left out (all of it is out, and
+  // if it comes back, it comes back whole).
+  void exclude(const std::string& host) {
+    if (slurm_ && slurm_->left_out().count(host)) return;
+    ++excluded_[host];
+  }
+
+  // The nodes left out under Slurm and why ("; node3 left out: drained (...)"), for the record.
+  std::string left_out_note() const {
+    std::string note;
+    if (!slurm_) return note;
+    for (const auto& [node, why] : slurm_->left_out()) note += "; " + node + " left out: " + why;
+    return note;
+  }
 
   // Reads the hostfile again; a changed one is the operator's new list, so earlier exclusions
-  // are forgotten and a host listed again comes back.
+  // are forgotten and a host listed again comes back. Under Slurm, asks which nodes are left.
   void reread() {
+    if (slurm_) {
+      listed_ = slurm_->usable();
+      return;
+    }
     if (hostfile_.empty()) return;
     const std::string text = read_file(hostfile_);
     if (text == text_) return;
@@ -266,6 +289,21 @@ class Devices {
   const std::string& hostfile() const { return hostfile_; }
 
  private:
+  void from_allocation(const LaunchOptions& o) {
+    const std::optional<Allocation> allocation = slurm_allocation();
+    check(allocation.has_value(),
+          "--launcher srun starts jobs in a Slurm allocation, but SLURM_JOB_ID is not set: run "
+          "malleus launch in an sbatch script or under salloc");
+    const int tasks = allocation->tasks();
+    wanted_ = o.np > 0 ? o.np : tasks;
+    check(wanted_ <= tasks, "--np " + std::to_string(o.np) + " is more than the " +
+                                std::to_string(tasks) + " tasks of Slurm job " +
+                                allocation->job_id + " (SLURM_TASKS_PER_NODE)");
+    slurm_.emplace(*allocation);
+    listed_ = slurm_->usable();
+  }
+
+  std::optional<SlurmNodes> slurm_;
   std::string hostfile_, text_;
   std::vector<Host> listed_;
   std::map<std::string, int> excluded_;
@@ -442,6 +480,11 @@ class Supervisor {
 
   // mpirun's command line for a job on `ranks` (a device per rank).
   std::vector<std::string> job_argv(const std::vector<std::string>& ranks, int attempt) const {
+    if (o_.launcher == Launcher::kSrun) {
+      std::vector<std::string> program = {o_.binary};
+      program.insert(program.end(), command_.begin(), command_.end());
+      return srun_command(o_.srun, o_.srun_args, ranks, program);
+    }
     std::vector<std::string> argv = {o_.mpirun};
     if (!devices_.hostfile().empty()) {
       // The slots left on each host, in the hostfile's order (mpirun fills them in order, so
@@ -615,7 +658,7 @@ class Supervisor {
     record.failed_at_step = failed_at_step;
     record.steps_lost = std::max<int64_t>(0, failed_at_step - from);
     record.reason = outcome.reason;
-    record.detail = outcome.detail;
+    record.detail = outcome.detail + devices_.left_out_note();
     for (int r : lost) record.lost_ranks.push_back(r);
     record.ranks_before = n;
     record.ranks_after = left;
@@ -732,6 +775,8 @@ Outcome classify(int status, const std::string& output, const std::optional<Json
       o.detail += (o.detail.empty() ? "" : "; ") + it->str();
     }
   }
+  // srun: "srun: error: node2: task 2: Killed".
+  if (o.lost_ranks.empty()) o.lost_ranks = srun_killed_ranks(output, &o.detail);
   if (!o.lost_ranks.empty()) {
     o.kind = Outcome::Kind::kLost;
     o.reason = "killed";

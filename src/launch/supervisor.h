@@ -14,6 +14,10 @@
 // Devices come back with the hostfile: it is read again at every restart, and once its content
 // has changed since a device was excluded, the exclusions are forgotten (the operator's list is
 // the truth), so a host listed again is used by the next restart.
+//
+// Inside a Slurm allocation (Launcher::kSrun, launch/slurm.h) the devices are the allocation's
+// tasks, jobs start with srun, and before every restart Slurm is asked which nodes are left: a
+// node drained, down or gone from the allocation is left out (and said so), one resumed comes back.
 #pragma once
 
 #include <cstdint>
@@ -48,19 +52,29 @@ struct Outcome {
   std::vector<std::string> cut_off_hosts;  // "cut off": the hosts the watchdog found cut off
 };
 // `status`: mpirun's exit status (128 + n when mpirun itself died of signal n). `output`: what
-// mpirun printed (its "process rank R ... exited on signal S" lines name killed ranks).
+// mpirun printed (its "process rank R ... exited on signal S" lines name killed ranks), or srun
+// ("srun: error: node2: task 2: Killed", launch/slurm.h).
 // `hang_report`: <run>/hang.json, if the watchdog wrote one.
 Outcome classify(int status, const std::string& output, const std::optional<Json>& hang_report);
 
+// What starts the ranks of a job.
+enum class Launcher {
+  kMpirun,  // mpirun, on a hostfile's slots or local ones
+  kSrun,    // srun, on the tasks of the Slurm allocation this runs in (launch/slurm.h)
+};
+
 struct LaunchOptions {
-  int np = 0;            // ranks to run (0: every slot of the hostfile)
+  int np = 0;            // ranks to run (0: every slot of the hostfile, or of the allocation)
   std::string hostfile;  // empty: np local slots
   int min_ranks = 1;
   int max_restarts = 3;
   std::string mpirun = "mpirun";
   std::vector<std::string> mpirun_args;  // extra arguments for mpirun, e.g. --oversubscribe
-  std::string binary;                    // the malleus executable the ranks run
-  std::vector<std::string> command;      // "train" and its arguments
+  Launcher launcher = Launcher::kMpirun;
+  std::string srun = "srun";
+  std::vector<std::string> srun_args;  // extra arguments for srun, after malleus's own
+  std::string binary;                  // the malleus executable the ranks run
+  std::vector<std::string> command;    // "train" and its arguments
   // After a job failed (job_end.h), how long mpirun may take to end it before the supervisor ends
   // mpirun and its local ranks itself.
   double exit_grace_s = 5;

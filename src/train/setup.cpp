@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
+#include "common/slurm_lists.h"
 #include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
 #include "layout/optimizer_shard.h"
@@ -20,6 +21,14 @@ namespace malleus::train {
 int ranks_on_this_node(int world_size) {
   if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
     return std::max(1, std::atoi(local));
+  // srun: this node's entry (SLURM_NODEID, counted in the step) of the step's tasks per node.
+  const char* per_node = std::getenv("SLURM_STEP_TASKS_PER_NODE");
+  const char* node = std::getenv("SLURM_NODEID");
+  if (per_node != nullptr && node != nullptr) {
+    const std::vector<int> tasks = expand_counts(per_node, "SLURM_STEP_TASKS_PER_NODE");
+    const int index = std::atoi(node);
+    if (index >= 0 && index < static_cast<int>(tasks.size())) return std::max(1, tasks[index]);
+  }
   return world_size;
 }
 

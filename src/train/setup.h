@@ -38,7 +38,8 @@ plan::BatchConfig batch_config(const TrainConfig& config);
 // Throws Error if more threads are asked for than the CPUs this process may run on.
 int resolve_threads(int configured, int ranks);
 
-// Ranks sharing this machine: OpenMPI says so in the environment; otherwise assume all of them.
+// Ranks sharing this machine: Open MPI's mpirun or Slurm's srun says so in the environment
+// (OMPI_COMM_WORLD_LOCAL_SIZE; SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID); otherwise all of them.
 int ranks_on_this_node(int world_size);
 
 // The engine's options from a config on `world_size` ranks (threads resolved; the core lease and
