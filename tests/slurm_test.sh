@@ -114,9 +114,10 @@ uninterrupted() {
 }
 
 # Every step of run $1 (the last loss logged for it: a resumed run logs some steps again) equals
-# the uninterrupted run's within 2e-4, and both ran $2 steps.
+# the uninterrupted run's within 2e-4, and both ran $2 steps (with $3 = first: run $1 may have
+# run more, and its first $2 are compared).
 same_losses() {
-  /usr/bin/python3 - "$1/metrics.jsonl" "$scratch/straight/metrics.jsonl" "$2" << 'PY' ||
+  /usr/bin/python3 - "$1/metrics.jsonl" "$scratch/straight/metrics.jsonl" "$2" "${3:-}" << 'PY' ||
 import json, sys
 def losses(path):
     out = {}
@@ -129,11 +130,13 @@ def losses(path):
             out[record["step"]] = record["loss"]
     return out
 run, straight, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
+if sys.argv[4] == "first":
+    run = {s: loss for s, loss in run.items() if s <= steps}
 assert sorted(run) == list(range(1, steps + 1)), f"run logged steps {sorted(run)}"
 assert sorted(straight) == sorted(run), f"uninterrupted run logged steps {sorted(straight)}"
 bad = [(s, run[s], straight[s]) for s in run if abs(run[s] - straight[s]) > 2e-4]
 assert not bad, f"losses differ (step, run, uninterrupted): {bad}"
-print(f"{steps} steps: every loss equals the uninterrupted run's (within 2e-4)")
+print(f"steps 1-{steps}: every loss equals the uninterrupted run's (within 2e-4)")
 PY
     fail "losses of $1"
 }
@@ -229,30 +232,38 @@ case $case_name in
     echo "drain: $(grep -F "$left" "$out" | head -n 1)"
     ;;
   timelimit)
-    # multinode.sbatch's --signal, with a 1-minute limit: SIGUSR1 to every rank about 30 s before
-    # it (Slurm checks its limits every 30 s or so), the ranks save and exit 138, and the script
-    # requeues the job. Once requeued, the limit is lifted so that the job then runs to the end.
-    steps=160
-    jid=$(submit --nodes=2 --ntasks-per-node=1 --time=1 --signal=USR1@30 "$multinode" \
-      "${tiny[@]}" "${slowed[@]}" --steps $steps --checkpoint-every 1000)
-    end=$((SECONDS + 150))
+    # multinode.sbatch's --signal, with a 2-minute limit: SIGUSR1 to every rank 60 to 90 s before
+    # it (Slurm checks limits every 30 s and signals up to 30 s early), 30 to 60 s into the job;
+    # the ranks save and exit 138, and the script requeues the job. Once requeued, the limit is
+    # lifted; the test follows the requeued job 3 steps past its resume, then cancels it (a run
+    # long enough to outlast the signal on any machine would take minutes to finish).
+    jid=$(submit --nodes=2 --ntasks-per-node=1 --time=2 --signal=USR1@60 "$multinode" \
+      "${tiny[@]}" "${slowed[@]}" --steps 100000 --checkpoint-every 100000)
+    end=$((SECONDS + 240))
     until (($(job_field "$jid" Restarts) >= 1)); do
-      ((SECONDS < end)) || fail "job $jid not requeued within 150 s"
+      ((SECONDS < end)) || fail "job $jid not requeued within 240 s"
       [[ -n $(timeout 10 squeue -h -j "$jid" -o %T) ]] || fail "job $jid ended without a requeue"
       sleep 1
     done
     timeout 30 scontrol update JobId="$jid" TimeLimit=UNLIMITED
-    wait_job "$jid" 300
-    state=$(job_field "$jid" JobState)
-    [[ $state == COMPLETED ]] || fail "job $jid ended $state"
     out=$scratch/job.out
+    end=$((SECONDS + 240))
+    until resumed=$(grep -m 1 "^resuming from " "$out"); do
+      ((SECONDS < end)) || fail "the requeued job did not resume within 240 s"
+      sleep 1
+    done
+    [[ $resumed =~ at\ step\ ([0-9]+)$ ]] || fail "$resumed"
+    from=${BASH_REMATCH[1]}
+    wait_step "$jid" $((from + 3)) 240
+    timeout 30 scancel "$jid"
+    wait_job "$jid" 120
     grep -q "^launch: the job was stopped (exit status 138)" "$out" || fail "no stop by SIGUSR1"
     grep -q "^stopped ahead of the time limit: requeueing job $jid" "$out" || fail "no requeue"
     line=$(grep -m 1 "^requeued Slurm job $jid (restart 1): continuing runs/slurm-multinode-$jid from its newest checkpoint" "$out") ||
       fail "the requeued job did not continue the run"
-    uninterrupted 2 $steps
-    same_losses "$scratch/runs/slurm-multinode-$jid" $steps
-    echo "time limit of job $jid: $line; $(grep -m 1 '^resuming from ' "$out")"
+    uninterrupted 2 $((from + 3))
+    same_losses "$scratch/runs/slurm-multinode-$jid" $((from + 3)) first
+    echo "time limit of job $jid: $line; $resumed"
     ;;
   torch)
     cat > "$scratch/ranks.py" << 'PY'
