@@ -109,9 +109,11 @@ auto with_mpi(Body&& body) {
 }
 
 // The first rank on each host removes the memory copies of runs whose processes are all gone
-// (checkpoint/memory_folder.h), never those of `run_dir`, the run starting.
+// (checkpoint/memory_folder.h), never those of `run_dir`, the run starting. The local rank:
+// mpirun's, or srun's (SLURM_LOCALID) for ranks srun started.
 void sweep_abandoned_memory_copies(const std::string& run_dir) {
   const char* local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (local_rank == nullptr) local_rank = std::getenv("SLURM_LOCALID");
   if (local_rank != nullptr && std::string(local_rank) != "0") return;
   for (const std::string& line :
        checkpoint::remove_abandoned_memory_copies(checkpoint::memory_checkpoint_root(run_dir))) {
