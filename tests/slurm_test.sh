@@ -11,10 +11,10 @@
 #   requeue  `scontrol requeue` mid-run: the job runs its script again, `malleus train` continues
 #            the run from the checkpoint the stop saved, with no argument changed, and every
 #            step's loss equals the uninterrupted run's.
-#   timelimit  examples/slurm/multinode.sbatch on 2 nodes with a 1-minute time limit: Slurm's
+#   timelimit  examples/slurm/multinode.sbatch on 2 nodes with a 2-minute time limit: Slurm's
 #            --signal=USR1 ahead of the limit stops the ranks with a checkpoint, the script requeues
-#            the job, and the requeued job continues the run to the end with the losses of an
-#            uninterrupted run.
+#            the job, and the requeued job continues the run with the losses of an uninterrupted
+#            run; a scancel then stops it through malleus launch, which reports the stop.
 #   drain    examples/slurm/multinode.sbatch on 3 nodes x 1 task; mid-run the third node is
 #            drained and its rank killed: `malleus launch` restarts on the other 2 nodes, says the
 #            drained node was left out and why, and the losses equal the uninterrupted run's.
@@ -261,6 +261,9 @@ case $case_name in
     grep -q "^stopped ahead of the time limit: requeueing job $jid" "$out" || fail "no requeue"
     line=$(grep -m 1 "^requeued Slurm job $jid (restart 1): continuing runs/slurm-multinode-$jid from its newest checkpoint" "$out") ||
       fail "the requeued job did not continue the run"
+    # The batch shell waits for malleus launch, which saw the scancel and stopped the ranks.
+    grep -q "^launch: the job stopped by SIGTERM after step [0-9]*; its checkpoint is " "$out" ||
+      fail "malleus launch did not report the scancel's stop"
     uninterrupted 2 $((from + 3))
     same_losses "$scratch/runs/slurm-multinode-$jid" $((from + 3)) first
     echo "time limit of job $jid: $line; $resumed"
