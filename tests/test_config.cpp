@@ -117,6 +117,18 @@ TEST(ModelConfig, WrongTypeAndMissingKeyAndUnknownPreset) {
   fs::remove(bad);
 }
 
+// A device or a directory named as a file is refused by name before it is read: /dev/zero would
+// otherwise be read until the memory is full.
+TEST(ModelConfig, ADeviceOrADirectoryIsNoFile) {
+  for (const char* path : {"/dev/zero", "/dev/null"}) {
+    EXPECT_EQ(error_of([&] { model::load_model_config(path); }),
+              std::string("cannot read ") + path + ": it is a device, not a file");
+  }
+  const std::string dir = fs::temp_directory_path().string();
+  EXPECT_EQ(error_of([&] { model::load_model_config(dir); }),
+            "cannot read " + dir + ": it is a directory");
+}
+
 // ---- strict JSON (common/json.h): what every reader gets ----
 
 namespace {

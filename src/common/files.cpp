@@ -85,6 +85,13 @@ void write_file_atomic(const fs::path& path, const std::string& contents, FileAc
 }
 
 std::string read_file(const fs::path& path) {
+  // A directory or a device (/dev/zero, a disk) is no file to read whole: refused before it is
+  // opened, where /dev/zero would otherwise fill the memory. Pipes stay readable (<(...)).
+  std::error_code status_error;
+  const fs::file_status status = fs::status(path, status_error);
+  check(!fs::is_directory(status), "cannot read " + path.string() + ": it is a directory");
+  check(!fs::is_character_file(status) && !fs::is_block_file(status),
+        "cannot read " + path.string() + ": it is a device, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in.good()) {
     const int error = errno;
