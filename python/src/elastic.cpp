@@ -105,6 +105,38 @@ PyController make_controller(const py::object& model, const py::object& cluster,
   return PyController{config, world_size, elastic::Controller(std::move(cost), options)};
 }
 
+// The caller's broadcast (rank 0's text in, the same text out on every rank), checked: it must
+// return a str; on rank 0, the text it was given; elsewhere, a decision as rank 0 writes it ('0'
+// or '1', then nothing or a plan's JSON). A transport that breaks this would otherwise leave
+// ranks on different plans, or fail with a parser's message. None: no broadcast (one process).
+elastic::Controller::BroadcastText checked_broadcast(const py::object& broadcast, bool root) {
+  if (broadcast.is_none()) return nullptr;
+  check(PyCallable_Check(broadcast.ptr()) != 0,
+        "controller: broadcast must be a function (rank 0's text in, the same text out), got " +
+            py::cast<std::string>(py::repr(broadcast)));
+  return [broadcast, root](const std::string& sent) {
+    const py::object got = broadcast(sent);
+    check(py::isinstance<py::str>(got),
+          "controller: broadcast must return a str (rank 0's text), got " +
+              py::cast<std::string>(py::repr(got)).substr(0, 100));
+    std::string text = py::cast<std::string>(got);
+    if (root) {
+      check(text == sent,
+            "controller: on rank 0 the broadcast must return the text it was given, got " +
+                py::cast<std::string>(py::repr(got)).substr(0, 100));
+      return text;
+    }
+    const bool decision = !text.empty() && (text[0] == '0' || text[0] == '1');
+    bool plan = text.size() <= 1;
+    if (decision && !plan) plan = Json::accept(text.substr(1));
+    check(decision && plan,
+          "controller: the broadcast brought text that is not rank 0's "
+          "decision ('0' or '1', then a plan's JSON): " +
+              py::cast<std::string>(py::repr(got)).substr(0, 100));
+    return text;
+  };
+}
+
 }  // namespace
 
 void bind_elastic(py::module_& m) {
@@ -152,10 +184,10 @@ void bind_elastic(py::module_& m) {
           "decide",
           [](PyController& self, const py::object& current, const std::vector<double>& rates,
              int monitored_steps, int64_t step, int64_t remaining_steps, bool root,
-             const std::function<std::string(const std::string&)>& broadcast) {
+             const py::object& broadcast) {
             check_rates(rates, self.world_size);
             const plan::Plan plan = plan_of(current, self.model);
-            elastic::Controller::BroadcastText transport = broadcast;
+            elastic::Controller::BroadcastText transport = checked_broadcast(broadcast, root);
             if (!transport) {
               check(root, "controller: a rank other than 0 needs a broadcast");
               transport = [](const std::string& text) { return text; };
@@ -164,7 +196,7 @@ void bind_elastic(py::module_& m) {
                                                         monitored_steps, step, remaining_steps));
           },
           py::arg("current"), py::arg("rates"), py::arg("monitored_steps"), py::arg("step"),
-          py::arg("remaining_steps"), py::arg("root") = true, py::arg("broadcast") = nullptr,
+          py::arg("remaining_steps"), py::arg("root") = true, py::arg("broadcast") = py::none(),
           "Collective over `broadcast` (rank 0's plan text in, on every rank out; None: one "
           "process): asks the planner when the rates moved, switches when the rule says so.")
       .def(

@@ -186,6 +186,10 @@ void bind_planning(py::module_& m) {
         check(dp > 0 && tp > 0 && pp > 0, "uniform_plan: dp, tp and pp must be positive");
         check(global_batch > 0 && micro_batch > 0 && global_batch % micro_batch == 0,
               "uniform_plan: the global batch must be a positive multiple of the micro-batch");
+        check(world_size >= 0,
+              "uniform_plan: world_size must be 0 (dp × tp × pp ranks) or a "
+              "count of ranks, got " +
+                  std::to_string(world_size));
         plan::Plan p =
             plan::uniform_plan(config, dp, tp, pp, global_batch, micro_batch, world_size);
         plan::validate(p, config, "uniform_plan");

@@ -139,6 +139,45 @@ class MonitorAndController(unittest.TestCase):
             c.decide(even, [1.0], 3, 1, 10)
         with self.assertRaisesRegex(malleus.Error, "needs a broadcast"):
             c.decide(even, [1.0, 5.0], 3, 1, 10, root=False)
+        with self.assertRaisesRegex(malleus.Error, "world_size must be 0"):
+            malleus.uniform_plan("demo", 2, 1, 1, 8, 1, -5)
+
+    def test_a_broken_broadcast_is_named_not_followed(self):
+        """The broadcast is the caller's transport: one that returns something else than rank
+        0's decision would leave ranks on different plans; each breach is named."""
+        even = malleus.uniform_plan("demo", 2, 1, 1, 8, 1, 2)
+
+        def decide(broadcast, root):
+            c = malleus.Controller("demo", world_size=2, global_batch=8, seq_len=128,
+                                   strategy="data-parallel", distributed_optimizer=False)
+            return c.decide(even, [1.0, 3.0], 3, 4, 50, root=root, broadcast=broadcast)
+
+        # The same transport, faithful: rank 0's text goes through unchanged.
+        sent = []
+        root = decide(lambda text: sent.append(text) or text, True)
+        self.assertTrue(root.take, root.reason)
+        self.assertEqual(sent[0][0], "0")
+        other = decide(lambda text: sent[0], False)
+        self.assertEqual(other.plan, root.plan)
+        for broadcast, root, message in [
+                (lambda text: text + "x", True, "on rank 0 the broadcast must return the text"),
+                (lambda text: 5, True, "must return a str"),
+                (lambda text: None, False, "must return a str"),
+                (lambda text: "1garbage{", False, "not rank 0's decision"),
+                (lambda text: "{}", False, "not rank 0's decision"),
+                (lambda text: "1{}", False, "re-plan: missing key"),
+                ("not a function", True, "broadcast must be a function")]:
+            with self.assertRaisesRegex(malleus.Error, message):
+                decide(broadcast, root)
+        # The caller's own exception comes through as it is.
+        with self.assertRaises(ZeroDivisionError):
+            decide(lambda text: 1 / 0, True)
+
+    def test_a_device_or_a_folder_is_no_file(self):
+        with self.assertRaisesRegex(malleus.Error, "cannot read /dev/zero: it is a device"):
+            malleus.plan("cpu-local", "/dev/zero")
+        with self.assertRaisesRegex(malleus.Error, "cannot read /tmp: it is a directory"):
+            malleus.model_config("/tmp")
 
 
 if __name__ == "__main__":

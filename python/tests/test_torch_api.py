@@ -80,6 +80,25 @@ class Arguments(unittest.TestCase):
         self.assertEqual(r.split, [8])
         self.assertGreater(r.loss, 0)
 
+    def test_a_step_that_is_not_finite_raises_and_leaves_the_model(self):
+        dp = self.make()
+        data = tc.batches(1)[0]
+        before = [p.detach().clone() for p in dp.module.parameters()]
+        for bad in (float("nan"), float("inf")):
+            def scaled(model, samples):
+                loss, units = tc.loss_sum(model, samples)
+                return loss * bad, units
+            with self.assertRaisesRegex(FloatingPointError,
+                                        "step 1 is not finite .*the model was not updated"):
+                dp.step(data, scaled)
+        for b, p in zip(before, dp.module.parameters()):
+            self.assertTrue(torch.equal(b, p))
+        self.assertEqual(dp.steps, 0)
+        # The next finite step runs as the first.
+        r = dp.step(data, tc.loss_sum)
+        self.assertEqual(r.step, 1)
+        self.assertTrue(all(torch.isfinite(p).all() for p in dp.module.parameters()))
+
     def test_split_of_plan_rejects_other_parallelism(self):
         pp = malleus.uniform_plan("demo", 1, 1, 2, 8, 1, 2)
         with self.assertRaisesRegex(ValueError, "not a data-parallel plan"):

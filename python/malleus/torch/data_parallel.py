@@ -17,6 +17,7 @@ group (gloo on CPU, NCCL on GPU). Each step:
 See docs/python.md.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -191,6 +192,15 @@ class DataParallel:
         if total_units <= 0:
             raise ValueError("malleus.torch: the global batch has no loss units (loss_fn "
                              "returned 0 units on every rank)")
+        # Summed over every rank, so every rank finds the same and stops together; the model is
+        # left as it was (the trainer's rule for a step that is not finite).
+        finite = math.isfinite(stats[0]) and all(
+            bool(torch.isfinite(flat[:n]).all()) for _, flat, n in self._buckets)
+        if not finite:
+            raise FloatingPointError(
+                f"malleus.torch: step {self.steps + 1} is not finite (loss sum {stats[0]} over "
+                f"{total_units} units; a gradient or the loss is NaN or infinite on some rank): "
+                "the model was not updated")
         for _, flat, n in self._buckets:
             flat[:n].div_(total_units)
         self.optimizer.step()
