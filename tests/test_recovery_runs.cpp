@@ -6,6 +6,7 @@
 // Every command runs under `timeout`, so a hang fails the test instead of blocking it.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <csignal>
@@ -13,8 +14,10 @@
 #include <map>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_folder.h"
 #include "checkpoint/memory_gather.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -901,4 +904,44 @@ TEST_F(RecoverySlow, ALinkThatDropsMostPacketsIsTreatedAsCut) {
   const Json hang = read_json_file((run / "hang-1.json").string());
   std::printf("judged: %s\n", hang["message"].get<std::string>().c_str());
   expect_same_losses(m.losses, uninterrupted(dir, kCutSteps), kCutSteps);
+}
+
+// A supervisor killed before its end (SIGKILL, a closed terminal's SIGHUP) leaves its hostfile
+// folder in the temporary directory; the next supervisor on the host removes it, and only such
+// folders: one whose supervisor still runs, another user's, and other names stay.
+TEST(Launch, AFolderAKilledSupervisorLeftIsRemovedByTheNext) {
+  ScratchDir dir;
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  const checkpoint::HostProcess me = checkpoint::this_process();
+  const std::string prefix = "malleus-launch-" + std::to_string(me.pid) + "-";
+  struct Folders {  // removed at the end, whatever the test found
+    std::vector<fs::path> made;
+    ~Folders() {
+      std::error_code ignored;
+      for (const fs::path& p : made) fs::remove_all(p, ignored);
+    }
+    fs::path make(const std::string& name) {
+      made.push_back(fs::temp_directory_path() / name);
+      fs::create_directories(made.back());
+      write_file_atomic(made.back() / "hosts.0", "localhost slots=1\n");
+      return made.back();
+    }
+  } folders;
+  // The start time tells this process from a gone one that had the same pid.
+  const fs::path gone = folders.make(prefix + std::to_string(me.start + 1) + "-gone00");
+  const fs::path running = folders.make(prefix + std::to_string(me.start) + "-live00");
+  const fs::path other_name = folders.make("malleus-launch-test" + std::to_string(me.pid));
+  std::optional<fs::path> foreign;
+  if (::geteuid() == 0) {  // root can give a folder to another user (65534: nobody)
+    foreign = folders.make(prefix + std::to_string(me.start + 1) + "-foreign");
+    ASSERT_EQ(::lchown(foreign->c_str(), 65534, 65534), 0);
+  }
+  const auto r = run_command(launch_command(1, "", tiny_flags(dir, "run", 1, Pace::kFull)));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(gone)) << r.output;
+  EXPECT_TRUE(fs::exists(running / "hosts.0")) << r.output;
+  EXPECT_TRUE(fs::exists(other_name / "hosts.0")) << r.output;
+  if (foreign) {
+    EXPECT_TRUE(fs::exists(*foreign / "hosts.0")) << r.output;
+  }
 }

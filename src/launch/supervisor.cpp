@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,9 +19,11 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/memory_checkpoint.h"
+#include "checkpoint/memory_folder.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -310,11 +313,19 @@ class Devices {
   int wanted_ = 0;
 };
 
-// A temporary directory for the hostfiles of the jobs, removed at the end.
+// A temporary directory for the hostfiles of the jobs, removed at the end. Its name holds this
+// supervisor's pid and start time (malleus-launch-PID-START-XXXXXX), so that one a killed
+// supervisor left (SIGKILL, SIGHUP, a second Ctrl-C) is removed by the next supervisor on the host:
+// a folder of the effective user whose named process is not running.
 class ScratchDir {
  public:
   ScratchDir() {
-    std::string pattern = (fs::temp_directory_path() / "malleus-launch-XXXXXX").string();
+    const fs::path tmp = fs::temp_directory_path();
+    remove_abandoned(tmp);
+    const checkpoint::HostProcess me = checkpoint::this_process();
+    std::string pattern = (tmp / (std::string(kPrefix) + std::to_string(me.pid) + "-" +
+                                  std::to_string(me.start) + "-XXXXXX"))
+                              .string();
     check(::mkdtemp(pattern.data()) != nullptr,
           std::string("cannot create a temporary directory: ") + std::strerror(errno));
     path_ = pattern;
@@ -323,9 +334,42 @@ class ScratchDir {
     std::error_code ignored;
     fs::remove_all(path_, ignored);
   }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
   const fs::path& path() const { return path_; }
 
  private:
+  static constexpr const char* kPrefix = "malleus-launch-";
+
+  // Never throws: a folder it cannot judge or remove is left alone.
+  static void remove_abandoned(const fs::path& tmp) {
+    std::vector<fs::path> gone;
+    std::error_code ec;
+    for (fs::directory_iterator it(tmp, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      checkpoint::HostProcess owner;
+      char tail[16] = {};
+      long long pid = 0, start = 0;
+      if (name.rfind(kPrefix, 0) != 0 || std::sscanf(name.c_str() + std::strlen(kPrefix),
+                                                     "%lld-%lld-%15s", &pid, &start, tail) != 3) {
+        continue;  // not a supervisor's, or one from before names held the pid
+      }
+      owner.pid = pid;
+      owner.start = start;
+      struct stat st;
+      if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+          st.st_uid != ::geteuid() || checkpoint::is_running(owner)) {
+        continue;
+      }
+      gone.push_back(it->path());
+    }
+    for (const fs::path& dir : gone) {
+      std::error_code removed;
+      fs::remove_all(dir, removed);
+      if (!removed) std::printf("launch: removed %s: its supervisor is gone\n", dir.c_str());
+    }
+  }
+
   fs::path path_;
 };
 
