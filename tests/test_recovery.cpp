@@ -287,6 +287,17 @@ TEST(Partition, ALossyLinkCountsAsCutAndAHealedOneDoesNot) {
   EXPECT_FALSE(healed.partitioned());
   EXPECT_TRUE(healed.failing.empty() && healed.lossy.empty());
   EXPECT_EQ(healed.healed, std::vector<std::string>{"h0 – h1"});
+  // A phase given more time and still held: the link whose probes failed is cut after all (2 of
+  // 40 is below the lossy share); a link whose probes never failed is not.
+  const auto held = watchdog::find_partition(
+      {"h0", "h1"}, {report("h0", {{"h1", {990, 999.9, 999, 40, 2, 2}}})}, now, 3, true);
+  EXPECT_EQ(held.cut_off, std::vector<std::string>{"h1"});
+  EXPECT_EQ(held.lossy,
+            std::vector<std::string>{"h0 – h1: 2 of 40 probes failed, and the phase still waits"});
+  EXPECT_TRUE(held.healed.empty());
+  EXPECT_FALSE(watchdog::find_partition(
+                   {"h0", "h1"}, {report("h0", {{"h1", {990, 999.9, 0, 40, 0, 0}}})}, now, 3, true)
+                   .partitioned());
   // Probes that never failed: nothing at all.
   const auto fine = judged({990, 999.9, 0, 40, 0, 0});
   EXPECT_TRUE(fine.cut.empty() && fine.lossy.empty() && fine.failing.empty() &&

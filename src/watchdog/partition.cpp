@@ -72,6 +72,8 @@ LinkState judge_link(const std::optional<Seen>& a, const std::optional<Seen>& b,
             " probes failed, in " + std::to_string(s->spells) + " spells";
     } else if (s->failed) {
       mine = LinkState::kHealed;
+      why = std::to_string(s->failures) + " of " + std::to_string(s->probes) +
+            " probes failed, and the phase still waits";
     }
     if (mine > state) {
       state = mine;
@@ -92,7 +94,8 @@ std::string Partition::message() const {
 }
 
 Partition find_partition(const std::vector<std::string>& hosts,
-                         const std::vector<HostReport>& reports, double now, double cut_after_s) {
+                         const std::vector<HostReport>& reports, double now, double cut_after_s,
+                         bool healed_is_cut) {
   Partition p;
   const size_t n = hosts.size();
   std::vector<std::vector<bool>> cut(n, std::vector<bool>(n, false));
@@ -114,12 +117,19 @@ Partition find_partition(const std::vector<std::string>& hosts,
           p.failing.push_back(link + ": " + why);
           break;
         case LinkState::kHealed:
-          p.healed.push_back(link);
+          if (healed_is_cut) {
+            p.lossy.push_back(link + ": " + why);
+          } else {
+            p.healed.push_back(link);
+          }
           break;
         case LinkState::kFine:
           break;
       }
-      if (state == LinkState::kCut || state == LinkState::kLossy) cut[a][b] = cut[b][a] = true;
+      if (state == LinkState::kCut || state == LinkState::kLossy ||
+          (healed_is_cut && state == LinkState::kHealed)) {
+        cut[a][b] = cut[b][a] = true;
+      }
     }
   }
   // Take out the host with the most cut (or lossy) links among those left until none is left

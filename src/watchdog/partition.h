@@ -10,7 +10,10 @@
 //   ends within its limit is never judged: the job trains through it, slower (the link probe rates
 //   it: slow-links.md);
 // - *healed*: probes failed, and connect again (a link that went down and came back, or lost a
-//   probe now and then): not cut; the watchdog gives the phase more time.
+//   probe now and then): not cut; the watchdog gives the phase more time, once. If the phase is
+//   still held after that, with nobody else to blame, a healed link counts as lossy
+//   (`healed_is_cut`): a link that drops packets is trained through while phases end within
+//   their limits, and cut once it holds one past its limit.
 //
 // The hosts kept are the largest set of hosts with no cut or lossy link between any two of them,
 // found by taking out, one at a time, the host with the most such links (ties: the one furthest
@@ -46,6 +49,7 @@ struct Partition {
 // `hosts`: every host of the job, rank 0's first. `reports`: the reports of the hosts' leaders that
 // are alive (a host without one is judged by the others' probes of it). `now`: Unix time.
 Partition find_partition(const std::vector<std::string>& hosts,
-                         const std::vector<HostReport>& reports, double now, double cut_after_s);
+                         const std::vector<HostReport>& reports, double now, double cut_after_s,
+                         bool healed_is_cut = false);
 
 }  // namespace malleus::watchdog

@@ -422,7 +422,22 @@ void Watchdog::judge(double waited_s, double limit_s) {
       return;
     }
   }
-  report_hang(waited_s, limit_s, diagnose_hang(heartbeats, now, stale_after), partition);
+  const HangDiagnosis d = diagnose_hang(heartbeats, now, stale_after);
+  if (d.lost_ranks.empty() && !p.healed.empty()) {
+    // Given more time and still held, every rank alive at the same point: the links whose probes
+    // failed in this phase (they drop packets, or flap) are what holds it.
+    const Partition q =
+        find_partition(job_hosts(heartbeats), leader_reports(heartbeats, now, stale_after), now,
+                       options_.cut_after_s, /*healed_is_cut=*/true);
+    if (q.partitioned()) {
+      Json details = partition;
+      details["partition"]["cut_off"] = q.cut_off;
+      details["partition"]["kept"] = q.kept;
+      details["partition"]["lossy"] = q.lossy;
+      report_hang(waited_s, limit_s, diagnose_partition(heartbeats, q), details);
+    }
+  }
+  report_hang(waited_s, limit_s, d, partition);
 }
 
 void Watchdog::end_after_verdict() {
