@@ -280,7 +280,7 @@ TEST(Runtime, CheckpointResumesUnderAnotherPlan) {
                         {}};
     {
       train::Trainer trainer(b, malleus::testing::parallel_test_model(), world);
-      trainer.restore(train::load_checkpoint_on_root(dir / "ckpt", world));
+      trainer.restore(checkpoint::load_checkpoint(dir / "ckpt", world));
       EXPECT_EQ(trainer.step(), 5);
       EXPECT_EQ(trainer.consumed_samples(), 5 * b.global_batch_size);
       for (int s = 5; s < 10; ++s) resumed.losses.push_back(trainer.train_step().loss);

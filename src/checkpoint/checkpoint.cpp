@@ -179,39 +179,13 @@ void save_checkpoint(const fs::path& dir_arg, const Checkpoint& checkpoint) {
   guard.dismiss();
 }
 
-Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
-  const fs::path dir = normalized(dir_arg);
-  const std::string where = "checkpoint " + dir.string();
-  std::error_code ec;
-  check(fs::is_directory(dir, ec), where + ": not a checkpoint: no such directory");
-  check(fs::is_regular_file(dir / kManifest, ec), where + ": not a checkpoint: no manifest.json");
+namespace detail {
 
+Checkpoint read_single_file(const CheckpointIndex& index, bool with_optimizer) {
+  const fs::path& dir = index.dir();
+  const std::string where = "checkpoint " + dir.string();
   const std::string source = where + ": manifest.json";
-  int64_t version = 0;
-  const CheckpointReadLock lock(dir);  // retention leaves it alone while it is read
-  const std::string text = lock.manifest_text();
-  const Json manifest = verified_manifest(text, source, &version);
-  if (version >= kShardedVersion3) {
-    // The whole model on this process: the sharded reader with the full layout as the shard.
-    const CheckpointIndex index(dir, text);
-    Checkpoint checkpoint = index.header();
-    check(!with_optimizer || index.has_optimizer(),
-          where + ": has no optimizer state (its pieces hold parameters only)");
-    const model::ParameterLayout full(checkpoint.model);
-    const auto total = static_cast<size_t>(full.total_size());
-    checkpoint.params.assign(total, 0.0f);
-    std::vector<float*> buffers{checkpoint.params.data()};
-    if (with_optimizer) {
-      checkpoint.adam_m.assign(total, 0.0f);
-      checkpoint.adam_v.assign(total, 0.0f);
-      buffers.push_back(checkpoint.adam_m.data());
-      buffers.push_back(checkpoint.adam_v.data());
-    }
-    index.read(full, buffers);
-    checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
-    return checkpoint;
-  }
-  JsonReader reader(manifest, source);
+  JsonReader reader(index.manifest(), source);
   Checkpoint checkpoint = read_manifest_header(reader, source);
   const Json tensors = reader.required<Json>("tensors");
   const Json files = reader.required<Json>("files");
@@ -253,11 +227,8 @@ Checkpoint load_checkpoint(const fs::path& dir_arg, bool with_optimizer) {
     read_tensors(dir, where, kOptimizer, optimizer, layout,
                  {&checkpoint.adam_m, &checkpoint.adam_v});
   }
-  checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
   return checkpoint;
 }
-
-namespace detail {
 
 Json manifest_head(int64_t version, const Checkpoint& header, Json tensors) {
   return Json{{"format", kFormat},

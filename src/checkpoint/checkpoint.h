@@ -10,7 +10,7 @@
 // complete; an older checkpoint with the same name is replaced only then.
 //
 // That single-file form (format version 2) is what one process writes (import, tests); runs on
-// several ranks write sharded checkpoints (version 4, below). load_checkpoint reads all.
+// several ranks write sharded checkpoints (version 4, below). load_checkpoint reads both.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,10 @@
 #include "model/parameters.h"
 #include "tokenizer/tokenizer.h"
 
+namespace malleus::comm {
+class Communicator;
+}
+
 namespace malleus::checkpoint {
 
 class CheckpointIndex;
@@ -43,16 +47,27 @@ struct Checkpoint {
   std::vector<float> adam_m;  // empty when saved/loaded without optimizer state
   std::vector<float> adam_v;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;  // null: not known
-  // A sharded checkpoint read by every rank for itself (load_checkpoint_index): the buffers
-  // above stay empty and each rank reads its own part through this index.
+  // A sharded checkpoint read by every rank for itself (the collective load_checkpoint): the
+  // buffers above stay empty and each rank reads its own part through this index.
   std::shared_ptr<const CheckpointIndex> sharded;
 };
 
 void save_checkpoint(const std::filesystem::path& dir, const Checkpoint& checkpoint);
 
+// Loading, either form (checkpoint/load.cpp: one reader for both, which reads the tokenizer once).
 // Verifies manifest, sizes and checksums before returning; throws Error naming the checkpoint and
 // the file at fault if anything is missing, truncated or corrupt.
+//
+// On one process: the whole checkpoint, its buffers read whatever its form.
 Checkpoint load_checkpoint(const std::filesystem::path& dir, bool with_optimizer = true);
+// Collective over `world`: every rank gets the checkpoint's config and progress (rank 0 reads
+// manifest.json, verifies it and sends its text, so that no rank opens a checkpoint's files before
+// rank 0 has found it complete; every rank verifies the text too). A single-file checkpoint's
+// buffers and the tokenizer are read on rank 0 only (the trainer scatters the buffers); a sharded
+// checkpoint's buffers are left to each rank to read for itself, the part it needs
+// (Checkpoint::sharded). Throws the same Error on every rank if the checkpoint is bad.
+Checkpoint load_checkpoint(const std::filesystem::path& dir, comm::Communicator& world,
+                           bool with_optimizer = true);
 
 // XXH3 of the manifest's canonical text (nlohmann's compact dump), the manifest's own checksum
 // field left out: what "manifest_xxh3" holds.
@@ -237,6 +252,7 @@ class CheckpointIndex {
 
   const std::filesystem::path& dir() const { return dir_; }
   const std::string& manifest_text() const { return text_; }
+  const Json& manifest() const { return manifest_; }  // verified
   bool sharded() const { return version_ >= 3; }
   bool has_optimizer() const { return has_optimizer_; }
   // Model, training config and progress; no buffers, no tokenizer.

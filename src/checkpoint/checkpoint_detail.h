@@ -77,6 +77,10 @@ class TempDirGuard {
   bool dismissed_ = false;
 };
 
+// A single-file checkpoint's buffers (the Adam moments only `with_optimizer`) from the files its
+// verified manifest, `index`, lists; no tokenizer. Throws Error naming the file at fault.
+Checkpoint read_single_file(const CheckpointIndex& index, bool with_optimizer);
+
 // Parses manifest.json's text and checks its format, version (single-file or sharded) and own
 // checksum before any value is used; `version` receives the version.
 Json verified_manifest(const std::string& text, const std::string& source, int64_t* version);

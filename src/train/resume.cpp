@@ -135,7 +135,7 @@ ResumePoint find_resume_point(const fs::path& given, comm::Communicator& world) 
     const fs::path chosen =
         checkpoint::checkpoint_dir(checkpoint::memory_checkpoint_root(*point.run_dir), *step);
     try {
-      point.checkpoint = load_checkpoint_on_root(chosen, world);
+      point.checkpoint = checkpoint::load_checkpoint(chosen, world);
       point.memory = chosen;
       return point;
     } catch (const Error& e) {
@@ -143,7 +143,7 @@ ResumePoint find_resume_point(const fs::path& given, comm::Communicator& world) 
     }
   }
   check(point.disk.has_value(), no_disk);
-  point.checkpoint = load_checkpoint_on_root(*point.disk, world);
+  point.checkpoint = checkpoint::load_checkpoint(*point.disk, world);
   return point;
 }
 
@@ -169,7 +169,7 @@ void restore_resume_point(Trainer& trainer, ResumePoint& point, comm::Communicat
     }
   }
   point.memory.reset();
-  point.checkpoint = load_checkpoint_on_root(*point.disk, world);
+  point.checkpoint = checkpoint::load_checkpoint(*point.disk, world);
   trainer.restore(point.checkpoint);
   point.checkpoint.sharded.reset();
 }

@@ -15,8 +15,6 @@
 namespace malleus::train {
 
 using checkpoint::Checkpoint;
-using checkpoint::CheckpointIndex;
-using checkpoint::load_checkpoint;
 using metrics::EvalRecord;
 using metrics::MetricsLog;
 
@@ -381,48 +379,6 @@ void Trainer::stop_diverged(const StepStats& s) {
 
 int Trainer::agreed_stop_signal() {
   return static_cast<int>(world_.all_reduce_max(static_cast<double>(StopSignals::received())));
-}
-
-Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir, comm::Communicator& world,
-                                   bool with_optimizer) {
-  // Rank 0 reads the manifest and sends its text: no rank opens a checkpoint's files before
-  // rank 0 has found it complete. A single-file checkpoint is then read on rank 0 whole; a
-  // sharded one by every rank for itself (Trainer::restore).
-  std::string text, error;
-  if (world.rank() == 0) {
-    try {
-      text = CheckpointIndex(dir).manifest_text();
-    } catch (const Error& e) {
-      error = e.what();
-    }
-  }
-  if (world.size() > 1) {
-    error = world.broadcast_text(error, 0);
-    if (error.empty()) text = world.broadcast_text(text, 0);
-  }
-  if (!error.empty()) throw Error(error);
-  auto index = std::make_shared<const CheckpointIndex>(dir, text);
-  Checkpoint checkpoint;
-  error.clear();
-  if (world.rank() == 0) {
-    try {
-      if (index->sharded()) {
-        check(!with_optimizer || index->has_optimizer(),
-              "checkpoint " + dir.string() + ": has no optimizer state");
-        checkpoint = index->header();
-        checkpoint.tokenizer = tokenizer::load_saved_tokenizer(dir);
-      } else {
-        checkpoint = load_checkpoint(dir, with_optimizer);
-      }
-    } catch (const Error& e) {
-      error = e.what();
-    }
-  }
-  if (world.size() > 1) error = world.broadcast_text(error, 0);
-  if (!error.empty()) throw Error(error);
-  if (world.rank() != 0) checkpoint = index->header();
-  if (index->sharded()) checkpoint.sharded = index;
-  return checkpoint;
 }
 
 }  // namespace malleus::train

@@ -55,8 +55,8 @@ class Trainer {
           comm::Communicator world, InitialState initial = InitialState::kFromSeed);
 
   // Collective: continues from a checkpoint whose buffers are read on rank 0 (other ranks may
-  // pass a checkpoint without buffers; see load_checkpoint_on_root). Throws Error if the
-  // checkpoint's tokenizer differs from the training data's, or if it is damaged (a sharded one
+  // pass a checkpoint without buffers: the collective checkpoint::load_checkpoint). Throws Error if
+  // the checkpoint's tokenizer differs from the training data's, or if it is damaged (a sharded one
   // is read by every rank: the first rank's error, on every rank); the trainer's state is then
   // not usable until another restore() succeeds, unless it had been initialised and nothing was
   // read yet.
@@ -132,13 +132,5 @@ class Trainer {
   Checkpointing checkpoints_;  // disk and memory checkpoints: when they are due, and the writers
   watchdog::Watchdog* watchdog_ = nullptr;  // while run() runs with one: the phases it watches
 };
-
-// Every rank gets the checkpoint's config and progress (rank 0 reads manifest.json, verifies it and
-// sends its text). A single-file checkpoint's buffers are read on rank 0 only (restore scatters
-// them); a sharded checkpoint's on restore, by each rank for itself (Checkpoint::sharded). Throws
-// the same Error on every rank if the checkpoint is bad. Collective.
-checkpoint::Checkpoint load_checkpoint_on_root(const std::filesystem::path& dir,
-                                               comm::Communicator& world,
-                                               bool with_optimizer = true);
 
 }  // namespace malleus::train
