@@ -24,6 +24,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "common/error.h"
 #include "model/transformer.h"
+#include "test_models.h"
 
 namespace malleus::backend {
 namespace {
@@ -429,16 +430,7 @@ TEST_F(CudaBackend, CrossEntropyOfAVocabularySliceMatchesTheCpu) {
 // ---- a whole training step ---------------------------------------------------------------------
 // head_dim 16: the fp32 attention kernels in every mode.
 model::ModelConfig small_llama() {
-  model::ModelConfig c;
-  c.name = "cuda-test";
-  c.vocab_size = 700;
-  c.hidden_size = 128;
-  c.num_layers = 3;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 352;
-  c.max_seq_len = 96;
-  return c;
+  return malleus::testing::cuda_test_model();
 }
 
 // head_dim 64: bf16 mode's tensor-core attention, sequences longer than one 64-row tile.

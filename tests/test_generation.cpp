@@ -8,27 +8,14 @@
 
 #include "common/error.h"
 #include "model/generation.h"
+#include "test_models.h"
 #include "test_util.h"
 
 using namespace malleus;
 using malleus::testing::error_of;
+using malleus::testing::generation_model;
 
 namespace {
-
-// Grouped KV heads, and a context longer than the attention kernel's 64-row blocks.
-model::ModelConfig generation_model() {
-  model::ModelConfig c;
-  c.name = "generation-test";
-  c.vocab_size = 61;
-  c.hidden_size = 32;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 48;
-  c.max_seq_len = 96;
-  c.init_std = 0.5f;  // far from uniform logits, so greedy choices are clear-cut
-  return c;
-}
 
 // Logits of the last position of `tokens` from the training forward of a model built for exactly
 // this length: every position recomputed, no cache.

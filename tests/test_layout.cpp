@@ -13,35 +13,24 @@
 #include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "layout/staged_redistribution.h"
+#include "test_models.h"
 
 using namespace malleus;
+using malleus::testing::layout_model;
 
 namespace {
 
-model::ModelConfig small_model() {
-  model::ModelConfig c;
-  c.name = "layout-test";
-  c.vocab_size = 11;
-  c.hidden_size = 8;
-  c.num_layers = 3;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 6;
-  c.max_seq_len = 4;
-  return c;
-}
-
 plan::Plan parse(const std::string& text) {
-  return plan::Plan::from_json(Json::parse(text), small_model(), "test");
+  return plan::Plan::from_json(Json::parse(text), layout_model(), "test");
 }
 
 // The local layout of a rank holding FFN columns 2-4 of 6 in every layer: column-sharded tensors
 // (down_proj [8, 3] of [8, 6]) next to row-sharded and replicated ones.
 model::ParameterLayout ffn_columns_2_to_4() {
-  model::ShardSpec shard = model::ShardSpec::full(small_model());
+  model::ShardSpec shard = model::ShardSpec::full(layout_model());
   shard.ffn_begin = 2;
   shard.ffn = 3;
-  return model::ParameterLayout(small_model(), shard);
+  return model::ParameterLayout(layout_model(), shard);
 }
 
 // A parameter buffer for `local` whose element i holds i, so a copied element tells where from.
@@ -66,7 +55,7 @@ const char* kPlanB = R"({"world_size": 4, "pipelines": [
 
 // Element-level ownership: (tensor, row or column index) -> holder ranks.
 std::map<std::pair<int, int64_t>, std::set<int>> element_holders(const layout::Layout& l) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const model::ParameterLayout full(model);
   std::map<std::string, int> index;
   for (size_t i = 0; i < full.tensors().size(); ++i) index[full.tensors()[i].name] = int(i);
@@ -87,7 +76,7 @@ std::map<std::pair<int, int64_t>, std::set<int>> element_holders(const layout::L
 }  // namespace
 
 TEST(Layout, RefinementPiecesHaveOneHolderPerPipeline) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const auto layout = layout::plan_layout(parse(kPlanA), model);
   const model::ParameterLayout full(model);
   const auto pieces = layout::common_refinement(model, {&layout});
@@ -108,7 +97,7 @@ TEST(Layout, RefinementPiecesHaveOneHolderPerPipeline) {
 }
 
 TEST(Layout, GradSyncCountsEachPipelineOnceAndEachElementOnceInTheNorm) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const auto layout = layout::plan_layout(parse(kPlanA), model);
   const auto sync = layout::plan_grad_sync(model, layout);
   for (const auto& piece : sync.pieces) {
@@ -130,7 +119,7 @@ TEST(Layout, GradSyncCountsEachPipelineOnceAndEachElementOnceInTheNorm) {
 // the even cut, and a rank's shard is its slices end to end, as blocks of rows; with small chunks
 // too (a chunk limit below the larger pieces).
 TEST(Layout, OptimizerShardOwnsEachElementOnce) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const auto layout = layout::plan_layout(parse(kPlanA), model);
   const auto sync = layout::plan_grad_sync(model, layout);
   for (const double chunk_elements : {1e9, 300.0}) {
@@ -199,7 +188,7 @@ TEST(Layout, OptimizerShardOwnsEachElementOnce) {
 }
 
 TEST(Layout, RedistributionMovesExactlyTheElementsNewHoldersLack) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const model::ParameterLayout full(model);
   const auto a = layout::plan_layout(parse(kPlanA), model);
   const auto b = layout::plan_layout(parse(kPlanB), model);
@@ -238,7 +227,7 @@ TEST(Layout, RedistributionMovesExactlyTheElementsNewHoldersLack) {
 }
 
 TEST(Layout, CheckpointLayoutGathersAndScattersEverything) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const model::ParameterLayout full(model);
   const auto a = layout::plan_layout(parse(kPlanA), model);
   const auto root = layout::single_owner_layout(model, 4, 0);
@@ -274,7 +263,7 @@ TEST(Layout, PackAndUnpackColumnSlices) {
 // copy: rows of a row-sharded tensor, a replicated tensor, a column piece as wide as the local
 // part.
 TEST(Layout, ContiguousOffsetIsWherePackPieceCopiesFromInOneRun) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const model::ParameterLayout local = ffn_columns_2_to_4();
   const std::vector<float> buffer = numbered_buffer(local);
   const model::ParameterLayout full(model);
@@ -311,7 +300,7 @@ TEST(Layout, ContiguousOffsetIsWherePackPieceCopiesFromInOneRun) {
 // and the order keeps each rank's predicted extra memory under the bucket, also when two ranks
 // trade pipeline stages (one must give back before the other can take).
 TEST(Layout, StagedRedistributionCoversEverythingWithinTheBucket) {
-  const auto model = small_model();
+  const auto model = layout_model();
   const model::ParameterLayout full(model);
   // Rank 0 holds the first stage and rank 1 the second, then the other way round.
   const char* kForward = R"({"world_size": 4, "pipelines": [
@@ -409,7 +398,7 @@ TEST(Layout, StagedRedistributionCoversEverythingWithinTheBucket) {
 // once, from a rank whose old block of that kind holds it; the band parts cover every block; and
 // the order keeps each rank's predicted extra memory under the bucket.
 TEST(Layout, StagedRedistributionMovesOptimizerShardsWithinTheBucket) {
-  const auto model = small_model();
+  const auto model = layout_model();
   // Two pipelines: tp2 with uneven shares next to two stages.
   const char* kPlanC = R"({"world_size": 4, "pipelines": [
     {"micro_batches": 1, "stages": [{"layers": [0, 3], "ranks": [2, 1], "heads": [2, 2],

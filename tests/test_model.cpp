@@ -9,24 +9,12 @@
 #include <utility>
 
 #include "model/transformer.h"
+#include "test_models.h"
 
 using namespace malleus;
+using malleus::testing::gradcheck_model;
 
 namespace {
-
-model::ModelConfig small_config() {
-  model::ModelConfig c;
-  c.name = "gradcheck";
-  c.vocab_size = 13;
-  c.hidden_size = 16;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;  // exercise grouped KV heads
-  c.ffn_hidden_size = 24;
-  c.max_seq_len = 8;
-  c.init_std = 0.3f;  // large enough that every path carries gradient
-  return c;
-}
 
 struct Batch {
   std::vector<int32_t> inputs, targets;
@@ -45,7 +33,7 @@ Batch random_batch(const model::ModelConfig& c, int micro, int seq, uint64_t see
 }  // namespace
 
 TEST(Model, WholeModelGradientMatchesFiniteDifferences) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   const int micro = 2, seq = 6;
   auto backend = backend::make_cpu_backend<double>(2);
   model::Transformer<double> m(config, *backend, micro, seq);
@@ -96,7 +84,7 @@ TEST(Model, WholeModelGradientMatchesFiniteDifferences) {
 }
 
 TEST(Model, GradientsAccumulateAcrossMicroBatches) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   auto backend = backend::make_cpu_backend<double>(2);
   model::Transformer<double> m(config, *backend, 2, 6);
   m.init_parameters(1);
@@ -117,7 +105,7 @@ TEST(Model, GradientsAccumulateAcrossMicroBatches) {
 }
 
 TEST(Model, FloatForwardAgreesWithDouble) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   auto bf = backend::make_cpu_backend<float>(2);
   auto bd = backend::make_cpu_backend<double>(2);
   model::Transformer<float> mf(config, *bf, 2, 6);
@@ -131,7 +119,7 @@ TEST(Model, FloatForwardAgreesWithDouble) {
 }
 
 TEST(Model, InitialisationIsSeededAndPerTensor) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   auto backend = backend::make_cpu_backend<float>(1);
   model::Transformer<float> a(config, *backend, 1, 4), b(config, *backend, 1, 4),
       c(config, *backend, 1, 4);
@@ -151,7 +139,7 @@ TEST(Model, InitialisationIsSeededAndPerTensor) {
 }
 
 TEST(Model, RefusesOutOfRangeTokensAndSequences) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   auto backend = backend::make_cpu_backend<float>(1);
   EXPECT_THROW(model::Transformer<float>(config, *backend, 1, config.max_seq_len + 1), Error);
   model::Transformer<float> m(config, *backend, 1, 4);
@@ -168,7 +156,7 @@ using Model = model::Transformer<float>;
 // through a schedule, which returns the losses of its forwards; run() gives them and the
 // gradients it accumulated, on the host.
 struct TwoSlots {
-  model::ModelConfig config = small_config();
+  model::ModelConfig config = gradcheck_model();
   int micro = 2, seq = 6;
   std::unique_ptr<backend::Backend<float>> backend = backend::make_cpu_backend<float>(1);
   Batch first = random_batch(config, micro, seq, 3), second = random_batch(config, micro, seq, 4);
@@ -283,7 +271,7 @@ TEST(Model, RecomputationAheadGivesBitIdenticalLossesAndGradients) {
 // What a slot keeps shrinks with the mode: selective drops the attention core, full all but each
 // layer's input; the memory ledger sees it.
 TEST(Model, RecomputationKeepsLessActivationMemory) {
-  const auto config = small_config();
+  const auto config = gradcheck_model();
   auto backend = backend::make_cpu_backend<float>(1);
   auto activations = [&](model::Recompute recompute) {
     const auto before = backend::memory_ledger().current()[backend::MemoryKind::kActivations];

@@ -18,8 +18,10 @@
 #include "plan/cost_model.h"
 #include "plan/planner.h"
 #include "replan/replan.h"
+#include "test_models.h"
 
 using namespace malleus;
+using malleus::testing::planner_model;
 using plan::CostModel;
 
 namespace {
@@ -38,19 +40,6 @@ void compositions(int total, int parts, int least, std::vector<int>& cur,
     compositions(total - x, parts - 1, least, cur, f);
     cur.pop_back();
   }
-}
-
-model::ModelConfig small_model() {
-  model::ModelConfig m;
-  m.name = "small";
-  m.vocab_size = 8000;
-  m.hidden_size = 1024;
-  m.num_layers = 8;
-  m.num_heads = 16;
-  m.num_kv_heads = 4;
-  m.ffn_hidden_size = 2816;
-  m.max_seq_len = 1024;
-  return m;
 }
 
 plan::ClusterSpec small_cluster(int nodes, int per_node) {
@@ -217,7 +206,7 @@ TEST(Planner, AssignMicroBatchesMatchesTheGreedyOnLargeInstances) {
 }
 
 TEST(Planner, EveryStrategyGivesValidPlans) {
-  const auto model = small_model();
+  const auto model = planner_model();
   const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
   const int N = 8;
   for (const auto& rates : rate_patterns(N)) {
@@ -251,7 +240,7 @@ TEST(Planner, EveryStrategyGivesValidPlans) {
 
 TEST(Planner, UnknownStrategyAndImpossibleRequestsAreErrors) {
   EXPECT_THROW(plan::make_strategy("fastest"), Error);
-  const CostModel cost(small_model(), small_cluster(1, 4), plan::BatchConfig{8, 1, 1024});
+  const CostModel cost(planner_model(), small_cluster(1, 4), plan::BatchConfig{8, 1, 1024});
   plan::Rates all_gone(4, kInf);
   for (const auto& name : plan::strategy_names()) {
     EXPECT_THROW(plan::make_strategy(name)->plan(cost, {all_gone, plan::Shape{}, std::nullopt}),
@@ -376,7 +365,7 @@ double brute_force(const CostModel& cost, const plan::Rates& rates) {
 }
 
 TEST(Planner, MalleusMatchesBruteForceOnASmallCluster) {
-  auto m = small_model();
+  auto m = planner_model();
   m.num_layers = 4;
   const CostModel cost(m, small_cluster(1, 4), plan::BatchConfig{4, 1, 1024});
   const auto planner = plan::make_strategy("malleus");
@@ -392,7 +381,7 @@ TEST(Planner, MalleusMatchesBruteForceOnASmallCluster) {
 }
 
 TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
-  const auto model = small_model();
+  const auto model = planner_model();
   const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
   const plan::Rates healthy(8, 1.0);
   const auto current = plan::uniform_plan(model, 2, 2, 2, 16, 1, 8);
@@ -432,7 +421,7 @@ TEST(Planner, TiesAreBrokenTowardTheCurrentPlan) {
 }
 
 TEST(Planner, BaselinesBehaveAsDocumented) {
-  const auto model = small_model();
+  const auto model = planner_model();
   const CostModel cost(model, small_cluster(2, 4), plan::BatchConfig{16, 1, 1024});
   plan::Rates rates(8, 1.0);
   rates[5] = kInf;
@@ -490,7 +479,7 @@ TEST(Planner, DataParallelSplitsMicroBatchesByRatesDownToNone) {
 // rank, under every rate pattern, and the plans stay valid (with a device slow or gone a strategy
 // may find none that fits, its documented error).
 TEST(Planner, KeepsTensorParallelGroupsWithinTheCostModelsLimit) {
-  const auto model = small_model();
+  const auto model = planner_model();
   auto cluster = small_cluster(1, 8);
   cluster.memory_bytes = 0.6e9;  // tight: the search forms TP groups to fit
   CostModel cost(model, cluster, plan::BatchConfig{16, 1, 1024});

@@ -27,6 +27,7 @@
 #include "common/error.h"
 #include "data/shard.h"
 #include "model/config.h"
+#include "test_models.h"
 #include "tokenizer/byte_tokenizer.h"
 #include "tokenizer/sentencepiece_tokenizer.h"
 
@@ -105,21 +106,6 @@ inline std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "";
-}
-
-// Small, but with room for uneven parallel shares: 8 heads in 4 KV groups, 4 layers.
-inline model::ModelConfig parallel_test_model() {
-  model::ModelConfig c;
-  c.name = "parallel-test";
-  c.vocab_size = 257;
-  c.hidden_size = 32;
-  c.num_layers = 4;
-  c.num_heads = 8;
-  c.num_kv_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.max_seq_len = 16;
-  c.init_std = 0.1f;
-  return c;
 }
 
 // Token ids as shards hold them.
