@@ -600,8 +600,9 @@ TEST(CostModel, RanksTakingTurnsOnACoreShareItsCompute) {
   const CostModel own(demo, cluster, batch);
   cluster.cores_per_node = 1;  // the two ranks of a host take turns on its one core
   const CostModel shared(demo, cluster, batch);
-  EXPECT_EQ(shared.cluster().core_of(1), 0);
-  EXPECT_EQ(shared.cluster().core_of(2), 1);
+  ASSERT_NE(shared.shared_cores(), nullptr);
+  EXPECT_EQ(shared.shared_cores()->core_of(1), 0);
+  EXPECT_EQ(shared.shared_cores()->core_of(2), 1);
   const plan::Rates rates(4, 1.0);
   auto predict = [&](const CostModel& cost, int dp, int tp, int pp) {
     return cost.predict(plan::uniform_plan(demo, dp, tp, pp, 16, 2, 4), rates, false);
@@ -656,6 +657,69 @@ TEST(CostModel, RanksTakingTurnsOnACoreShareItsCompute) {
   EXPECT_FALSE(plain.cores_shared());
   EXPECT_DOUBLE_EQ(predict(CostModel(demo, plain, batch), 1, 1, 4).iteration_time,
                    predict(own, 1, 1, 4).iteration_time);
+}
+
+// The 2-core test bed's logic (plan/shared_cores.h) stays behind its seam: on a cluster with a
+// compute unit per device (cores_per_node 0, or one per device) the cost model holds no
+// SharedCores, and the planner's plans and every figure of their predictions are the same
+// whichever way the cluster says so. The same cluster with devices taking turns on fewer units
+// predicts otherwise, so the comparison can tell.
+TEST(CostModel, DevicePerRankClustersNeverEnterTheSharedCoreSeam) {
+  const model::ModelConfig demo = model::load_model_config("demo");
+  auto same = [](const plan::Prediction& a, const plan::Prediction& b) {
+    ASSERT_EQ(a.iteration_time, b.iteration_time);
+    ASSERT_EQ(a.pipeline_time, b.pipeline_time);
+    ASSERT_EQ(a.grad_sync_time, b.grad_sync_time);
+    ASSERT_EQ(a.optimizer_time, b.optimizer_time);
+    ASSERT_EQ(a.memory_bytes, b.memory_bytes);
+    ASSERT_EQ(a.pipelines.size(), b.pipelines.size());
+    for (size_t p = 0; p < a.pipelines.size(); ++p) {
+      ASSERT_EQ(a.pipelines[p].time, b.pipelines[p].time);
+      ASSERT_EQ(a.pipelines[p].stages.size(), b.pipelines[p].stages.size());
+      for (size_t j = 0; j < a.pipelines[p].stages.size(); ++j) {
+        const plan::StageCost &x = a.pipelines[p].stages[j].cost,
+                              &y = b.pipelines[p].stages[j].cost;
+        ASSERT_EQ(x.forward, y.forward);
+        ASSERT_EQ(x.backward, y.backward);
+        ASSERT_EQ(x.memory_bytes, y.memory_bytes);
+      }
+    }
+  };
+  int contrasted = 0;
+  for (const char* name : {"cpu-local", "cpu-bed-2x2", "cpu-bed-3x1", "a800-4x8", "h100-8x8"}) {
+    SCOPED_TRACE(name);
+    plan::ClusterSpec cluster = plan::load_cluster(name);
+    const int devices = cluster.num_devices();
+    const plan::BatchConfig batch{4 * devices, 1, 128};
+    cluster.cores_per_node = 0;
+    const CostModel unset(demo, cluster, batch);
+    cluster.cores_per_node = cluster.devices_per_node;
+    const CostModel one_each(demo, cluster, batch);
+    EXPECT_EQ(unset.shared_cores(), nullptr);
+    EXPECT_EQ(one_each.shared_cores(), nullptr);
+    plan::Rates slow_one(static_cast<size_t>(devices), 1.0);
+    slow_one[static_cast<size_t>(devices - 1)] = 3.0;
+    for (const plan::Rates& rates : {plan::Rates(static_cast<size_t>(devices), 1.0), slow_one}) {
+      plan::PlanRequest request;
+      request.rates = rates;
+      const plan::Plan planned = plan::make_strategy("malleus")->plan(unset, request).plan;
+      EXPECT_EQ(plan::make_strategy("malleus")->plan(one_each, request).plan.to_json(),
+                planned.to_json());
+      same(unset.predict(planned, rates), one_each.predict(planned, rates));
+      same(unset.predict(planned, rates, false), one_each.predict(planned, rates, false));
+      if (cluster.devices_per_node > 1) {
+        cluster.cores_per_node = 1;  // the node's devices take turns on one unit
+        const CostModel turns(demo, cluster, batch);
+        ASSERT_NE(turns.shared_cores(), nullptr);
+        // Not slower always: merged stages also leave out their hand-offs.
+        EXPECT_NE(turns.predict(planned, rates).iteration_time,
+                  unset.predict(planned, rates).iteration_time);
+        cluster.cores_per_node = cluster.devices_per_node;
+        ++contrasted;
+      }
+    }
+  }
+  EXPECT_GT(contrasted, 0);
 }
 
 // The vocabulary-parallel loss costs the last stage of a TP group two more all-reduces in the

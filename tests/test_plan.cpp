@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "plan/cluster.h"
 #include "plan/planner.h"
+#include "plan/shared_cores.h"
 
 using namespace malleus;
 
@@ -58,7 +59,7 @@ TEST(Cluster, JsonRoundTripsAndRejectsBadKeys) {
   // Ranks taking turns on fewer cores than devices: kept through JSON, bounded by the devices.
   bad = c.to_json();
   bad["cores_per_node"] = 2;
-  EXPECT_EQ(plan::ClusterSpec::from_json(bad, "c.json").core_of(11),
+  EXPECT_EQ(plan::SharedCores::of(plan::ClusterSpec::from_json(bad, "c.json"))->core_of(11),
             3);  // node 1 (cores 2, 3), its device 3 on core 3 mod 2
   EXPECT_EQ(plan::ClusterSpec::from_json(plan::ClusterSpec::from_json(bad, "c.json").to_json(), "x")
                 .cores_per_node,

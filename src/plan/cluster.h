@@ -51,13 +51,9 @@ struct ClusterSpec {
 
   int num_devices() const { return nodes * devices_per_node; }
   int node_of(int device) const { return device / devices_per_node; }
+  // Whether devices take turns on shared units; what the cost model then does differently is
+  // plan/shared_cores.h.
   bool cores_shared() const { return cores_per_node > 0 && cores_per_node < devices_per_node; }
-  // The compute unit (numbered over the cluster) device `device` runs on: its own unless shared.
-  int core_of(int device) const {
-    return cores_shared()
-               ? node_of(device) * cores_per_node + (device % devices_per_node) % cores_per_node
-               : device;
-  }
   double flops() const { return peak_flops * mfu; }  // what the cost model divides by
   double usable_memory() const { return memory_bytes * usable_memory_fraction; }
   double link_rate(int node) const {

@@ -95,64 +95,6 @@ int fewest_recomputed_layers(int layers, const Fits& fits) {
   return hi;
 }
 
-// The cores a stage's ranks run on (ClusterSpec::core_of), sorted.
-std::vector<int> cores_of(const ClusterSpec& cluster, const Stage& stage) {
-  std::vector<int> cores;
-  for (int r : stage.ranks) cores.push_back(cluster.core_of(r));
-  std::sort(cores.begin(), cores.end());
-  cores.erase(std::unique(cores.begin(), cores.end()), cores.end());
-  return cores;
-}
-
-// `stages` (of `pipeline`) with every run of consecutive stages on the same cores made one stage:
-// forward, backward, TP and recomputation times add up; the hand-offs inside the run are the
-// core's own order of work and leave the critical path. Recomputation is no longer ahead of a
-// gradient: the core does it when it is its turn.
-std::vector<StagePrediction> merge_stages_on_shared_cores(
-    const ClusterSpec& cluster, const Pipeline& pipeline,
-    const std::vector<StagePrediction>& stages) {
-  std::vector<StagePrediction> merged;
-  std::vector<int> last_cores;
-  for (size_t j = 0; j < stages.size(); ++j) {
-    std::vector<int> cores = cores_of(cluster, pipeline.stages[j]);
-    if (merged.empty() || cores != last_cores) {
-      merged.push_back(stages[j]);
-      last_cores = std::move(cores);
-      continue;
-    }
-    StageCost& c = merged.back().cost;
-    const StageCost& next = stages[j].cost;
-    c.forward += next.forward;
-    c.backward += next.backward;
-    c.comm += next.comm;
-    c.recompute_time += next.recompute_time;
-    c.recompute_ahead = false;
-    c.memory_bytes = std::max(c.memory_bytes, next.memory_bytes);
-    c.fits = c.fits && next.fits;
-    merged.back().p2p_next = stages[j].p2p_next;
-  }
-  return merged;
-}
-
-// The most compute any core does in an iteration: every stage's compute (forward and backward
-// less its TP communication, as its busiest core does it) for each of its pipeline's
-// micro-batches, summed over the stages on the core.
-double busiest_core_compute(const ClusterSpec& cluster, const Plan& plan,
-                            const std::vector<PipelinePrediction>& pipelines) {
-  std::map<int, double> per_core;
-  for (size_t p = 0; p < plan.pipelines.size() && p < pipelines.size(); ++p) {
-    const Pipeline& pipeline = plan.pipelines[p];
-    for (size_t j = 0; j < pipeline.stages.size() && j < pipelines[p].stages.size(); ++j) {
-      const StageCost& c = pipelines[p].stages[j].cost;
-      const double compute = pipeline.micro_batches * (c.forward + c.backward - c.comm);
-      for (int core : cores_of(cluster, pipeline.stages[j])) per_core[core] += compute;
-    }
-  }
-  double busiest = 0;
-  for (const auto& [core, compute] : per_core) busiest = std::max(busiest, compute);
-  return busiest;
-}
-
 }  // namespace
 
 Shares Shares::of(const Stage& stage, size_t member, const model::ModelConfig& model) {
@@ -236,7 +178,8 @@ CostModel::CostModel(model::ModelConfig model, ClusterSpec cluster, BatchConfig 
     : model_(std::move(model)),
       cluster_(std::move(cluster)),
       batch_(batch),
-      profile_(std::move(profile)) {
+      profile_(std::move(profile)),
+      shared_cores_(SharedCores::of(cluster_)) {
   batch_.validate("batch");
   const LayerMatmuls params = layer_matmuls(model_);
   attention_params_ = params.attention;
@@ -337,9 +280,9 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
   GroupCost g;
   g.tp = stage.tp();
   const int b = batch_.micro_batch, s = batch_.seq_len;
-  // Members that take turns on one core (ClusterSpec::cores_per_node) compute one after another:
-  // per core the sum of their times; the group waits for its busiest core. Without shared cores
-  // every member has a core of its own and this is the slowest member.
+  // Members that take turns on one core (plan/shared_cores.h) compute one after another: per core
+  // the sum of their times; the group waits for its busiest core. Without shared cores every
+  // member has a core of its own and this is the slowest member.
   struct Times {
     double layer_forward = 0, layer_backward = 0, head_forward = 0, head_backward = 0,
            attention_core_forward = 0;
@@ -362,7 +305,7 @@ GroupCost CostModel::group_cost(const Stage& stage, const Rates& rates) const {
       g.o_proj_share = tokens * o_proj / layer;
       g.qkv_share = tokens * qkv * shares.heads / layer;
     }
-    const int core = cluster_.core_of(stage.ranks[i]);
+    const int core = unit_of(stage.ranks[i]);
     auto on_core = std::find_if(cores.begin(), cores.end(),
                                 [&](const auto& entry) { return entry.first == core; });
     if (on_core == cores.end()) on_core = cores.insert(cores.end(), {core, Times{}});
@@ -618,12 +561,12 @@ PipelinePrediction CostModel::predict_pipeline(const Pipeline& p, int pipelines,
   for (size_t j = 0; j < p.stages.size(); ++j) {
     stages.push_back(predict_stage(p, j, pipelines, rates, choose_recompute, out));
   }
-  if (!cluster_.cores_shared()) return pipeline_time(std::move(stages), p.micro_batches);
+  if (!shared_cores_) return pipeline_time(std::move(stages), p.micro_batches);
   // Consecutive stages whose ranks take turns on the same cores run as one stage: the core
   // does one stage's work or the other's, and a micro-batch handed from one to the other
   // never waits for an idle core (the 1F1B bubble between them is the other stage's work).
   PipelinePrediction merged =
-      pipeline_time(merge_stages_on_shared_cores(cluster_, p, stages), p.micro_batches);
+      pipeline_time(shared_cores_->merge_stages(p, stages), p.micro_batches);
   merged.stages = std::move(stages);
   return merged;
 }
@@ -660,7 +603,7 @@ void CostModel::predict_sync_and_optimizer(const Plan& plan, const Rates& rates,
         const double opt = updated * 2 * cluster_.state_bytes_per_param /
                            cluster_.memory_bandwidth * (std::isfinite(rate) ? rate : 1.0);
         // Ranks that take turns on a core step their optimizers one after another.
-        const auto core = static_cast<size_t>(cluster_.core_of(s.ranks[i]));
+        const auto core = static_cast<size_t>(unit_of(s.ranks[i]));
         if (core >= optimizer_per_core.size()) optimizer_per_core.resize(core + 1, 0.0);
         double& on_core = optimizer_per_core[core];
         on_core += opt;
@@ -681,12 +624,12 @@ Prediction CostModel::predict(const Plan& plan, const Rates& rates, bool choose_
     out.pipelines.push_back(predict_pipeline(p, P, rates, choose_recompute, out));
     out.pipeline_time = std::max(out.pipeline_time, out.pipelines.back().time);
   }
-  if (cluster_.cores_shared()) {
+  if (shared_cores_) {
     // A core computes for one rank at a time: the pipelines take at least the compute of every
     // stage on it, over all pipelines (ranks of different pipelines sharing a core fill each
     // other's waits, but cannot compute at once).
     out.pipeline_time =
-        std::max(out.pipeline_time, busiest_core_compute(cluster_, plan, out.pipelines));
+        std::max(out.pipeline_time, shared_cores_->busiest_core_compute(plan, out.pipelines));
   }
   predict_sync_and_optimizer(plan, rates, out);
   // A gone device in the plan makes its stage's times infinite, and so the iteration.

@@ -24,7 +24,8 @@
 // malleus's core lease) never compute at once: a TP group's members on one core add up,
 // consecutive stages of a pipeline on the same cores run as one stage (the core does the other
 // stage's work in what would be its bubble), the pipelines take at least the busiest core's
-// compute (over every stage on it), and optimizer steps on a core follow each other.
+// compute (over every stage on it), and optimizer steps on a core follow each other. All of that
+// is plan/shared_cores.h, which a cluster with a compute unit per device never enters.
 // Iteration = max over pipelines + gradient sync across pipelines (every rank all-reduces the
 // gradient bytes it owns with one owner per other pipeline, ring, bf16 or fp32 as the cluster
 // says) + optimizer step (memory-bound: 2 × state bytes per owned parameter / memory bandwidth).
@@ -58,6 +59,7 @@
 #include "plan/cluster.h"
 #include "plan/memory_model.h"
 #include "plan/plan.h"
+#include "plan/shared_cores.h"
 
 namespace malleus::plan {
 
@@ -180,6 +182,8 @@ class CostModel {
 
   const model::ModelConfig& model() const { return model_; }
   const ClusterSpec& cluster() const { return cluster_; }
+  // How the cluster's devices share compute units; null when each has its own (SharedCores::of).
+  const SharedCores* shared_cores() const { return shared_cores_ ? &*shared_cores_ : nullptr; }
   // Whether the model may choose recomputation for stages that do not fit (default); off, a
   // stage recomputes only what its plan says (the experiments' "without recomputation").
   void allow_recompute(bool allowed) { recompute_allowed_ = allowed; }
@@ -299,11 +303,15 @@ class CostModel {
   StageMemory stage_memory(const Pipeline& pipeline, size_t j, int pipelines, int device) const;
   // Parameter elements of one layer's shard (matmuls on the shares, both norms whole).
   double layer_parameters(const Shares& shares) const;
+  // The compute unit `device` runs on: its own (the device's number) unless units are shared.
+  int unit_of(int device) const { return shared_cores_ ? shared_cores_->core_of(device) : device; }
 
   model::ModelConfig model_;
   ClusterSpec cluster_;
   BatchConfig batch_;
   std::optional<Profile> profile_;
+  // Ranks taking turns on shared units (the 2-core test bed); none with a unit per device.
+  std::optional<SharedCores> shared_cores_;
   bool recompute_allowed_ = true;
   bool shifted_recompute_ = false;
   bool tp_subpipeline_ = false;
