@@ -79,6 +79,72 @@ TEST(Watchdog, NamesRanksBehindTheOthersAndMissingOnes) {
   EXPECT_EQ(e.lost_ranks, std::vector<int>{1});
 }
 
+TEST(Watchdog, WaitsForARankBehindUntilItsOwnPhaseReachesItsLimit) {
+  const double now = 1000;
+  // Ranks 0 and 2 wait in step 3's checkpoint; rank 1 is alive, still in step 3 since now - 1
+  // (a straggling step). Steps may take 30 s: rank 1 is due at now - 1 + 30.
+  const auto heartbeats = std::vector<std::optional<watchdog::Heartbeat>>{
+      beat(0, 3, "checkpoint", now), beat(1, 3, "step", now), beat(2, 3, "checkpoint", now)};
+  const auto d = watchdog::diagnose_hang(heartbeats, now, 5);
+  ASSERT_EQ(d.lost_ranks, std::vector<int>{1});
+  const auto limit_of = [](const std::string& phase) { return phase == "step" ? 30.0 : 2.0; };
+  EXPECT_DOUBLE_EQ(watchdog::behind_ranks_due(d, heartbeats, limit_of), now - 1 + 30);
+  // A stale or missing rank is not waited for: nothing is due.
+  const auto stale = std::vector<std::optional<watchdog::Heartbeat>>{
+      beat(0, 3, "checkpoint", now), beat(1, 3, "step", now), beat(2, 3, "step", now - 60)};
+  const auto e = watchdog::diagnose_hang(stale, now, 5);
+  ASSERT_EQ(e.lost_ranks, (std::vector<int>{1, 2}));
+  EXPECT_EQ(watchdog::behind_ranks_due(e, stale, limit_of), 0);
+  const auto missing = std::vector<std::optional<watchdog::Heartbeat>>{
+      beat(0, 3, "checkpoint", now), beat(1, 3, "step", now), std::nullopt};
+  EXPECT_EQ(watchdog::behind_ranks_due(watchdog::diagnose_hang(missing, now, 5), missing, limit_of),
+            0);
+  // Nobody named: nothing to wait for.
+  const auto same = std::vector<std::optional<watchdog::Heartbeat>>{beat(0, 3, "step", now),
+                                                                    beat(1, 3, "step", now)};
+  EXPECT_EQ(watchdog::behind_ranks_due(watchdog::diagnose_hang(same, now, 5), same, limit_of), 0);
+}
+
+TEST(Watchdog, GivesARankBehindItsOwnLimitBeforeEndingTheJob) {
+  ScratchDir dir;
+  const auto run = dir.path();
+  std::filesystem::create_directories(watchdog::heartbeat_dir(run));
+  // This process is rank 0 of 2. It makes three steps of 0.3 s (a step's limit becomes
+  // 10 x 0.3 = 3 s), then waits in step 3's checkpoint, whose limit is the 0.5 s floor. Rank 1 is
+  // alive (it keeps beating) but stays in step 3: it is given until its step's 3 s limit.
+  EXPECT_EXIT(
+      {
+        watchdog::Watchdog watchdog(run, 0, 2,
+                                    {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+        auto behind = beat(1, 1, "step", unix_now());
+        for (int step = 1; step <= 3; ++step) {
+          watchdog.enter("step", step);
+          behind.step = step;
+          behind.phase_since = behind.beat = unix_now();
+          write_file_atomic(watchdog::heartbeat_dir(run) / "rank_00001.json",
+                            behind.to_json().dump());
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        }
+        watchdog.enter("checkpoint", 3);
+        for (int i = 0; i < 400; ++i) {
+          behind.beat = unix_now();
+          write_file_atomic(watchdog::heartbeat_dir(run) / "rank_00001.json",
+                            behind.to_json().dump());
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(watchdog::kHangExitCode), "rank 1: still in step 3");
+  const Json report = read_json_file(watchdog::hang_report_path(run).string());
+  EXPECT_EQ(report["lost_ranks"], Json::array({1}));
+  EXPECT_EQ(report["phase"], "checkpoint");
+  EXPECT_DOUBLE_EQ(report["limit_s"].get<double>(), 0.5);
+  // Not at the checkpoint's own 0.5 s, but once rank 1's step had its ~3 s (it entered step 3
+  // 0.3 s before this rank entered the checkpoint).
+  EXPECT_GE(report["waited_s"].get<double>(), 2.4);
+  EXPECT_LT(report["waited_s"].get<double>(), 10.0);
+}
+
 TEST(Watchdog, NamesNobodyWhenEveryRankWaitsAtTheSamePoint) {
   const double now = 1000;
   const auto d =

@@ -253,6 +253,18 @@ HangDiagnosis diagnose_hang(const std::vector<std::optional<Heartbeat>>& heartbe
   return d;
 }
 
+double behind_ranks_due(const HangDiagnosis& d,
+                        const std::vector<std::optional<Heartbeat>>& heartbeats,
+                        const std::function<double(const std::string&)>& limit_of) {
+  double due = 0;
+  for (int rank : d.lost_ranks) {
+    const auto& h = heartbeats[static_cast<size_t>(rank)];
+    if (!h || d.ranks[static_cast<size_t>(rank)].value("status", "") != "behind") return 0;
+    due = std::max(due, h->phase_since + limit_of(h->phase));
+  }
+  return due;
+}
+
 Watchdog::Watchdog(const fs::path& run_dir, int rank, int world_size, WatchdogOptions options)
     : run_dir_(run_dir), rank_(rank), world_size_(world_size), options_(options) {
   if (options_.beat_interval_s <= 0) {
@@ -423,6 +435,10 @@ void Watchdog::judge(double waited_s, double limit_s) {
     }
   }
   const HangDiagnosis d = diagnose_hang(heartbeats, now, stale_after);
+  // Ranks still in an earlier phase, alive and within that phase's limit: not late yet.
+  const double due = behind_ranks_due(
+      d, heartbeats, [this](const std::string& phase) { return this->limit_s(phase); });
+  if (now < due) return;
   if (d.lost_ranks.empty() && !p.healed.empty()) {
     // Given more time and still held, every rank alive at the same point: the links whose probes
     // failed in this phase (they drop packets, or flap) are what holds it.

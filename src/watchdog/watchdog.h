@@ -20,6 +20,8 @@
 //     within about T of the link's return), once;
 //   - else the ranks that did not arrive: a heartbeat that went stale (the process is not
 //     running) or a rank still in an earlier phase; or nobody, when all wait at the same point.
+//     A rank still in an earlier phase is waited for until that phase's own limit (its watchdog
+//     names it then), so a straggling step is not blamed on the checkpoint that waits for it.
 //   It writes that diagnosis to <run>/hang.json (the first rank to get there wins) and to stderr,
 //   and ends its process with kHangExitCode, which makes mpirun end the others; the others' own
 //   threads also end their ranks within a beat once hang.json is there (for ranks on a host mpirun
@@ -37,6 +39,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -91,6 +94,14 @@ struct HangDiagnosis {
 };
 HangDiagnosis diagnose_hang(const std::vector<std::optional<Heartbeat>>& heartbeats, double now,
                             double stale_after_s);
+// Until when (Unix seconds) a rank should wait for the ranks `d` names as behind: each is given
+// until its own phase reaches its limit (`limit_of(phase)`), when its own watchdog judges it. A
+// rank that waits in a later phase (a checkpoint's collective after a straggling step) is not
+// the one to call the job hung while the rank it waits for is within its own limit. 0: some rank
+// `d` names is not merely behind (stale, missing), or none is named.
+double behind_ranks_due(const HangDiagnosis& d,
+                        const std::vector<std::optional<Heartbeat>>& heartbeats,
+                        const std::function<double(const std::string&)>& limit_of);
 // The ranks on the hosts `p` cuts off, named with their hosts (a rank without a heartbeat is on no
 // known host and not named).
 HangDiagnosis diagnose_partition(const std::vector<std::optional<Heartbeat>>& heartbeats,
