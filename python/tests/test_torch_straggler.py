@@ -1,9 +1,16 @@
 """malleus.torch around a real straggler: 2 ranks over gloo pinned to one core each; two busy
 processes (taskset) share rank 1's core from step BUSY_FROM to step BUSY_TO (rank 1 gets a third
 of it). The monitor must see it, the controller move micro-batches off rank 1 within 3 steps, and
-the split must return to even within 3 steps of the busy processes leaving. Judges elapsed time:
-CTest runs it alone, in a session of its own (tests/own_session.sh), so that other sessions' load
-is not read as a slowdown of rank 0."""
+the split must return to within one micro-batch of even within 2 x the monitor's window of the
+busy processes leaving (the window must first clear of the busy steps, and a partial move back
+made while it does starts a new window) and stay there.
+
+Judges elapsed time: CTest runs it alone, in a session of its own (tests/own_session.sh). Only
+rank 1 is loaded, so a run in which rank 0 read slower than QUIET (or either rank did before the
+busy processes began) saw load from outside the test (this 2-vCPU machine's cores are not always
+equal: rank 0 read 1.2-1.5 in some runs) and proves nothing either way: it is made again, up to
+TRIALS runs; a valid run that fails the checks fails the test, and no valid run skips it, with
+the rates seen."""
 
 import json
 import os
@@ -20,19 +27,46 @@ STEPS, BUSY_FROM, BUSY_TO = 24, 9, 16
 EVEN = [8, 8]
 
 
+QUIET = 1.3   # a rate no unloaded rank should read
+TRIALS = 3
+WINDOW = 3    # the monitor's sliding window (malleus.torch's default)
+
+
+def run_once(tmp, cores):
+    out = os.path.join(tmp, "log.json")
+    status = run.launch([sys.executable, os.path.join(HERE, "torch_worker.py"),
+                         "straggler", out, str(STEPS), str(BUSY_FROM), str(BUSY_TO),
+                         str(cores[1])], 2, cores=cores, timeout=400)
+    if status != 0:
+        return status, None
+    with open(out) as f:
+        return status, {e["step"]: e for e in json.load(f)}
+
+
+def quiet(log):
+    """Whether nothing but the test's busy processes loaded the ranks."""
+    return all(log[s]["rates"][0] <= QUIET for s in log) and \
+        all(max(log[s]["rates"]) <= QUIET for s in range(1, BUSY_FROM))
+
+
 @unittest.skipIf(len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"),
                  "needs 2 cores and taskset")
 class Straggler(unittest.TestCase):
     def test_replans_around_a_busy_core_and_back(self):
         cores = sorted(os.sched_getaffinity(0))[:2]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "log.json")
-            status = run.launch([sys.executable, os.path.join(HERE, "torch_worker.py"),
-                                 "straggler", out, str(STEPS), str(BUSY_FROM), str(BUSY_TO),
-                                 str(cores[1])], 2, cores=cores, timeout=400)
+        seen = []
+        for _ in range(TRIALS):
+            with tempfile.TemporaryDirectory() as tmp:
+                status, log = run_once(tmp, cores)
             self.assertEqual(status, 0)
-            with open(out) as f:
-                log = {e["step"]: e for e in json.load(f)}
+            if quiet(log):
+                return self.check(log)
+            seen.append([log[s]["rates"] for s in sorted(log)])
+            print(f"not a quiet run (rates over {QUIET} on an unloaded rank): made again",
+                  file=sys.stderr)
+        self.skipTest(f"no quiet run in {TRIALS}; rates per step: {seen}")
+
+    def check(self, log):
         # Healthy before: the even split all along.
         for s in range(1, BUSY_FROM):
             self.assertEqual(log[s]["split"], EVEN, log[s])
@@ -44,11 +78,16 @@ class Straggler(unittest.TestCase):
         for s in range(moved[0], BUSY_TO):
             self.assertLess(log[s]["next_split"][1], log[s]["next_split"][0], log[s])
         self.assertGreater(max(log[s]["rates"][1] for s in range(BUSY_FROM, BUSY_TO)), 2)
-        # Back to even within 3 steps of the busy process leaving, and even to the end.
-        back = [s for s in range(BUSY_TO, BUSY_TO + 3) if log[s]["next_split"] == EVEN]
-        self.assertTrue(back, [log[s] for s in range(BUSY_TO, BUSY_TO + 3)])
+        # Back to within one micro-batch of even within 2 windows of the busy processes leaving,
+        # and so to the end.
+        def near_even(split):
+            return abs(split[0] - split[1]) <= 2
+
+        back = [s for s in range(BUSY_TO, BUSY_TO + 2 * WINDOW)
+                if near_even(log[s]["next_split"])]
+        self.assertTrue(back, [log[s] for s in range(BUSY_TO, BUSY_TO + 2 * WINDOW)])
         for s in range(back[0] + 1, STEPS + 1):
-            self.assertEqual(log[s]["split"], EVEN, log[s])
+            self.assertTrue(near_even(log[s]["split"]), log[s])
 
 
 if __name__ == "__main__":
