@@ -4,7 +4,8 @@ WORLD_SIZE in each process's environment; ``--cores`` pins rank r to the r-th co
 
     python3 -m malleus.torch.run --nproc 2 [--cores 0,1] script.py [args...]
 
-Exits with the first non-zero exit status of a rank (the other ranks are then stopped).
+Exits with the first non-zero exit status of a rank (the other ranks are then stopped, after up
+to STOP_GRACE_S for them to exit by themselves and say why).
 """
 
 import argparse
@@ -15,6 +16,11 @@ import subprocess
 import sys
 import time
 from typing import List, Optional, Sequence
+
+# After a rank fails, how long the others get to exit by themselves before they are stopped: their
+# collectives fail at once when a rank exits, and they print that error (which step, which rank)
+# on their way out; a rank that hangs is stopped after it.
+STOP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -44,8 +50,8 @@ def start(argv: Sequence[str], nproc: int, cores: Optional[Sequence[int]] = None
 
 
 def wait(procs: List[subprocess.Popen], timeout: Optional[float] = None) -> int:
-    """Waits for every rank; on the first failure (or the timeout) stops the others. Returns the
-    first non-zero exit status, or 0."""
+    """Waits for every rank; on the first failure stops the others after STOP_GRACE_S (at the
+    timeout at once). Returns the first non-zero exit status, or 0."""
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
     while [p.poll() for p in procs].count(None):  # every rank polled (any() would stop early)
@@ -58,6 +64,9 @@ def wait(procs: List[subprocess.Popen], timeout: Optional[float] = None) -> int:
             print(f"malleus.torch.run: " + (f"rank {failed[0][0]} exited with status {status}"
                                             if failed else f"still running after {timeout} s")
                   + "; stopping the other ranks", file=sys.stderr, flush=True)
+            grace = time.monotonic() + (STOP_GRACE_S if failed else 0.0)
+            while time.monotonic() < grace and [p.poll() for p in procs].count(None):
+                time.sleep(0.05)
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
