@@ -48,6 +48,7 @@ setup(
     description="malleus's planner, simulator and straggler loop, and malleus.torch",
     packages=["malleus", "malleus.torch"],
     package_dir={"": "python"},
+    package_data={"malleus": ["_malleus.pyi", "py.typed"]},
     ext_modules=[Extension("malleus._malleus", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",

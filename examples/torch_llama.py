@@ -175,7 +175,7 @@ def main():
 
         def windows(first, count, starts=starts):  # only this rank's sequences are cut
             return torch.stack([tokens[s:s + a.seq_len + 1] for s in starts[first:first + count]])
-        plan_text = malleus.plan_summary(dp.plan, config)
+        plan_text = dp.plan.summary
         t0 = time.perf_counter()
         r = dp.step(windows, loss_fn)
         took = time.perf_counter() - t0
@@ -184,12 +184,8 @@ def main():
             print(f"step {r.step:5d}/{a.steps} | loss {r.loss:.4f} | lr {a.lr:.2e} | "
                   f"{r.units / took / 1e3:.1f}k tok/s | {took:.3f} s | {plan_text} | "
                   f"rates {rates}", flush=True)
-            d = r.decision
-            if d and d.take:
-                print(f"re-plan at step {r.step}: {d.old_plan} -> {d.new_plan} | predicted "
-                      f"{d.current_step_s:.3f} -> {d.proposed_step_s:.3f} s/step", flush=True)
-            elif d:
-                print(f"re-plan declined at step {r.step}: {d.reason}", flush=True)
+            if r.decision:
+                print(r.decision, flush=True)  # the trainer's log line of the decision
     dist.destroy_process_group()
 
 

@@ -1,5 +1,5 @@
 // The pieces of the straggler loop that need no MPI: injected-straggler schedules, the monitor's
-// reference logic and the controller's helpers.
+// reference logic, the controller, and the loop object that runs them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,12 +12,45 @@
 #include "common/error.h"
 #include "common/stats.h"
 #include "elastic/controller.h"
+#include "elastic/loop.h"
 #include "elastic/monitor.h"
 #include "elastic/stragglers.h"
+#include "layout/layout.h"
+#include "metrics/metrics.h"
 #include "replan/replan.h"
 #include "test_util.h"
 
 using namespace malleus;
+
+namespace {
+
+// What rank 0 decides for `rates` and `links` whether or not they moved (ControllerInput::always),
+// in a job of one process.
+elastic::Decision ask(elastic::Controller& controller, const plan::Plan& current,
+                      const std::vector<double>& rates, int64_t step, int64_t remaining,
+                      const std::vector<double>& links = {}) {
+  const auto d = controller.decide({.current = current,
+                                    .rates = rates,
+                                    .link_rates = links,
+                                    .monitored_steps = 100,
+                                    .step = step,
+                                    .remaining_steps = remaining,
+                                    .always = true},
+                                   elastic::Transport::alone());
+  if (!d) throw Error("the controller was not asked");
+  return *d;
+}
+
+// The switch rule's question as the decision's record states it.
+replan::SwitchQuestion question_of(const metrics::ReplanRecord& r) {
+  return {.current_step_s = r.predicted_old_s,
+          .proposed_step_s = r.predicted_new_s,
+          .switch_s = r.predicted_migration_s,
+          .horizon_steps = static_cast<double>(r.horizon_steps),
+          .same_plan = r.new_plan == r.old_plan};
+}
+
+}  // namespace
 
 TEST(Stragglers, CommandLineWindows) {
   elastic::StragglerSchedule s;
@@ -275,7 +308,8 @@ TEST(Controller, LocalClusterHasOneDevicePerRank) {
 
 TEST(Controller, DecidesWithTheSharedSwitchRule) {
   // The decision rank 0 makes is replan::weigh_switch asked with the cost model's step times, the
-  // migration estimate and the horizon: the rule the simulator applies too.
+  // migration estimate and the horizon: the rule the simulator applies too. Its record states the
+  // question and the answer.
   const auto model = model::load_model_config("demo");
   const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 4),
                              plan::BatchConfig{16, 1, 128});
@@ -284,29 +318,44 @@ TEST(Controller, DecidesWithTheSharedSwitchRule) {
   elastic::Controller controller(cost, options);
   const auto current = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
   const std::vector<double> measured = {1.0, 3.0, 1.1, 1.0};
-  const elastic::Decision d = controller.propose(current, measured, 20, 80);
-  EXPECT_EQ(d.rates, (std::vector<double>{1.0, 3.0, 1.0, 1.0}));  // 1.1 counts as healthy
-  EXPECT_EQ(replan::weigh_switch(d.question), d.verdict);
-  EXPECT_DOUBLE_EQ(d.question.current_step_s, cost.predict(current, d.rates).iteration_time);
-  EXPECT_DOUBLE_EQ(d.question.horizon_steps, 50);
-  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;  // a 3× straggler is worth a switch
-  EXPECT_DOUBLE_EQ(d.question.switch_s, replan::estimate_migration(cost, current, *d.plan).seconds);
-  EXPECT_GT(d.verdict.gain_s, d.question.switch_s);
+  const elastic::Decision d = ask(controller, current, measured, 20, 80);
+  const metrics::ReplanRecord& r = d.record;
+  EXPECT_EQ(r.rates, (std::vector<double>{1.0, 3.0, 1.0, 1.0}));  // 1.1 counts as healthy
+  EXPECT_EQ(r.step, 20);
+  EXPECT_EQ(r.old_plan, current.summary());
+  EXPECT_EQ(replan::weigh_switch(question_of(r)).take, r.switched);
+  EXPECT_DOUBLE_EQ(r.predicted_old_s, cost.predict(current, r.rates).iteration_time);
+  EXPECT_EQ(r.horizon_steps, 50);
+  ASSERT_TRUE(d.plan.has_value()) << r.reason;  // a 3× straggler is worth a switch
+  EXPECT_TRUE(r.switched);
+  EXPECT_EQ(r.new_plan, d.plan->summary());
+  EXPECT_DOUBLE_EQ(r.predicted_new_s, cost.predict(*d.plan, r.rates).iteration_time);
+  EXPECT_DOUBLE_EQ(r.predicted_gain_s, r.predicted_old_s - r.predicted_new_s);
+  EXPECT_DOUBLE_EQ(r.predicted_migration_s,
+                   replan::estimate_migration(cost, current, *d.plan).seconds);
+  EXPECT_GT(r.predicted_gain_s * 50, r.predicted_migration_s);
+  // The running plan was predicted once; the proposal's time is the planner's own.
+  EXPECT_EQ(controller.predictions(), 1);
+  EXPECT_NE(metrics::describe(r).find("re-plan at step 20: " + current.summary() + " -> "),
+            std::string::npos);
 
   // Near the end of the run the same gain no longer pays for a slow migration.
-  controller.note_migration_seconds(1e3);
-  const elastic::Decision late = controller.propose(current, measured, 99, 1);
-  EXPECT_EQ(replan::weigh_switch(late.question), late.verdict);
-  EXPECT_DOUBLE_EQ(late.question.horizon_steps, 1);
-  EXPECT_DOUBLE_EQ(late.question.switch_s, 1e3);
+  elastic::Controller late_controller(cost, options);
+  late_controller.note_migration_seconds(1e3);
+  const elastic::Decision late = ask(late_controller, current, measured, 99, 1);
+  EXPECT_EQ(replan::weigh_switch(question_of(late.record)).take, late.record.switched);
+  EXPECT_EQ(late.record.horizon_steps, 1);
+  EXPECT_DOUBLE_EQ(late.record.predicted_migration_s, 1e3);
   EXPECT_FALSE(late.plan.has_value());
-  EXPECT_NE(late.verdict.reason.find("does not pay"), std::string::npos);
+  EXPECT_FALSE(late.record.switched);
+  EXPECT_NE(late.record.reason.find("does not pay"), std::string::npos);
+  EXPECT_EQ(metrics::describe(late.record), "re-plan declined at step 99: " + late.record.reason);
 }
 
 TEST(Controller, DecidesOverAnyTransportTheSameWay) {
-  // decide() with a broadcast of the caller's (the Python package's torch.distributed): rank 0
-  // proposes, the text it broadcasts is the plan every rank switches to, and the rates planned
-  // for are remembered as with MPI.
+  // decide() over a broadcast of the caller's (the Python package's torch.distributed): rank 0
+  // proposes, what it broadcasts is the plan every rank switches to with the record of the
+  // decision, and the rates planned for are remembered on every rank.
   const auto model = model::load_model_config("demo");
   const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 2),
                              plan::BatchConfig{8, 1, 128});
@@ -317,29 +366,44 @@ TEST(Controller, DecidesOverAnyTransportTheSameWay) {
   const std::vector<double> rates = {1.0, 3.0};
   std::string sent;
   int calls = 0;
-  const elastic::Decision d = root.decide(
-      true,
-      [&](const std::string& text) {
-        ++calls;
-        sent = text;
-        return text;
-      },
-      current, rates, 3, 10, 90);
-  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;
+  const elastic::ControllerInput input{
+      .current = current, .rates = rates, .monitored_steps = 3, .step = 10, .remaining_steps = 90};
+  const auto d = root.decide(input, {.root = true, .broadcast = [&](const std::string& text) {
+                                       ++calls;
+                                       sent = text;
+                                       return text;
+                                     }});
+  ASSERT_TRUE(d.has_value());
+  ASSERT_TRUE(d->plan.has_value()) << d->record.reason;
   EXPECT_EQ(calls, 1);
   ASSERT_FALSE(sent.empty());
   EXPECT_EQ(sent[0], '0');  // not on hold
-  EXPECT_EQ(Json::parse(sent.substr(1)), d.plan->to_json());
-  const elastic::Decision o = other.decide(
-      false, [&](const std::string& text) { return text.empty() ? sent : std::string("wrong"); },
-      current, rates, 3, 10, 90);
-  ASSERT_TRUE(o.plan.has_value());
-  EXPECT_EQ(o.plan->to_json(), d.plan->to_json());
+  EXPECT_EQ(Json::parse(sent.substr(1)).at("plan"), d->plan->to_json());
+  const auto o = other.decide(input, {.root = false, .broadcast = [&](const std::string& text) {
+                                        return text.empty() ? sent : std::string("wrong");
+                                      }});
+  ASSERT_TRUE(o.has_value() && o->plan.has_value());
+  EXPECT_EQ(o->plan->to_json(), d->plan->to_json());
+  EXPECT_EQ(metrics::to_json(o->record), metrics::to_json(d->record));  // the same record
   // The rates planned for are remembered: the same rates do not ask again.
-  const elastic::Decision again = root.decide(
-      true, [&](const std::string&) -> std::string { throw Error("not called"); }, *d.plan, rates,
-      3, 11, 89);
-  EXPECT_FALSE(again.asked);
+  const auto again = root.decide(
+      {.current = *d->plan,
+       .rates = rates,
+       .monitored_steps = 3,
+       .step = 11,
+       .remaining_steps = 89},
+      {.root = true,
+       .broadcast = [&](const std::string&) -> std::string { throw Error("not called"); }});
+  EXPECT_FALSE(again.has_value());
+  // Rank 0's text that is not a decision is refused, naming it.
+  elastic::Controller third(cost, options);
+  EXPECT_THROW(
+      third.decide(input, {.root = false,
+                           .broadcast =
+                               [](const std::string&) {
+                                 return std::string("0{\"record\": {\"step\": 1}, \"plan\": null}");
+                               }}),
+      Error);
 }
 
 TEST(SwitchRule, GainOverTheHorizonAgainstTheSwitchCost) {
@@ -454,14 +518,14 @@ TEST(Controller, ReplansAroundASlowLinkWithTheSharedSwitchRule) {
   elastic::Controller controller(cost, elastic::ControllerOptions{});
   const auto current = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
   const std::vector<double> healthy(4, 1.0);
-  const elastic::Decision calm = controller.propose(current, healthy, 10, 90, {1.0, 1.1});
-  EXPECT_EQ(calm.link_rates, (std::vector<double>{1.0, 1.0}));  // 1.1 counts as healthy
-  const elastic::Decision d = controller.propose(current, healthy, 10, 90, {10.0, 10.0});
-  EXPECT_EQ(replan::weigh_switch(d.question), d.verdict);
-  EXPECT_DOUBLE_EQ(d.question.current_step_s,
+  const elastic::Decision calm = ask(controller, current, healthy, 10, 90, {1.0, 1.1});
+  EXPECT_EQ(calm.record.link_rates, (std::vector<double>{1.0, 1.0}));  // 1.1 counts as healthy
+  const elastic::Decision d = ask(controller, current, healthy, 10, 90, {10.0, 10.0});
+  EXPECT_EQ(replan::weigh_switch(question_of(d.record)).take, d.record.switched);
+  EXPECT_DOUBLE_EQ(d.record.predicted_old_s,
                    cost.with_link_rates({10.0, 10.0}).predict(current, healthy).iteration_time);
-  ASSERT_TRUE(d.plan.has_value()) << d.verdict.reason;
-  EXPECT_LT(d.question.proposed_step_s, 0.9 * d.question.current_step_s) << d.new_plan;
+  ASSERT_TRUE(d.plan.has_value()) << d.record.reason;
+  EXPECT_LT(d.record.predicted_new_s, 0.9 * d.record.predicted_old_s) << d.record.new_plan;
 }
 
 namespace {
@@ -507,11 +571,17 @@ TracedRun run_trace(elastic::Controller& controller, const plan::CostModel& cost
       windowed.push_back(median({windows[r].begin(), windows[r].end()}));
     }
     ++monitored;
-    controller.note_step_rates(rates);
-    const elastic::Decision d = controller.decide_alone(current, windowed, monitored, t, steps - t);
-    if (d.held) run.held.push_back(t);
-    if (!d.plan) continue;
-    current = *d.plan;
+    const auto d = controller.decide({.current = current,
+                                      .rates = windowed,
+                                      .step_rates = rates,
+                                      .monitored_steps = monitored,
+                                      .step = t,
+                                      .remaining_steps = steps - t},
+                                     elastic::Transport::alone());
+    if (!d) continue;
+    if (d->record.held) run.held.push_back(t);
+    if (!d->plan) continue;
+    current = *d->plan;
     controller.note_migration_seconds(switch_s);
     run.replan_s += switch_s;
     monitored = 0;
@@ -647,7 +717,6 @@ TEST(Controller, ReplansIncrementallyWhenFewRatesMoved) {
     const int N = cluster.num_devices();
     const plan::CostModel cost(model::load_model_config("llama-70b"), cluster,
                                plan::BatchConfig{16 * nodes, 1, 4096});
-    elastic::Controller controller(cost, elastic::ControllerOptions{});
     const auto planner = plan::make_strategy("malleus");
     const plan::Plan current =
         planner->plan(cost, {std::vector<double>(static_cast<size_t>(N), 1.0), {}, std::nullopt})
@@ -659,19 +728,182 @@ TEST(Controller, ReplansIncrementallyWhenFewRatesMoved) {
     for (const auto& change : changes) {
       std::vector<double> rates(static_cast<size_t>(N), 1.0);
       for (auto [device, rate] : change) rates[static_cast<size_t>(device)] = rate;
-      const elastic::Decision d = controller.propose(current, rates, 10, 1000);
+      elastic::Controller controller(cost, elastic::ControllerOptions{});
+      const metrics::ReplanRecord d = ask(controller, current, rates, 10, 1000).record;
       // On 256 devices an incremental plan more than 1 % short of the capacity left is checked
       // against the full search (plan::kIncrementalSlack; the one gone is, the planner's 1.1 %).
       if (N == 64) {
-        EXPECT_TRUE(d.incremental) << N << " devices: " << d.verdict.reason << " " << d.new_plan;
+        EXPECT_EQ(d.search, "incremental") << N << " devices: " << d.reason << " " << d.new_plan;
       }
       const double full = planner->plan(cost, {rates, {}, std::nullopt}).prediction.iteration_time;
-      EXPECT_LE(d.question.proposed_step_s, full * 1.01)
+      EXPECT_LE(d.predicted_new_s, full * 1.01)
           << N << " devices: " << d.new_plan << " against the full search's " << full << " s";
     }
     // Ten devices slow: the full search.
     std::vector<double> many(static_cast<size_t>(N), 1.0);
     for (int device = 0; device < 10; ++device) many[static_cast<size_t>(device * 5)] = 2.0;
-    EXPECT_FALSE(controller.propose(current, many, 10, 1000).incremental) << N << " devices";
+    elastic::Controller controller(cost, elastic::ControllerOptions{});
+    EXPECT_EQ(ask(controller, current, many, 10, 1000).record.search, "full") << N << " devices";
+  }
+}
+
+namespace {
+
+// Every rank's seconds for one step at `slowdown` of a device doing 1e11 FLOP/s.
+std::vector<double> seconds_at(const elastic::StragglerLoop& loop,
+                               const std::vector<double>& slowdown) {
+  std::vector<double> s;
+  for (size_t r = 0; r < slowdown.size(); ++r)
+    s.push_back(loop.work_flops()[r] * 1e-11 * slowdown[r]);
+  return s;
+}
+
+}  // namespace
+
+// The loop runs a plan of several stages per pipeline: each rank is rated in its own geometry
+// against its own healthy speed; a 3x straggler from step 7 is seen within the monitor's window,
+// the loop switches, adopts the plan (its geometries and FLOPs are those of the new plan, the
+// monitor starts counting again), and the straggler, still 3x slow in its new geometry, reads 3
+// there too and is not planned around a second time.
+TEST(StragglerLoop, RatesEachRankInItsPlansGeometryAndSwitchesAroundAStraggler) {
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 4),
+                             plan::BatchConfig{16, 1, 128});
+  const plan::Plan start = plan::uniform_plan(model, 2, 1, 2, 16, 1, 4);  // 2 pipelines of 2 stages
+  elastic::StragglerLoop loop(cost, start,
+                              {.monitor = {.window = 3}, .controller = {.min_samples = 3}});
+  EXPECT_EQ(loop.geometries(), elastic::work_geometries(layout::plan_layout(start, model)));
+  EXPECT_NE(loop.geometries()[0], loop.geometries()[1]);  // first stage and last stage
+  std::optional<elastic::Decision> switched;
+  int64_t step = 0;
+  const std::vector<double> healthy(4, 1.0), slow = {1.0, 3.0, 1.0, 1.0};
+  for (; step < 12 && !switched;) {
+    ++step;
+    const auto d = loop.observe({.step = step,
+                                 .remaining_steps = 100 - step,
+                                 .seconds = seconds_at(loop, step < 7 ? healthy : slow)},
+                                elastic::Transport::alone());
+    if (step < 7) {
+      EXPECT_FALSE(d.has_value()) << "step " << step;
+    }
+    if (d && d->plan) switched = d;
+  }
+  ASSERT_TRUE(switched.has_value());
+  EXPECT_LE(step, 9);  // within the window of 3 steps
+  EXPECT_NEAR(switched->record.rates[1], 3.0, 1e-9);
+  EXPECT_EQ(loop.plan().to_json(), switched->plan->to_json());
+  EXPECT_EQ(loop.geometries(), elastic::work_geometries(layout::plan_layout(loop.plan(), model)));
+  EXPECT_EQ(loop.work_flops(), plan::work_flops(loop.plan(), model, 128));
+  EXPECT_LT(loop.work_flops()[1], plan::work_flops(start, model, 128)[1]);  // less work
+  EXPECT_EQ(loop.monitored_steps(), 0);
+  loop.note_migration_seconds(0.01);
+  for (int k = 0; k < 10; ++k) {
+    ++step;
+    const auto d = loop.observe(
+        {.step = step, .remaining_steps = 100 - step, .seconds = seconds_at(loop, slow)},
+        elastic::Transport::alone());
+    EXPECT_FALSE(d && d->plan) << "switched again at step " << step << ": " << d->record.new_plan;
+  }
+  EXPECT_NEAR(loop.rates()[1], 3.0, 1e-9);
+  EXPECT_NEAR(loop.rates()[0], 1.0, 1e-9);
+}
+
+// Every rank's FLOPs under a plan (what its time is divided by) add up to the whole model's on
+// the global batch, however the plan cuts it: stages, tensor-parallel shares, unlike pipelines;
+// an idle rank times the probe.
+TEST(StragglerLoop, WorkFlopsOfAPlanAddUpToTheModelsOnTheGlobalBatch) {
+  const auto model = model::load_model_config("demo");
+  plan::Plan p = plan::uniform_plan(model, 2, 2, 2, 16, 2, 9);  // 8 ranks at work, rank 8 idle
+  p.pipelines[0].micro_batches = 5;
+  p.pipelines[1].micro_batches = 3;
+  p.pipelines[1].stages[0].layer_end = 1;  // unlike pipelines: 1 + 3 layers
+  p.pipelines[1].stages[1].layer_begin = 1;
+  plan::validate(p, model, "test");
+  const std::vector<double> flops = plan::work_flops(p, model, 64);
+  ASSERT_EQ(flops.size(), 9u);
+  EXPECT_DOUBLE_EQ(flops[8], plan::kComputeProbeFlops);
+  double total = 0;
+  for (size_t r = 0; r < 8; ++r) total += flops[r];
+  const double whole = plan::shard_training_flops(model, 2, 64, model.num_layers, true);
+  EXPECT_NEAR(total, 8 * whole, 1e-9 * total);
+  EXPECT_DOUBLE_EQ(flops[0], flops[1]);  // an even TP pair
+}
+
+TEST(StragglerLoop, BadObservationsAndPlansAreNamed) {
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 2),
+                             plan::BatchConfig{8, 1, 128});
+  const plan::Plan even = plan::uniform_plan(model, 2, 1, 1, 8, 1, 2);
+  elastic::StragglerLoop loop(cost, even);
+  const auto message = [&](const elastic::Observation& o) {
+    try {
+      loop.observe(o, elastic::Transport::alone());
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message({.seconds = {1.0}}).find("for each of the 2 ranks, got 1"), std::string::npos);
+  EXPECT_NE(message({.seconds = {1.0, -1.0}}).find("rank 1's time"), std::string::npos);
+  EXPECT_NE(message({.seconds = {1.0, 1.0}, .flops = {1.0}}).find("FLOP count"), std::string::npos);
+  // A plan for another world or another global batch than the cost model's.
+  EXPECT_THROW(elastic::StragglerLoop(cost, plan::uniform_plan(model, 3, 1, 1, 9, 1, 3)), Error);
+  EXPECT_THROW(elastic::StragglerLoop(cost, plan::uniform_plan(model, 2, 1, 1, 16, 1, 2)), Error);
+}
+
+// Without re-planning (and on one rank) the loop measures and never asks.
+TEST(StragglerLoop, MeasuresWithoutAskingWhenReplanningIsOff) {
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 2),
+                             plan::BatchConfig{8, 1, 128});
+  elastic::StragglerLoop loop(cost, plan::uniform_plan(model, 2, 1, 1, 8, 1, 2), {.replan = false});
+  EXPECT_FALSE(loop.replans());
+  for (int64_t step = 1; step <= 8; ++step) {
+    EXPECT_FALSE(loop.observe({.step = step,
+                               .remaining_steps = 10,
+                               .seconds = seconds_at(loop, {1.0, step > 3 ? 4.0 : 1.0})},
+                              elastic::Transport::alone())
+                     .has_value());
+  }
+  EXPECT_NEAR(loop.rates()[1], 4.0, 1e-9);
+}
+
+// On several hosts the loop monitors the links too, against the cost model's healthy probe time:
+// a link ten times slower reads 10 on both nodes of the one link within the window, and the
+// controller is asked to plan for it; with plan_links off the links are measured the same and
+// the controller plans as if they were healthy (not asked while compute is healthy).
+TEST(StragglerLoop, MonitorsTheLinksBetweenHostsAndPlansForThemWhenAsked) {
+  const auto model = model::load_model_config("demo");
+  plan::ClusterSpec cluster = plan::load_cluster("cpu-local");
+  cluster.nodes = 2;
+  cluster.devices_per_node = 2;
+  const plan::CostModel cost(model, cluster, plan::BatchConfig{16, 1, 128});
+  const plan::Plan start = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
+  const std::vector<double> per_byte = cost.link_probe_seconds_per_byte();
+  ASSERT_GT(per_byte[0], 0);
+  ASSERT_GT(per_byte[2], 0);
+  for (const bool plan_links : {true, false}) {
+    elastic::StragglerLoop loop(
+        cost, start,
+        {.controller = {.min_samples = 3}, .plan_links = plan_links, .node_of_rank = {0, 0, 1, 1}});
+    ASSERT_TRUE(loop.monitors_links());
+    int asked = 0;
+    for (int64_t step = 1; step <= 10; ++step) {
+      const double slow = step > 4 ? 10.0 : 1.0;
+      std::vector<double> links(8, 0.0);  // (seconds, bytes): the nodes' leaders probe
+      for (const size_t leader : {size_t{0}, size_t{2}}) {
+        links[2 * leader] = per_byte[leader] * 1e6 * slow;
+        links[2 * leader + 1] = 1e6;
+      }
+      asked += loop.observe({.step = step,
+                             .remaining_steps = 100,
+                             .seconds = seconds_at(loop, {1, 1, 1, 1}),
+                             .link_measurements = links},
+                            elastic::Transport::alone())
+                   .has_value();
+    }
+    EXPECT_NEAR(loop.link_rates()[0], 10.0, 1e-6);
+    EXPECT_NEAR(loop.link_rates()[1], 10.0, 1e-6);
+    EXPECT_EQ(asked > 0, plan_links) << asked << " questions";
   }
 }

@@ -89,13 +89,19 @@ plan::Rates rates(const py::handle& value, int devices, const std::string& what)
 }
 
 plan::Plan plan_of(const py::handle& value, const model::ModelConfig& model) {
+  if (py::isinstance<plan::Plan>(value)) {
+    plan::Plan p = py::cast<plan::Plan>(value);
+    plan::validate(p, model, "plan");
+    return p;
+  }
   if (py::isinstance<py::str>(value)) {
     const std::string path = py::cast<std::string>(value);
     plan::Plan p = plan::Plan::from_json(read_json_file(path), model, path);
     plan::validate(p, model, path);
     return p;
   }
-  check(py::isinstance<py::dict>(value), "plan: expected a dict (the JSON form) or a file path");
+  check(py::isinstance<py::dict>(value),
+        "plan: expected a malleus.Plan, a dict (the JSON form) or a file path");
   plan::Plan p = plan::Plan::from_json(to_json(value, "plan"), model, "plan dict");
   plan::validate(p, model, "plan dict");
   return p;

@@ -29,7 +29,7 @@ plan::ClusterSpec cluster_spec(const py::handle& cluster);
 std::optional<plan::Profile> profile(const py::handle& profile);
 // None (every device healthy), a dict {device: rate} (rate a number or "inf") or a list of rates.
 plan::Rates rates(const py::handle& rates, int devices, const std::string& what);
-// A plan as a dict (the JSON form) or a file path, validated against `model`.
+// A plan as a malleus.Plan, a dict (the JSON form) or a file path, validated against `model`.
 plan::Plan plan_of(const py::handle& plan, const model::ModelConfig& model);
 
 }  // namespace malleus::python

@@ -74,7 +74,7 @@ py::dict plan_command(const Setup& setup, const py::object& rates_arg, const std
   d["fits"] = r.prediction.fits;
   d["restart"] = r.restart;
   d["note"] = r.note;
-  d["plan"] = from_json(r.plan.to_json());
+  d["plan"] = py::cast(r.plan);
   return d;
 }
 
@@ -193,7 +193,7 @@ void bind_planning(py::module_& m) {
         plan::Plan p =
             plan::uniform_plan(config, dp, tp, pp, global_batch, micro_batch, world_size);
         plan::validate(p, config, "uniform_plan");
-        return from_json(p.to_json());
+        return p;
       },
       py::arg("model"), py::arg("dp"), py::arg("tp"), py::arg("pp"), py::arg("global_batch"),
       py::arg("micro_batch") = 1, py::arg("world_size") = 0);

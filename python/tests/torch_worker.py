@@ -85,7 +85,7 @@ def straggler(out, steps, busy_from, busy_to, core):
             r = dp.step(tokens, loss_fn)
             log.append({"step": r.step, "split": r.split, "next_split": r.next_split,
                         "rates": r.rates, "compute_s": r.compute_s,
-                        "switched": bool(r.decision and r.decision.take)})
+                        "switched": bool(r.decision and r.decision.switched)})
             if dist.get_rank() == 0:
                 print(f"step {r.step} split {r.split} rates "
                       f"{[round(x, 2) for x in r.rates]} compute "

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <variant>
 
 #include "common/error.h"
 
@@ -99,55 +100,59 @@ bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
   return moved && monitored_steps >= options_.min_samples && remaining_steps > 0;
 }
 
-Decision Controller::decide(comm::Communicator& world, const plan::Plan& current,
-                            const std::vector<double>& rates, int monitored_steps, int64_t step,
-                            int64_t remaining_steps, const std::vector<double>& link_rates) {
-  const auto broadcast = [&world](const std::string& root_text) {
-    std::string text = root_text;
-    int64_t length = static_cast<int64_t>(text.size());
-    world.broadcast(&length, sizeof length, 0);
-    text.resize(static_cast<size_t>(length));
-    world.broadcast(text.data(), text.size(), 0);
-    return text;
-  };
-  return decide(world.rank() == 0, broadcast, current, rates, monitored_steps, step,
-                remaining_steps, link_rates);
+Transport Transport::alone() {
+  return Transport{.root = true, .broadcast = [](const std::string& text) { return text; }};
 }
 
-Decision Controller::decide(bool root, const BroadcastText& broadcast, const plan::Plan& current,
-                            const std::vector<double>& rates, int monitored_steps, int64_t step,
-                            int64_t remaining_steps, const std::vector<double>& link_rates) {
-  if (root) account(current, rates);
-  if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
-  const std::vector<double> links = planning_link_rates_;
+Transport Transport::over(comm::Communicator& world) {
+  return Transport{.root = world.rank() == 0, .broadcast = [&world](const std::string& root_text) {
+                     std::string text = root_text;
+                     int64_t length = static_cast<int64_t>(text.size());
+                     world.broadcast(&length, sizeof length, 0);
+                     text.resize(static_cast<size_t>(length));
+                     world.broadcast(text.data(), text.size(), 0);
+                     return text;
+                   }};
+}
+
+std::optional<Decision> Controller::decide(const ControllerInput& in, const Transport& transport) {
+  check(transport.broadcast != nullptr, "controller: no transport for rank 0's decision");
+  predicted_.clear();
+  predictions_ = 0;
+  if (transport.root) {
+    account(in.current, in.step_rates.size() == in.rates.size() ? in.step_rates : in.rates);
+  }
+  const bool moved = trigger(in.rates, in.monitored_steps, in.remaining_steps, in.link_rates);
+  if (!moved && !in.always) return std::nullopt;
+  // Asked without a move: the links at their measured rates.
+  const std::vector<double> links = moved ? planning_link_rates_ : in.link_rates;
 
   Decision decision;
-  // Whether rank 0 is on hold (every rank then asks again soon): '1' or '0', then the plan.
+  // Whether rank 0 is on hold (every rank then asks again soon): '1' or '0', then the record and
+  // the plan.
   std::string text;
-  if (root) {
-    decision = decide_on_root(current, rates, step, remaining_steps, links);
-    text.push_back(holding() ? '1' : '0');
-    if (decision.plan) text.append(decision.plan->to_json().dump());
+  if (transport.root) {
+    decision = decide_on_root(in, links);
+    const Json message = {{"record", metrics::to_json(decision.record)},
+                          {"plan", decision.plan ? decision.plan->to_json() : Json()}};
+    text = (holding() ? "1" : "0") + message.dump();
   }
-  text = broadcast(text);
+  text = transport.broadcast(text);
   check(!text.empty(), "controller: the broadcast of rank 0's decision brought nothing");
-  asked(rates, links, text[0] == '1');
-
-  decision.asked = true;
-  if (!root && text.size() > 1) {
-    decision.plan = plan::Plan::from_json(Json::parse(text.substr(1)), cost_.model(), "re-plan");
+  asked(in.rates, links, text[0] == '1');
+  if (!transport.root) {
+    const Json message = Json::parse(text.substr(1));
+    const std::string where = "controller: rank 0's decision";
+    check(message.is_object() && message.contains("record") && message.contains("plan"),
+          where + " lacks its record or its plan: " + text.substr(0, 100));
+    const auto record = metrics::parse_record(message.at("record"), where);
+    check(record && std::holds_alternative<metrics::ReplanRecord>(*record),
+          where + " is not a decision record");
+    decision.record = std::get<metrics::ReplanRecord>(*record);
+    if (!message.at("plan").is_null()) {
+      decision.plan = plan::Plan::from_json(message.at("plan"), cost_.model(), "re-plan");
+    }
   }
-  return decision;
-}
-
-Decision Controller::decide_alone(const plan::Plan& current, const std::vector<double>& rates,
-                                  int monitored_steps, int64_t step, int64_t remaining_steps,
-                                  const std::vector<double>& link_rates) {
-  account(current, rates);
-  if (!trigger(rates, monitored_steps, remaining_steps, link_rates)) return {};
-  const std::vector<double> links = planning_link_rates_;
-  Decision decision = decide_on_root(current, rates, step, remaining_steps, links);
-  asked(rates, links, holding());
   return decision;
 }
 
@@ -164,9 +169,19 @@ void Controller::note_migration_seconds(double seconds) {
   if (open_) open_->switch_s = std::max(open_->switch_s, seconds);
 }
 
+double Controller::step_time(const plan::Plan& plan, const std::vector<double>& rates,
+                             const std::vector<double>& links) {
+  auto key = std::make_tuple(plan.to_json().dump(), rates, links);
+  const auto it = predicted_.find(key);
+  if (it != predicted_.end()) return it->second;
+  ++predictions_;
+  const double seconds = cost_.with_link_rates(links).predict(plan, rates).iteration_time;
+  predicted_.emplace(std::move(key), seconds);
+  return seconds;
+}
+
 void Controller::account(const plan::Plan& current, const std::vector<double>& rates) {
-  const std::vector<double> measured =
-      effective(step_rates_.size() == rates.size() ? step_rates_ : rates);
+  const std::vector<double> measured = effective(rates);
   history_.push_back(measured);
   while (history_.size() > static_cast<size_t>(std::max(1, options_.hold_window))) {
     history_.pop_front();
@@ -174,9 +189,8 @@ void Controller::account(const plan::Plan& current, const std::vector<double>& r
   // Rates that held still for half a window: the load that defeated re-planning has gone.
   if (holding() && 2 * calm_steps_ >= options_.hold_window) losses_ = 0;
   if (!open_) return;
-  const plan::CostModel cost = cost_.with_link_rates(effective(planned_link_rates_));
-  const double gain = cost.predict(open_->from, measured).iteration_time -
-                      cost.predict(current, measured).iteration_time;
+  const std::vector<double> links = effective(planned_link_rates_);
+  const double gain = step_time(open_->from, measured, links) - step_time(current, measured, links);
   if (!std::isfinite(gain)) return;
   open_->realised_s += gain;
   ++open_->steps;
@@ -236,8 +250,7 @@ std::vector<double> Controller::mean_rates() const {
   return effective(mean);
 }
 
-Decision Controller::decide_on_root(const plan::Plan& current, const std::vector<double>& rates,
-                                    int64_t step, int64_t remaining_steps,
+Decision Controller::decide_on_root(const ControllerInput& in,
                                     const std::vector<double>& link_rates) {
   if (open_) {
     // A switch that did not pay for its measured cost: the load moved on before it paid back.
@@ -249,20 +262,36 @@ Decision Controller::decide_on_root(const plan::Plan& current, const std::vector
     }
     open_.reset();
   }
-  Decision d = propose(current, rates, step, remaining_steps, link_rates);
-  std::vector<double> planned_for = d.rates;
-  if (holding()) planned_for = hold(current, d);
+  Decision d = propose(in, link_rates);
+  std::vector<double> planned_for = d.record.rates;
+  if (holding()) planned_for = hold(in.current, d);
+  d.record.switched = d.plan.has_value();
   if (d.plan) {
     running_rates_ = planned_for;
-    open_ = SwitchRecord{
-        .from = current,
-        .to = *d.plan,
-        .step = step,
-        .predicted_gain_per_step_s = d.question.current_step_s - d.question.proposed_step_s,
-        .switch_s = d.question.switch_s};
+    open_ = SwitchRecord{.from = in.current,
+                         .to = *d.plan,
+                         .step = in.step,
+                         .predicted_gain_per_step_s = d.record.predicted_gain_s,
+                         .switch_s = d.record.predicted_migration_s};
   }
   return d;
 }
+
+namespace {
+
+// The switch rule's question and answer into the decision's record.
+void put(metrics::ReplanRecord& r, const replan::SwitchQuestion& q,
+         const replan::SwitchVerdict& v) {
+  r.predicted_old_s = q.current_step_s;
+  r.predicted_new_s = q.proposed_step_s;
+  r.predicted_gain_s = q.current_step_s - q.proposed_step_s;
+  r.predicted_migration_s = q.switch_s;
+  r.horizon_steps = static_cast<int64_t>(q.horizon_steps);
+  r.switched = v.take;
+  r.reason = v.reason;
+}
+
+}  // namespace
 
 Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
                                                      const Decision& d) const {
@@ -275,7 +304,7 @@ Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
   const double multiple = std::ldexp(1.0, std::min(losses_, options_.max_backoff) - 1);
   if (c.regime == Regime::persistent) {
     c.plan = d.plan;
-    c.rates = d.rates;
+    c.rates = d.record.rates;
     c.steps = static_cast<double>(regimes().back());
     c.trips = 2.0 * multiple;
   } else if (c.regime == Regime::moving) {
@@ -287,7 +316,7 @@ Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
       plan::PlanRequest request;
       request.rates = c.rates;
       request.current = current;
-      c.plan = strategy_->plan(cost_.with_link_rates(d.link_rates), request).plan;
+      c.plan = strategy_->plan(cost_.with_link_rates(d.record.link_rates), request).plan;
     } catch (const Error&) {
       // No plan for the mean rates: hold still.
     }
@@ -296,27 +325,33 @@ Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
   return c;
 }
 
-std::vector<double> Controller::hold(const plan::Plan& current, Decision& d) const {
+std::vector<double> Controller::hold(const plan::Plan& current, Decision& d) {
   const HoldCandidate c = hold_candidate(current, d);
-  const plan::CostModel cost = cost_.with_link_rates(d.link_rates);
+  metrics::ReplanRecord& r = d.record;
   const bool rule_took = d.plan.has_value();
   d.plan.reset();
   if (c.plan) {
-    const double switch_s =
-        std::max(replan::estimate_migration(cost, current, *c.plan).seconds, measured_migration_s_);
+    const double switch_s = std::max(
+        replan::estimate_migration(cost_.with_link_rates(r.link_rates), current, *c.plan).seconds,
+        measured_migration_s_);
     // The switch rule itself, over the recorded steps at the rates the candidate is judged at.
-    const replan::SwitchVerdict verdict =
-        replan::weigh_switch({.current_step_s = cost.predict(current, c.rates).iteration_time,
-                              .proposed_step_s = cost.predict(*c.plan, c.rates).iteration_time,
-                              .switch_s = c.trips * switch_s,
-                              .horizon_steps = c.steps,
-                              .same_plan = false});
+    const replan::SwitchQuestion q{.current_step_s = step_time(current, c.rates, r.link_rates),
+                                   .proposed_step_s = step_time(*c.plan, c.rates, r.link_rates),
+                                   .switch_s = c.trips * switch_s,
+                                   .horizon_steps = c.steps,
+                                   .same_plan = false};
+    const replan::SwitchVerdict verdict = replan::weigh_switch(q);
     if (verdict.take) {
+      // The record says what the plan taken is predicted to gain at the rates planned for, and
+      // what it costs, over the recorded steps it was judged over.
       d.plan = c.plan;
-      d.new_plan = c.plan->summary();
-      d.question.proposed_step_s = cost.predict(*c.plan, d.rates).iteration_time;
-      d.question.switch_s = switch_s;
-      d.verdict = verdict;
+      r.new_plan = c.plan->summary();
+      put(r,
+          {.current_step_s = step_time(current, r.rates, r.link_rates),
+           .proposed_step_s = step_time(*c.plan, r.rates, r.link_rates),
+           .switch_s = switch_s,
+           .horizon_steps = c.steps},
+          verdict);
       return c.rates;
     }
   }
@@ -335,52 +370,54 @@ std::vector<double> Controller::hold(const plan::Plan& current, Decision& d) con
   std::snprintf(why, sizeof why,
                 "holding still: %d re-plan(s) did not pay for their measured cost, and %s", losses_,
                 detail);
-  d.held = true;
-  d.verdict.take = false;
-  d.verdict.reason = why;
+  r.held = true;
+  r.switched = false;
+  r.reason = why;
   return {};
 }
 
-Decision Controller::propose(const plan::Plan& current, const std::vector<double>& measured,
-                             int64_t step, int64_t remaining_steps,
-                             const std::vector<double>& link_rates) const {
+Decision Controller::propose(const ControllerInput& in, const std::vector<double>& link_rates) {
   Decision d;
-  d.asked = true;
-  d.step = step;
-  d.rates = effective(measured);
-  d.link_rates = effective(link_rates);
-  d.old_plan = current.summary();
+  metrics::ReplanRecord& r = d.record;
+  r.step = in.step;
+  r.rates = effective(in.rates);
+  r.link_rates = effective(link_rates);
+  r.old_plan = in.current.summary();
   // The cluster as it is now: its links at their measured rates.
-  const plan::CostModel cost = cost_.with_link_rates(d.link_rates);
+  const plan::CostModel cost = cost_.with_link_rates(r.link_rates);
   plan::PlanRequest request;
-  request.rates = d.rates;
-  request.current = current;
+  request.rates = r.rates;
+  request.current = in.current;
   // From the running plan when only a few devices moved since it was planned and the links did
   // not (the planner falls back to its full search when more than plan::kIncrementalDevices did).
-  if (effective(planned_link_rates_) == d.link_rates ||
-      (planned_link_rates_.empty() && d.link_rates.empty())) {
+  if (effective(planned_link_rates_) == r.link_rates ||
+      (planned_link_rates_.empty() && r.link_rates.empty())) {
     request.previous_rates = effective(planned_rates_);
   }
   plan::PlanResult result;
   try {
     result = strategy_->plan(cost, request);
   } catch (const Error& e) {
-    d.verdict.reason = std::string("no plan: ") + e.what();
+    r.reason = std::string("no plan: ") + e.what();
     return d;
   }
-  d.new_plan = result.plan.summary();
-  d.planning_s = result.planning_seconds;
-  d.incremental = result.incremental;
-  const replan::MigrationEstimate migration =
-      replan::estimate_migration(cost, current, result.plan);
-  d.question.current_step_s = cost.predict(current, d.rates).iteration_time;
-  d.question.proposed_step_s = result.prediction.iteration_time;
-  d.question.switch_s = std::max(migration.seconds, measured_migration_s_);
-  d.question.horizon_steps =
-      static_cast<double>(std::min<int64_t>(remaining_steps, options_.horizon_steps));
-  d.question.same_plan = result.plan.to_json() == current.to_json();
-  d.verdict = replan::weigh_switch(d.question);
-  if (d.verdict.take) d.plan = result.plan;
+  r.new_plan = result.plan.summary();
+  r.planning_s = result.planning_seconds;
+  r.search = result.incremental ? "incremental" : "full";
+  // The planner predicted its plan at these rates already.
+  predicted_.emplace(std::make_tuple(result.plan.to_json().dump(), r.rates, r.link_rates),
+                     result.prediction.iteration_time);
+  const replan::SwitchQuestion q{
+      .current_step_s = step_time(in.current, r.rates, r.link_rates),
+      .proposed_step_s = result.prediction.iteration_time,
+      .switch_s = std::max(replan::estimate_migration(cost, in.current, result.plan).seconds,
+                           measured_migration_s_),
+      .horizon_steps =
+          static_cast<double>(std::min<int64_t>(in.remaining_steps, options_.horizon_steps)),
+      .same_plan = result.plan.to_json() == in.current.to_json()};
+  const replan::SwitchVerdict verdict = replan::weigh_switch(q);
+  put(r, q, verdict);
+  if (verdict.take) d.plan = result.plan;
   return d;
 }
 

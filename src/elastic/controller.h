@@ -31,12 +31,15 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "metrics/metrics.h"
 #include "plan/cost_model.h"
 #include "plan/plan.h"
 #include "plan/planner.h"
@@ -67,20 +70,34 @@ struct SwitchRecord {
   double net_s() const { return realised_s - switch_s; }
 };
 
-// One decision. `asked` and `plan` are the same on every rank; the rest describes rank 0's
-// reasoning and is filled on rank 0 only.
+// One decision: the plan to switch to, if any, and the one record of what was weighed and why
+// (metrics::ReplanRecord: the metrics line, the log line and Python's Decision show it). Both are
+// rank 0's and the same on every rank: the record travels with the plan.
 struct Decision {
-  bool asked = false;              // the rates moved enough to ask the planner
   std::optional<plan::Plan> plan;  // set: switch to it
-  int64_t step = 0;
-  std::vector<double> rates;       // the effective rates planned for
-  std::vector<double> link_rates;  // the effective link rates planned for (per node)
-  std::string old_plan, new_plan;  // summaries; new_plan is empty when no plan was found
-  replan::SwitchQuestion question;
-  replan::SwitchVerdict verdict;  // its reason also says why no plan was found
-  double planning_s = std::numeric_limits<double>::quiet_NaN();
-  bool held = false;         // on hold, a plan the rule (or the mean rates) would take was declined
-  bool incremental = false;  // the planner re-planned from the running plan (few rates moved)
+  metrics::ReplanRecord record;
+};
+
+// How rank 0's decision reaches every rank: `broadcast` is called on every rank when the
+// controller is asked, with rank 0's text on rank 0 (empty elsewhere), and returns rank 0's text
+// on every rank; `root` says whether this is rank 0.
+struct Transport {
+  bool root = true;
+  std::function<std::string(const std::string& root_text)> broadcast = {};
+
+  static Transport alone();                          // a job of one process (tests, tools)
+  static Transport over(comm::Communicator& world);  // MPI
+};
+
+// One step as the controller sees it.
+struct ControllerInput {
+  const plan::Plan& current;            // the running plan
+  std::vector<double> rates = {};       // the monitor's (windowed) rates of every rank
+  std::vector<double> step_rates = {};  // this step's alone (Monitor::step_rates); empty: `rates`
+  std::vector<double> link_rates = {};  // every node's link rate; empty: not measured
+  int monitored_steps = 0;              // steps observed since the last switch
+  int64_t step = 0, remaining_steps = 0;
+  bool always = false;  // ask the planner whether or not the rates moved (tools and tests)
 };
 
 class Controller {
@@ -88,17 +105,11 @@ class Controller {
   // `cost` models this job's cluster (its devices are the ranks), model and batch.
   Controller(plan::CostModel cost, ControllerOptions options);
 
-  // Collective: asks the planner on rank 0 when trigger() fires, and broadcasts its plan.
-  Decision decide(comm::Communicator& world, const plan::Plan& current,
-                  const std::vector<double>& rates, int monitored_steps, int64_t step,
-                  int64_t remaining_steps, const std::vector<double>& link_rates = {});
-  // The same decision over another transport (the Python package's torch.distributed):
-  // `broadcast` is called on every rank when trigger() fires, with rank 0's plan text on rank 0
-  // (empty elsewhere) and returns rank 0's text on every rank; `root` says whether this is rank 0.
-  using BroadcastText = std::function<std::string(const std::string& root_text)>;
-  Decision decide(bool root, const BroadcastText& broadcast, const plan::Plan& current,
-                  const std::vector<double>& rates, int monitored_steps, int64_t step,
-                  int64_t remaining_steps, const std::vector<double>& link_rates = {});
+  // Collective over `transport` when the planner is asked (every rank calls it each step with the
+  // same input): nullopt when the rates did not move enough to ask (trigger()), the decision
+  // otherwise. Rank 0 counts the step into the record of its last switch (the realised gain, on
+  // `step_rates`), proposes, applies the hold, and broadcasts the plan with the record.
+  std::optional<Decision> decide(const ControllerInput& input, const Transport& transport);
   // Called once per step (decide() calls it): whether to ask the planner. Compute rates: when one
   // moved by the hysteresis from the rate last planned for. Link rates (per node of the cost
   // model's cluster; empty: not measured): when a node's link read moved by the hysteresis, the
@@ -110,37 +121,35 @@ class Controller {
   bool trigger(const std::vector<double>& rates, int monitored_steps, int64_t remaining_steps,
                const std::vector<double>& link_rates = {});
   const std::vector<double>& planning_link_rates() const { return planning_link_rates_; }
-  // What rank 0 decides for `rates` and `link_rates` (measured; thresholded here), whether or
-  // not they moved: the planner and the switch rule see the links at their measured rates.
-  Decision propose(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
-                   int64_t remaining_steps, const std::vector<double>& link_rates = {}) const;
   // The last migration's wall time: the switch cost is at least this (building communicators and
   // buffers costs time the bandwidth model does not see).
   // It is also the last switch's measured cost in the record of realised gains.
   void note_migration_seconds(double seconds);
-  // The rates of the step just run, unsmoothed (Monitor::step_rates): the realised gains are
-  // counted with them. Call before decide(); if never called, decide()'s rates are used.
-  void note_step_rates(std::vector<double> rates) { step_rates_ = std::move(rates); }
-  // decide() for a job of one process (no communicator): what rank 0 does, for tests and tools.
-  Decision decide_alone(const plan::Plan& current, const std::vector<double>& rates,
-                        int monitored_steps, int64_t step, int64_t remaining_steps,
-                        const std::vector<double>& link_rates = {});
   // Rank 0's record: the last switch, followed until the next question, and the losing switches.
   const std::optional<SwitchRecord>& open_record() const { return open_; }
   int losses() const { return losses_; }
   bool holding() const { return losses_ > 0; }
+  // The cost model's predictions the last decide() made (a plan at given rates is predicted once
+  // per step, however many times the reasoning needs it).
+  int predictions() const { return predictions_; }
 
  private:
   std::vector<double> effective(const std::vector<double>& rates) const;
+  // A plan's predicted time per step at `rates` on the cluster with `links` (effective rates),
+  // predicted once per step for the same arguments.
+  double step_time(const plan::Plan& plan, const std::vector<double>& rates,
+                   const std::vector<double>& links);
   // Rank 0, every step: records the step's rates and adds the step to the open record.
   void account(const plan::Plan& current, const std::vector<double>& rates);
   // Rank 0, when asked: closes the open record, proposes, applies the hold.
-  Decision decide_on_root(const plan::Plan& current, const std::vector<double>& rates, int64_t step,
-                          int64_t remaining_steps, const std::vector<double>& link_rates);
+  Decision decide_on_root(const ControllerInput& input, const std::vector<double>& link_rates);
+  // What the planner and the switch rule say for the input's rates and `link_rates` (measured;
+  // thresholded here): the planner and the switch rule see the links at their measured rates.
+  Decision propose(const ControllerInput& input, const std::vector<double>& link_rates);
   // On hold: replaces the proposal in `d` by the plan for the persistent rates or for the mean
   // of the recorded rates, if it would have paid over them, or by none. Returns the rates the
   // plan taken is for (empty: none taken).
-  std::vector<double> hold(const plan::Plan& current, Decision& d) const;
+  std::vector<double> hold(const plan::Plan& current, Decision& d);
   // Whether every rate of `a` is within the hysteresis of `b`'s.
   bool same_rates(const std::vector<double>& a, const std::vector<double>& b) const;
   // The recorded steps cut into runs of the same rates (within the hysteresis), oldest first.
@@ -172,13 +181,15 @@ class Controller {
   std::deque<std::vector<double>> link_history_;  // the last min_samples link readings
   std::vector<double> planning_link_rates_;
   double measured_migration_s_ = -1;
-  std::vector<double> step_rates_;
   std::optional<SwitchRecord> open_;
   int losses_ = 0;
   bool reask_ = false;       // on hold: ask again after hold_reask_steps (every rank knows)
   int steps_since_ask_ = 0;  // trigger() calls since the last question
   int calm_steps_ = 0;       // trigger() calls since the compute rates last moved
   std::deque<std::vector<double>> history_;  // rank 0: the last hold_window steps' rates
+  // This step's predictions: (plan JSON, rates, links) -> seconds.
+  std::map<std::tuple<std::string, std::vector<double>, std::vector<double>>, double> predicted_;
+  int predictions_ = 0;
 };
 
 // The cluster to plan for when training on this machine: the named preset (default "cpu-local")

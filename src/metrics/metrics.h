@@ -51,17 +51,24 @@ struct EvalRecord {
   double val_loss = kUnknown;
 };
 
-// One decision of the controller: "event" is "replan" when it switched, "replan_declined" when not.
+// One decision of the straggler loop's controller (elastic/loop.h): the one record of it, which
+// the metrics line, the log line (describe) and Python's Decision all show, by the keys of its
+// field list (metrics/schema.h). "event" is "replan" when it switched, "replan_declined" when not.
+// Its numbers are rank 0's reasoning, broadcast with the plan, so every rank holds the same record.
 struct ReplanRecord {
   bool switched = false;
   int64_t step = 0;
   std::vector<double> rates;       // the (effective) rates planned for
   std::vector<double> link_rates;  // and link rates, per node (empty on one host)
-  std::string old_plan, new_plan;
-  std::string reason;  // why declined
+  std::string old_plan, new_plan;  // summaries; new_plan is empty when no plan was found
+  std::string reason;              // why declined (also why no plan was found)
   // How the plan was searched: "incremental" (from the running plan: few devices' rates moved) or
   // "full"; empty when no plan was weighed.
   std::string search;
+  bool held = false;  // on hold: a plan the switch rule (or the mean rates) would take was declined
+  // The switch rule's question (replan::SwitchQuestion) and answer: the predicted time per step of
+  // the running plan and of the proposed one, their difference, the predicted cost of switching,
+  // the steps the gain is counted over; unknown when no plan was weighed.
   double predicted_old_s = kUnknown, predicted_new_s = kUnknown, predicted_gain_s = kUnknown;
   double predicted_migration_s = kUnknown;
   int64_t horizon_steps = 0;
@@ -75,6 +82,10 @@ struct ReplanRecord {
   // background of the new plan's first step; bytes_moved and migration_s are the part before it.
   int64_t migration_background_bytes = 0;
 };
+
+// The log line of a decision: "re-plan at step N: old -> new | predicted ... (planning ...)" or
+// "re-plan declined at step N: why".
+std::string describe(const ReplanRecord& record);
 
 // One restart of the job by `malleus launch` after it lost ranks: "event" is "restart".
 struct RestartRecord {

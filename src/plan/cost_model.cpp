@@ -124,6 +124,22 @@ double shard_training_flops(const model::ModelConfig& model, int sequences, int 
   return (1 + kBackwardPerForward) * forward;
 }
 
+std::vector<double> work_flops(const Plan& plan, const model::ModelConfig& model, int seq_len) {
+  std::vector<double> flops(static_cast<size_t>(plan.world_size), kComputeProbeFlops);
+  for (const Pipeline& pipeline : plan.pipelines) {
+    for (size_t s = 0; s < pipeline.stages.size(); ++s) {
+      const Stage& stage = pipeline.stages[s];
+      for (size_t member = 0; member < stage.ranks.size(); ++member) {
+        flops.at(static_cast<size_t>(stage.ranks[member])) =
+            pipeline.micro_batches *
+            shard_training_flops(model, plan.micro_batch_size, seq_len, stage.num_layers(),
+                                 s + 1 == pipeline.stages.size(), Shares::of(stage, member, model));
+      }
+    }
+  }
+  return flops;
+}
+
 void BatchConfig::validate(const std::string& source) const {
   check(global_batch > 0, source + ": global batch must be positive");
   check(micro_batch > 0, source + ": micro-batch must be positive");

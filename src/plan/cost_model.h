@@ -84,6 +84,10 @@ inline constexpr double kBackwardPerForward = 2;
 // LM head when the rank is on the last stage.
 double shard_training_flops(const model::ModelConfig& model, int sequences, int seq_len, int layers,
                             bool last_stage, const Shares& shares = {});
+// Every rank's FLOPs of one step under `plan`: its micro-batches through its shard, or the idle
+// probe's (kComputeProbeFlops) for a rank the plan leaves idle. What the straggler monitor divides
+// each rank's measured time by.
+std::vector<double> work_flops(const Plan& plan, const model::ModelConfig& model, int seq_len);
 
 // The link probe's fixed schedule among `nodes` nodes (the circle method: every pair of nodes
 // meets once, each node in at most one pair per round): its number of rounds, and node `node`'s

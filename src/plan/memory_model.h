@@ -51,6 +51,11 @@ inline constexpr double kLinkProbeElements = 128.0 * 1024;
 // workspace) every step, so that the monitor keeps measuring its device and sees it recover
 // (runtime::Engine::run_probe).
 inline constexpr int kComputeProbeSize = 256;
+// ... 16 times: ~0.5 GFLOP, ~10 ms on one core, long enough against the scheduler's time slices
+// (a few ms) to see a shared core.
+inline constexpr int kComputeProbeRepeats = 16;
+inline constexpr double kComputeProbeFlops =
+    2.0 * kComputeProbeRepeats * kComputeProbeSize * kComputeProbeSize * kComputeProbeSize;
 // Bytes by kind, as backend::MemoryKind names them.
 struct MemoryUse {
   double parameters = 0, gradients = 0, optimizer = 0, activations = 0, workspace = 0,

@@ -20,11 +20,10 @@ namespace malleus::runtime {
 
 namespace {
 
-// An idle rank's probe multiplies two 256² matrices 16 times: ~0.5 GFLOP, ~10 ms on one core,
-// long enough against the scheduler's time slices (a few ms) to see a shared core. Its matrices
-// are counted in the cost model's memory of an idle device (plan::CostModel::idle_memory).
+// An idle rank's probe (plan/memory_model.h). Its matrices are counted in the cost model's memory
+// of an idle device (plan::CostModel::idle_memory).
 constexpr int kProbeSize = plan::kComputeProbeSize;
-constexpr int kProbeRepeats = 16;
+constexpr int kProbeRepeats = plan::kComputeProbeRepeats;
 
 using Clock = std::chrono::steady_clock;
 
@@ -94,12 +93,8 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   inputs_.resize(tokens);
   targets_.resize(tokens);
   // The cost model's FLOP count of this rank's shard: what its measured time is divided by.
-  const plan::Stage& stage = state_->stage();
   work_flops_ =
-      state_->pipeline().micro_batches *
-      plan::shard_training_flops(
-          model, plan.micro_batch_size, options.seq_len, stage.num_layers(), state_->last_stage(),
-          plan::Shares::of(stage, static_cast<size_t>(state_->role().tp_rank), model));
+      plan::work_flops(plan, model, options.seq_len).at(static_cast<size_t>(state_->rank()));
 }
 
 void Engine::init_parameters(uint64_t seed) {
@@ -140,7 +135,7 @@ double Engine::run_probe(double slowdown, double* seconds) {
         }
       },
       slowdown);
-  return 2.0 * kProbeRepeats * kProbeSize * kProbeSize * kProbeSize;
+  return plan::kComputeProbeFlops;
 }
 
 StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, double slowdown,

@@ -8,27 +8,6 @@
 
 namespace malleus::train {
 
-metrics::ReplanRecord replan_record(const elastic::Decision& d) {
-  metrics::ReplanRecord r;
-  r.switched = d.plan.has_value();
-  r.step = d.step;
-  r.rates = d.rates;
-  r.link_rates = d.link_rates;
-  r.old_plan = d.old_plan;
-  r.new_plan = d.new_plan;
-  r.reason = d.verdict.reason;
-  if (!d.new_plan.empty()) {  // a plan was found and weighed
-    r.predicted_old_s = d.question.current_step_s;
-    r.predicted_new_s = d.question.proposed_step_s;
-    r.predicted_gain_s = d.question.current_step_s - d.question.proposed_step_s;
-    r.predicted_migration_s = d.question.switch_s;
-    r.horizon_steps = static_cast<int64_t>(d.question.horizon_steps);
-    r.planning_s = d.planning_s;
-    r.search = d.incremental ? "incremental" : "full";
-  }
-  return r;
-}
-
 void record_step_figures(const runtime::StepResult& r, StepStats* out) {
   StepStats& stats = *out;
   for (size_t i = 0; i < r.measurements.size(); i += 2)
@@ -79,30 +58,6 @@ void announce(const std::filesystem::path& out, const model::ModelConfig& mc,
   write_file_atomic(out / "ranks.json", Json{{"ranks", ranks}}.dump(2) + "\n");
 }
 
-namespace {
-
-// The re-plan's line, when the step asked the controller.
-void log_replan(int64_t step, const metrics::ReplanRecord& d) {
-  if (d.switched) {
-    std::printf(
-        "re-plan at step %lld: %s -> %s | predicted %.3f -> %.3f s/step | moved %s in %.3f s "
-        "(planning %.3f s, %s search)%s\n",
-        static_cast<long long>(step), d.old_plan.c_str(), d.new_plan.c_str(), d.predicted_old_s,
-        d.predicted_new_s, format_bytes(static_cast<double>(d.bytes_moved)).c_str(), d.migration_s,
-        d.planning_s, d.search.c_str(),
-        d.migration_background_bytes > 0
-            ? ("; " + format_bytes(static_cast<double>(d.migration_background_bytes)) +
-               " of Adam moments move in the background of the next step")
-                  .c_str()
-            : "");
-  } else {
-    std::printf("re-plan declined at step %lld: %s\n", static_cast<long long>(step),
-                d.reason.c_str());
-  }
-}
-
-}  // namespace
-
 void log_step(StepStats s, double eta, const std::string& plan_text, int64_t steps, int restarts,
               metrics::MetricsLog& metrics) {
   s.eta_s = eta;
@@ -130,7 +85,7 @@ void log_step(StepStats s, double eta, const std::string& plan_text, int64_t ste
       plan_text.c_str(), rates.c_str(), links.c_str(), restarts_text.c_str());
   metrics.write(static_cast<const metrics::StepRecord&>(s));
   if (s.replan) {
-    log_replan(s.step, *s.replan);
+    std::printf("%s\n", metrics::describe(*s.replan).c_str());
     metrics.write(*s.replan);
   }
   if (s.switch_background) {

@@ -7,7 +7,6 @@
 #include <optional>
 #include <string>
 
-#include "elastic/controller.h"
 #include "metrics/metrics.h"
 #include "model/config.h"
 #include "runtime/core_lease.h"
@@ -24,9 +23,6 @@ struct StepStats : metrics::StepRecord {
   // times and memory the most of any rank's.
   std::optional<runtime::BackgroundStats> switch_background;
 };
-
-// The metrics record of a controller decision (its numbers are rank 0's).
-metrics::ReplanRecord replan_record(const elastic::Decision& decision);
 
 // The engine's figures of a step into its record: every rank's compute time, peak memory by
 // kind, and the recomputation issued ahead (every rank's, when some rank recomputed ahead).

@@ -217,15 +217,18 @@ plan::Plan resolve_plan(const TrainConfig& config, const model::ModelConfig& mod
                             world_size);
 }
 
-std::unique_ptr<elastic::Controller> make_controller(const TrainConfig& config,
-                                                     const model::ModelConfig& model,
-                                                     int world_size, int threads) {
-  // One rank has no other plan to switch to: the monitor still reports its rate, but nobody is
-  // asked to re-plan (the step lines would otherwise say "declined" whenever the rate moved).
-  if (!config.replan || world_size <= 1) return nullptr;
-  elastic::ControllerOptions options;
-  options.horizon_steps = config.replan_horizon;
-  options.min_samples = config.monitor_window;
+std::unique_ptr<elastic::StragglerLoop> make_straggler_loop(const TrainConfig& config,
+                                                            const model::ModelConfig& model,
+                                                            const plan::Plan& plan,
+                                                            const std::vector<int>& hosts,
+                                                            int threads) {
+  const auto world_size = static_cast<int>(hosts.size());
+  elastic::LoopOptions options;
+  options.monitor.window = config.monitor_window;
+  options.controller.horizon_steps = config.replan_horizon;
+  options.controller.min_samples = config.monitor_window;
+  options.replan = config.replan;
+  options.plan_links = config.replan_links;
   std::optional<plan::Profile> profile;
   if (!config.profile.empty()) {
     const int ranks = ranks_on_this_node(world_size);
@@ -234,28 +237,18 @@ std::unique_ptr<elastic::Controller> make_controller(const TrainConfig& config,
         plan::Profile::from_json(read_json_file(config.profile), config.profile),
         std::min(1.0, static_cast<double>(cores) / (ranks * threads)));
   }
-  plan::CostModel cost(model, elastic::local_cluster(config.cluster, world_size),
-                       batch_config(config), profile);
+  const plan::ClusterSpec cluster = elastic::local_cluster(config.cluster, world_size);
+  // Ranks fill nodes in order, as `--map-by ppr:K:node` starts them. The reference of a healthy
+  // link is what the cluster file says the probe takes, so busy first steps cannot set one that
+  // hides a link slowed later.
+  if (*std::max_element(hosts.begin(), hosts.end()) > 0) {
+    for (int r = 0; r < world_size; ++r) options.node_of_rank.push_back(cluster.node_of(r));
+  }
+  plan::CostModel cost(model, cluster, batch_config(config), profile);
   cost.set_shifted_recompute(config.shifted_recompute);
   cost.set_tp_subpipeline(config.tp_subpipeline);
   cost.use_distributed_optimizer(config.distributed_optimizer);
-  return std::make_unique<elastic::Controller>(std::move(cost), options);
-}
-
-std::unique_ptr<elastic::LinkMonitor> make_link_monitor(const TrainConfig& config,
-                                                        const model::ModelConfig& model,
-                                                        const std::vector<int>& hosts) {
-  if (*std::max_element(hosts.begin(), hosts.end()) == 0) return nullptr;
-  const auto world_size = static_cast<int>(hosts.size());
-  const plan::ClusterSpec cluster = elastic::local_cluster(config.cluster, world_size);
-  std::vector<int> node_of_rank;
-  for (int r = 0; r < world_size; ++r) node_of_rank.push_back(cluster.node_of(r));
-  // The reference of a healthy link is also what the cluster file says the probe takes, so
-  // busy first steps cannot set one that hides a link slowed later.
-  const plan::CostModel cost(model, cluster, batch_config(config));
-  return std::make_unique<elastic::LinkMonitor>(
-      node_of_rank, elastic::MonitorOptions{.window = config.monitor_window},
-      cost.link_probe_seconds_per_byte());
+  return std::make_unique<elastic::StragglerLoop>(std::move(cost), plan, std::move(options));
 }
 
 std::shared_ptr<const tokenizer::Tokenizer> data_tokenizer(const std::string& pattern) {

@@ -1,8 +1,8 @@
 // What a run is set up from before its first step, each part decided once and checked before
 // anything is allocated or any rank communicates: the plan (a plan file, the planner's, or the
 // uniform one), threads per rank, the training data's tokenizer and the model fitted to it, the
-// memory fit of the model state, the injected stragglers, and the controller and link monitor of
-// the straggler loop. The Trainer (train/trainer.h) calls these in its constructor.
+// memory fit of the model state, the injected stragglers, and the straggler loop. The Trainer
+// (train/trainer.h) calls these in its constructor.
 #pragma once
 
 #include <cstdint>
@@ -11,8 +11,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "elastic/controller.h"
-#include "elastic/monitor.h"
+#include "elastic/loop.h"
 #include "elastic/stragglers.h"
 #include "model/config.h"
 #include "plan/plan.h"
@@ -50,18 +49,16 @@ runtime::EngineOptions engine_options(const TrainConfig& config, int world_size)
 // the job (built before the data is read, so a bad trace is reported first).
 elastic::StragglerSchedule injected_stragglers(const TrainConfig& config, int world_size);
 
-// The controller of the straggler loop for a run on `world_size` ranks with `threads` per rank,
-// or null when re-planning is off or there is one rank (no other plan to switch to). Reads the
-// config's profile, if any.
-std::unique_ptr<elastic::Controller> make_controller(const TrainConfig& config,
-                                                     const model::ModelConfig& model,
-                                                     int world_size, int threads);
-
-// The monitor of the links between hosts, per node of the cluster the controller plans for, for
-// ranks on hosts `hosts` (runtime::host_indices); null when they all run on one host.
-std::unique_ptr<elastic::LinkMonitor> make_link_monitor(const TrainConfig& config,
-                                                        const model::ModelConfig& model,
-                                                        const std::vector<int>& hosts);
+// The straggler loop of a run starting on `plan`, its ranks on hosts `hosts`
+// (runtime::host_indices) with `threads` each: the monitor; the links between hosts monitored
+// per node of the cluster the controller plans for when the ranks span several hosts; the
+// controller unless re-planning is off or there is one rank (no other plan to switch to). Reads
+// the config's profile, if any.
+std::unique_ptr<elastic::StragglerLoop> make_straggler_loop(const TrainConfig& config,
+                                                            const model::ModelConfig& model,
+                                                            const plan::Plan& plan,
+                                                            const std::vector<int>& hosts,
+                                                            int threads);
 
 // The tokenizer saved beside the shards of `pattern` (by prepare-data), or null when there is none
 // (e.g. shards made by llm.c's scripts).

@@ -36,7 +36,6 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
       world_(std::move(world)),
       schedule_{config.lr, config.min_lr_ratio, config.warmup_steps, config.steps},
       stragglers_(injected_stragglers(config, world_.size())),
-      monitor_(world_.size(), elastic::MonitorOptions{.window = config.monitor_window}),
       train_data_(config.train_data, model_config_.vocab_size),
       sampler_(train_data_, config.seq_len, config.seed),
       checkpoints_(world_, config) {
@@ -62,7 +61,6 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
                            available, ranks_on_this_node(world_.size()),
                            config_.memory_checkpoints ? &engine_options_.hosts : nullptr);
   }
-  controller_ = make_controller(config_, model_config, world_.size(), engine_options_.threads);
   // Ranks that share cores take turns on them, so each rank's measured compute time is its
   // time on a whole core (runtime/core_lease.h).
   cores_ = runtime::CoreSharing::detect(world_, engine_options_.threads);
@@ -70,8 +68,9 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // On several hosts, the links between them are monitored too, per node of the cluster the
   // controller plans for (ranks fill nodes in order, as `--map-by ppr:K:node` starts them).
   checkpoints_.start_memory_checkpoints(engine_options_.hosts);
-  link_monitor_ = make_link_monitor(config_, model_config, engine_options_.hosts);
-  if (!link_monitor_) engine_options_.hosts.clear();
+  loop_ = make_straggler_loop(config_, model_config, plan, engine_options_.hosts,
+                              engine_options_.threads);
+  if (!loop_->monitors_links()) engine_options_.hosts.clear();
   engine_ = std::make_unique<runtime::Engine>(model_config, plan, world_, engine_options_);
   if (initial == InitialState::kFromSeed) {
     engine_->init_parameters(config.seed);
@@ -107,51 +106,44 @@ Checkpoint Trainer::snapshot() {
   return c;
 }
 
-// Every rank's measurements of the step into `stats`: the monitors' rates and the engine's
-// figures (record_step_figures), link times.
-void Trainer::record_measurements(const runtime::StepResult& r, StepStats* out) {
+// The straggler loop, between steps: every rank's measurements into `stats` and the loop (one
+// observation: compute times and link probes), and when it switches, the migration to its plan.
+void Trainer::straggler_loop(const runtime::StepResult& r, StepStats* out) {
   StepStats& stats = *out;
-  stats.rates =
-      monitor_.observe(r.measurements, elastic::work_geometries(engine_->state().layout()));
   record_step_figures(r, &stats);
-  if (link_monitor_) {
-    stats.link_rates = link_monitor_->observe(r.link_measurements);
+  elastic::Observation observation{.step = step_, .remaining_steps = config_.steps - step_};
+  for (size_t i = 0; i < r.measurements.size(); i += 2) {
+    observation.seconds.push_back(r.measurements[i]);
+    observation.flops.push_back(r.measurements[i + 1]);
+  }
+  if (loop_->monitors_links()) {
+    observation.link_measurements = r.link_measurements;
     for (size_t i = 0; i < r.link_measurements.size(); i += 2)
       stats.link_s.push_back(r.link_measurements[i]);
   }
-}
-
-// Asks the controller whether to re-plan on the rates just measured; migrates when it says so.
-void Trainer::replan_if_asked(StepStats* out) {
-  StepStats& stats = *out;
-  // --no-replan-links: the links are measured and logged, the controller plans as if healthy.
-  const std::vector<double> no_links;
-  controller_->note_step_rates(monitor_.step_rates());  // what its switches realised
-  const elastic::Decision decision = controller_->decide(
-      world_, engine_->plan(), stats.rates, monitor_.samples(), step_, config_.steps - step_,
-      config_.replan_links ? stats.link_rates : no_links);
-  if (decision.asked) stats.replan = replan_record(decision);
-  if (decision.plan) {
-    plan::validate(*decision.plan, model_config_, world_.size(), config_.global_batch_size,
-                   "re-plan");
-    runtime::MigrationStats migration;
-    // A phase of its own for the watchdog: a migration's time is not a step's.
-    if (watchdog_) watchdog_->enter("migration", step_);
-    // Timed here, the old engine's end included: what training waits for (an overlapped switch's
-    // background part shows in the next step's time).
-    const auto start = Clock::now();
-    engine_ = config_.overlap_switch
-                  ? runtime::Engine::switch_to(std::move(engine_), *decision.plan, &migration)
-                  : engine_->migrate(*decision.plan, &migration);
-    migration.seconds = seconds_since(start);
-    controller_->note_migration_seconds(migration.seconds);
-    monitor_.note_replan();
-    stats.replan->bytes_moved = migration.bytes_moved;
-    stats.replan->migration_s = migration.seconds;
-    stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
-    stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
-    stats.replan->migration_background_bytes = migration.background_bytes;
-  }
+  const std::optional<elastic::Decision> decision =
+      loop_->observe(observation, elastic::Transport::over(world_));
+  stats.rates = loop_->rates();
+  stats.link_rates = loop_->link_rates();
+  if (!decision) return;
+  stats.replan = decision->record;
+  if (!decision->plan) return;
+  runtime::MigrationStats migration;
+  // A phase of its own for the watchdog: a migration's time is not a step's.
+  if (watchdog_) watchdog_->enter("migration", step_);
+  // Timed here, the old engine's end included: what training waits for (an overlapped switch's
+  // background part shows in the next step's time).
+  const auto start = Clock::now();
+  engine_ = config_.overlap_switch
+                ? runtime::Engine::switch_to(std::move(engine_), *decision->plan, &migration)
+                : engine_->migrate(*decision->plan, &migration);
+  migration.seconds = seconds_since(start);
+  loop_->note_migration_seconds(migration.seconds);
+  stats.replan->bytes_moved = migration.bytes_moved;
+  stats.replan->migration_s = migration.seconds;
+  stats.replan->migration_peak_extra_bytes = migration.peak_extra_bytes;
+  stats.replan->migration_bucket_bytes = config_.migration_bucket_bytes;
+  stats.replan->migration_background_bytes = migration.background_bytes;
 }
 
 // The background part of an overlapped switch, once the step after it has finished it (the same
@@ -191,8 +183,7 @@ StepStats Trainer::train_step() {
 
   // The straggler loop, between steps: measure, and re-plan when the rates moved enough.
   const auto loop_start = Clock::now();
-  record_measurements(r, &stats);
-  if (controller_) replan_if_asked(&stats);
+  straggler_loop(r, &stats);
   stats.monitor_overhead_s = seconds_since(loop_start);
   stats.consumed_samples = consumed_samples_;
 

@@ -16,8 +16,7 @@
 #include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
 #include "data/dataset.h"
-#include "elastic/controller.h"
-#include "elastic/monitor.h"
+#include "elastic/loop.h"
 #include "elastic/stragglers.h"
 #include "metrics/metrics.h"
 #include "runtime/core_lease.h"
@@ -104,10 +103,9 @@ class Trainer {
   [[noreturn]] void stop_diverged(const StepStats& s);
   // Throws Error when the model state was neither initialised nor restored.
   void check_state_ready(const char* what) const;
-  // The step's measurements into `stats` (train_step, after the engine's step).
-  void record_measurements(const runtime::StepResult& result, StepStats* stats);
-  // The controller's decision on the rates just measured, and the migration it asks for.
-  void replan_if_asked(StepStats* stats);
+  // The straggler loop after the engine's step: its measurements into `stats` and the loop, and
+  // the migration to the plan it switches to, if it does.
+  void straggler_loop(const runtime::StepResult& result, StepStats* stats);
   void collect_switch_background(StepStats* stats);
 
   TrainConfig config_;
@@ -119,10 +117,8 @@ class Trainer {
   std::unique_ptr<runtime::Engine> engine_;
   LrSchedule schedule_;
   elastic::StragglerSchedule stragglers_;
-  elastic::Monitor monitor_;
-  std::unique_ptr<elastic::Controller> controller_;  // null when re-planning is off
-  // Links between hosts; null when the job runs on one host.
-  std::unique_ptr<elastic::LinkMonitor> link_monitor_;
+  // The monitor, the link monitor and the controller (elastic/loop.h), on the engine's plan.
+  std::unique_ptr<elastic::StragglerLoop> loop_;
   data::TokenDataset train_data_;
   data::Sampler sampler_;
   int64_t step_ = 0;

@@ -9,9 +9,9 @@ group (gloo on CPU, NCCL on GPU). Each step:
    backward) and divided by the number of loss units (tokens) in the whole global batch, so the
    update is that of one process on the global batch whatever the split;
 3. the optimizer steps;
-4. the rates come from malleus's C++ monitor (each rank against its own healthy speed) and the
-   decision from malleus's C++ controller (the planner's "data-parallel" strategy and the shared
-   switch rule): when it switches, the next step runs the new split (down to no micro-batch for a
+4. the rates and the decision come from malleus's C++ straggler loop (malleus.StragglerLoop:
+   each rank against its own healthy speed; the planner's "data-parallel" strategy and the
+   shared switch rule): when it switches, the next step runs the new split (down to no micro-batch for a
    hopeless rank, which then times a probe so that its recovery is seen, and back).
 
 See docs/python.md.
@@ -31,11 +31,9 @@ from .plans import plan_of_split, split_of_plan
 
 __all__ = ["DataParallel", "StepResult"]
 
-# Geometries the monitor keeps references for: a replica's work, or the probe an idle rank runs.
-_WORK = "data-parallel"
-_PROBE = "probe"
-_PROBE_SIZE = 256      # the C++ engine's idle probe: 256 x 256 fp32 matrices (kComputeProbeSize)
-_PROBE_REPEATS = 16    # products per step, so that the probe lasts milliseconds, not microseconds
+# The C++ engine's idle probe: PROBE_REPEATS products of PROBE_SIZE x PROBE_SIZE fp32 matrices.
+_PROBE_SIZE = malleus.PROBE_SIZE
+_PROBE_REPEATS = malleus.PROBE_REPEATS
 
 
 @dataclass
@@ -107,25 +105,21 @@ class DataParallel:
                              f"on {self.world_size} ranks (give each at least one)")
         self.config = malleus.model_config(model_config)
         self.seq_len = seq_len if seq_len is not None else self.config["max_seq_len"]
-        self.flops_per_micro_batch = malleus.training_flops(self.config, micro_batch,
-                                                            _positive_int("seq_len", self.seq_len))
+        _positive_int("seq_len", self.seq_len)
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.cuda = dist.get_backend(self.group) == "nccl"
         self.comm_device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
             else torch.device("cpu")
-        self.monitor = malleus.Monitor(self.world_size, window=monitor_window)
-        self.controller = None
-        if replan and self.world_size > 1:
-            # Every replica holds the whole model and optimizer state (no distributed optimizer).
-            self.controller = malleus.Controller(
-                self.config, world_size=self.world_size, global_batch=global_batch,
-                micro_batch=micro_batch, seq_len=self.seq_len, cluster=cluster,
-                strategy="data-parallel", straggler_threshold=straggler_threshold,
-                hysteresis=hysteresis, horizon_steps=horizon_steps, min_samples=monitor_window,
-                distributed_optimizer=False)
+        # Every replica holds the whole model and optimizer state (no distributed optimizer).
+        self.loop = malleus.StragglerLoop(
+            plan_of_split(self._even_split(), micro_batch, self.config["num_layers"]),
+            self.config, cluster=cluster, seq_len=self.seq_len, strategy="data-parallel",
+            replan=replan, monitor_window=monitor_window,
+            straggler_threshold=straggler_threshold, hysteresis=hysteresis,
+            horizon_steps=horizon_steps, distributed_optimizer=False)
         self.steps = 0
-        self._split = self._even_split()
+        self._split = split_of_plan(self.loop.plan, self.world_size)
         self._probe = None
         self._make_buckets()
         # Replicas start equal: rank 0's parameters and buffers everywhere.
@@ -145,9 +139,9 @@ class DataParallel:
         return list(self._split)
 
     @property
-    def plan(self) -> dict:
-        """The running split as a malleus plan (what the controller is told runs)."""
-        return plan_of_split(self._split, self.micro_batch, self.config["num_layers"])
+    def plan(self) -> malleus.Plan:
+        """The running split as a malleus plan (what the straggler loop runs)."""
+        return self.loop.plan
 
     def set_split(self, split: Sequence[int]):
         """Runs ``split`` (micro-batches per rank) from the next step on. Every rank must call it
@@ -160,10 +154,8 @@ class DataParallel:
         if sum(split) != self.micro_batches:
             raise ValueError(f"malleus.torch: the split {split} has {sum(split)} micro-batches, "
                              f"the global batch {self.micro_batches}")
-        malleus.plan_summary(plan_of_split(split, self.micro_batch, self.config["num_layers"]),
-                             self.config)
+        self.loop.set_plan(plan_of_split(split, self.micro_batch, self.config["num_layers"]))
         self._split = split
-        self.monitor.note_replan()
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -181,12 +173,10 @@ class DataParallel:
         mine = split[self.rank]
         self._zero_gradients()
         loss_sum, units, seconds = self._compute(data, loss_fn, first, mine)
-        flops = mine * self.flops_per_micro_batch if mine else \
-            _PROBE_REPEATS * 2.0 * _PROBE_SIZE ** 3
-        # Every rank's (seconds, FLOPs), the loss sum and the units travel with the gradients.
+        # Every rank's seconds, the loss sum and the units travel with the gradients.
         stats = [0.0] * self._stats_len
         stats[0], stats[1] = loss_sum, units
-        stats[2 + 2 * self.rank], stats[3 + 2 * self.rank] = seconds, flops
+        stats[2 + self.rank] = seconds
         stats = self._reduce(stats)
         total_units = int(round(stats[1]))
         if total_units <= 0:
@@ -205,10 +195,9 @@ class DataParallel:
             flat[:n].div_(total_units)
         self.optimizer.step()
         self.steps += 1
-        compute_s = stats[2::2]
-        geometries = [_WORK if m > 0 else _PROBE for m in split]
-        rates = list(self.monitor.observe(compute_s, stats[3::2], geometries))
-        decision = self._decide(rates)
+        compute_s = stats[2:]
+        decision = self._observe(compute_s)
+        rates = list(self.loop.rates)
         return StepResult(step=self.steps, loss=stats[0] / total_units, units=total_units,
                           split=split, compute_s=compute_s, rates=rates,
                           step_s=time.perf_counter() - start, decision=decision,
@@ -266,7 +255,7 @@ class DataParallel:
         parameter's gradient a view into one, so that the reduction neither gathers nor scatters;
         the step's figures (loss, units, each rank's time and FLOPs) ride at the end of the last
         fp32 bucket, or in a small fp64 one of their own."""
-        self._stats_len = 2 + 2 * self.world_size
+        self._stats_len = 2 + self.world_size
         groups, current, size, key = [], [], 0, None
         for p in self.module.parameters():
             if not p.requires_grad:
@@ -345,17 +334,12 @@ class DataParallel:
             dist.broadcast(buf, 0, group=self.group)
         return bytes(buf.cpu().tolist()).decode()
 
-    def _decide(self, rates):
-        if self.controller is None:
-            return None
-        remaining = (self.total_steps - self.steps) if self.total_steps else self.horizon_steps
-        self.controller.note_step_rates(self.monitor.step_rates)  # what its switches realised
-        decision = self.controller.decide(self.plan, rates, self.monitor.samples, self.steps,
-                                          remaining, root=self.rank == 0,
-                                          broadcast=self._broadcast_text)
-        if not decision.asked:
-            return None
-        if decision.plan is not None:
+    def _observe(self, compute_s):
+        """The step into the straggler loop (malleus.StragglerLoop); a switch runs from the next
+        step."""
+        remaining = (self.total_steps - self.steps) if self.total_steps else None
+        decision = self.loop.observe(self.steps, compute_s, remaining_steps=remaining,
+                                     root=self.rank == 0, broadcast=self._broadcast_text)
+        if decision is not None and decision.plan is not None:
             self._split = split_of_plan(decision.plan, self.world_size)
-            self.monitor.note_replan()
         return decision

@@ -1,6 +1,8 @@
 """A data-parallel split (micro-batches per rank) and its malleus plan (JSON form), both ways."""
 
-from typing import List, Sequence
+from typing import List, Sequence, Union
+
+import malleus
 
 
 def plan_of_split(split: Sequence[int], micro_batch: int, num_layers: int) -> dict:
@@ -14,10 +16,10 @@ def plan_of_split(split: Sequence[int], micro_batch: int, num_layers: int) -> di
     }
 
 
-def split_of_plan(plan: dict, world_size: int) -> List[int]:
+def split_of_plan(plan: Union[malleus.Plan, dict], world_size: int) -> List[int]:
     """Micro-batches per rank of a data-parallel plan (ranks it leaves idle get 0)."""
     split = [0] * world_size
-    for p in plan["pipelines"]:
+    for p in plan.pipelines if isinstance(plan, malleus.Plan) else plan["pipelines"]:
         stages = p["stages"]
         if len(stages) != 1 or len(stages[0]["ranks"]) != 1:
             raise ValueError("not a data-parallel plan (a pipeline with several stages or "
