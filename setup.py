@@ -52,6 +52,7 @@ setup(
     ext_modules=[Extension("malleus._malleus", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
-    # setuptools' own build files stay out of CMake's build/.
-    options={"build": {"build_base": os.path.join("build-python", "setuptools")}},
+    # setuptools' own build files stay out of CMake's build/ and out of the sources.
+    options={"build": {"build_base": os.path.join("build-python", "setuptools")},
+             "egg_info": {"egg_base": "build-python"}},
 )
