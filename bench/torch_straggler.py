@@ -3,15 +3,19 @@ in PyTorch on 2 processes over gloo, one per core, the same model, data and glob
 and with an external 3x straggler on rank 1's core (two busy processes pinned there, started by
 this benchmark after the warm-up, so rank 1 gets a third of its core).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/torch_straggler.py [--rounds 3]
+    build/malleus-python bench/torch_straggler.py [--rounds 3]
 
-Prints tokens/s over the measured steps per run, then medians over the paired rounds (DDP and
-malleus.torch alternate within a round) and the ratios the targets are stated in:
-under the straggler malleus.torch / DDP (target >= 1.3) and malleus.torch / ideal (>= 0.85,
-ideal = healthy malleus.torch x (1 + 1/3) / 2); healthy, malleus.torch / DDP (>= 0.98).
+Both run the same training loop (gradient accumulation, loss.backward(), optimizer.step()),
+differing only in the lines of docs/python.md's diff. Prints tokens/s over the measured steps per
+run, then medians over the paired rounds (the modes alternate within a round) and the ratios the
+targets are stated in (issue 34): healthy, malleus.torch / DDP (>= 1.0); under the straggler
+malleus.torch / DDP (>= 1.5) and malleus.torch / ideal (>= 0.85, ideal = healthy malleus.torch x
+(1 + 1/3) / 2). --modes ddp,malleus,malleus-serial adds malleus.torch without the overlap of the
+bucket all-reduces with the backward.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,41 +49,46 @@ def worker(a):
     steps = a.warmup + a.steps
     busy = []
 
-    def loss_sum(m, w):
+    def loss(m, w):  # the mean over the micro-batch's tokens
         logits = m(w[:, :-1])
-        return (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
-                                reduction="sum"), w[:, 1:].numel())
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
 
+    # The same loop for both, as docs/python.md's diff has it: only the wrapper and where this
+    # rank's micro-batches come from differ.
     if a.mode == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        model = torch.nn.parallel.DistributedDataParallel(model)
         share = a.global_batch // world
-        mine = data[rank * share:(rank + 1) * share]
 
-        def step():
-            opt.zero_grad()
-            for k in range(share):  # micro-batches of 1; gradients synced on the last only
-                w = mine[k:k + 1]
-                if k < share - 1:
-                    with ddp.no_sync():
-                        (loss_sum(ddp, w)[0] / (share * a.seq_len)).backward()
-                else:
-                    (loss_sum(ddp, w)[0] / (share * a.seq_len)).backward()
-            opt.step()
-            return None
+        def micro_batches(batch):  # this rank's share, in micro-batches of 1
+            return batch[rank * share:(rank + 1) * share].split(1)
+        scale = 1.0 / share  # accumulation: the mean over this rank's micro-batches
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        dp = mt.DataParallel(model, opt, global_batch=a.global_batch, micro_batch=1,
-                             seq_len=a.seq_len, model_config=config, total_steps=steps)
+        model = mt.DataParallel(model, global_batch=a.global_batch, micro_batch=1,
+                                seq_len=a.seq_len, model_config=config, total_steps=steps,
+                                overlap=a.mode != "malleus-serial", bucket_mb=a.bucket_mb,
+                                replan=a.mode != "malleus-keep")
+        micro_batches = model.micro_batches
+        scale = 1.0  # malleus.torch weights the micro-batches itself
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step():
-            return dp.step(data, loss_sum)
-    times, splits, rates = [], [], []
+    def step():
+        batches = micro_batches(data)
+        for k, w in enumerate(batches):
+            last = a.mode != "ddp" or k == share - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                (loss(model, w) * scale).backward()
+        opt.step()
+        opt.zero_grad()
+        return getattr(model, "last", None)
+    times, splits, rates, switches = [], [], [], 0
     try:
         for s in range(steps):
-            if a.straggler and s == a.warmup and rank == 0:
-                busy = [subprocess.Popen(["taskset", "-c", str(a.slow_core), sys.executable,
+            if a.load == "straggler" and s == a.warmup and rank == 0:
+                busy = [subprocess.Popen(["taskset", "-c", str(a.cores[1]), sys.executable,
                                           "-c", "while True: pass"]) for _ in range(2)]
+            if a.load.startswith("moving:") and s == a.warmup and rank == 0:
+                busy = [subprocess.Popen([sys.executable, "-c", MOVER, ",".join(map(str, a.cores)),
+                                          a.load.split(":")[1]])]
             dist.barrier()
             t0 = time.perf_counter()
             r = step()
@@ -87,6 +96,7 @@ def worker(a):
             if r is not None:
                 splits.append(r.split)
                 rates.append(r.rates)
+                switches += bool(r.decision and r.decision.switched)
     finally:
         for p in busy:
             p.kill()
@@ -96,18 +106,35 @@ def worker(a):
         with open(a.out, "w") as f:
             json.dump({"tokens_per_s": a.global_batch * a.seq_len * len(measured) / sum(measured),
                        "last_split": splits[-1] if splits else None,
-                       "last_rates": rates[-1] if rates else None}, f)
+                       "last_rates": rates[-1] if rates else None, "switches": switches}, f)
     dist.destroy_process_group()
 
 
-def run_once(a, mode, straggler, cores):
+# One busy process that moves between the cores (argv[1], comma-separated) every argv[2] ms: load
+# that moves between the ranks (scripts/slow_rank.sh moving:MS does the same to malleus train).
+MOVER = """
+import os, sys, time
+cores, period = [int(c) for c in sys.argv[1].split(",")], int(sys.argv[2]) / 1000
+i, end = 0, time.time() + 3600
+while time.time() < end:
+    os.sched_setaffinity(0, {cores[i % len(cores)]})
+    until = time.time() + period
+    while time.time() < until:
+        pass
+    i += 1
+"""
+
+
+def run_once(a, mode, load, cores):
+    """One run of `mode` under `load` ("none", "straggler" or "moving:MS"): its figures."""
     from malleus.torch import run
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
                 "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
                 "--global-batch", str(a.global_batch), "--seq-len", str(a.seq_len),
-                "--slow-core", str(cores[1])] + (["--straggler"] if straggler else [])
+                "--bucket-mb", str(a.bucket_mb),
+                "--cores", ",".join(map(str, cores)), "--load", load]
         status = run.launch(argv, 2, cores=cores, timeout=900)
         if status:
             raise SystemExit(f"{mode} run failed with status {status}")
@@ -123,9 +150,15 @@ def main():
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=["ddp", "malleus"], help=argparse.SUPPRESS)
-    p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--slow-core", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--modes", default="ddp,malleus",
+                   help="what to run, of ddp, malleus, malleus-serial (malleus.torch without "
+                        "the overlap) and malleus-keep (without re-planning); default "
+                        "%(default)s")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="malleus.torch's bucket_mb")
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--load", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--cores", type=lambda x: [int(c) for c in x.split(",")],
+                   help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -134,28 +167,36 @@ def main():
     if len(cores) < 2:
         raise SystemExit("needs 2 cores")
     print(f"load average before: {open('/proc/loadavg').read().split()[:3]}", flush=True)
-    results = {(m, s): [] for m in ("ddp", "malleus") for s in (False, True)}
+    modes = a.modes.split(",")
+    if not set(modes) <= {"ddp", "malleus", "malleus-serial", "malleus-keep"}:
+        raise SystemExit(f"--modes: of ddp, malleus, malleus-serial and malleus-keep, got "
+                         f"{a.modes}")
+    results = {(m, s): [] for m in modes for s in (False, True)}
     for rnd in range(a.rounds):
         for straggler in (False, True):
-            for mode in ("ddp", "malleus"):
-                r = run_once(a, mode, straggler, cores)
+            for mode in modes:
+                r = run_once(a, mode, "straggler" if straggler else "none", cores)
                 results[(mode, straggler)].append(r["tokens_per_s"])
-                print(f"round {rnd + 1} {'straggler' if straggler else 'healthy  '} {mode:8s} "
+                print(f"round {rnd + 1} {'straggler' if straggler else 'healthy  '} {mode:14s} "
                       f"{r['tokens_per_s']:8.0f} tok/s  split {r['last_split']} rates "
                       f"{[round(x, 2) for x in r['last_rates']] if r['last_rates'] else '-'}",
                       flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
-    ideal = med[("malleus", False)] * (1 + 1 / 3) / 2
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
-    print(f"medians of {a.rounds} (tok/s): healthy DDP {med[('ddp', False)]:.0f}, malleus.torch "
-          f"{med[('malleus', False)]:.0f}; 3x straggler DDP {med[('ddp', True)]:.0f}, "
-          f"malleus.torch {med[('malleus', True)]:.0f}, ideal {ideal:.0f}")
-    print(f"healthy malleus.torch / DDP: {med[('malleus', False)] / med[('ddp', False)]:.3f} "
-          f"(target >= 0.98)")
-    print(f"straggler malleus.torch / DDP: {med[('malleus', True)] / med[('ddp', True)]:.2f} "
-          f"(target >= 1.3)")
-    print(f"straggler malleus.torch / ideal: {med[('malleus', True)] / ideal:.2f} "
-          f"(target >= 0.85)")
+    for mode in modes:
+        print(f"medians of {a.rounds} (tok/s): {mode} healthy {med[(mode, False)]:.0f}, "
+              f"3x straggler {med[(mode, True)]:.0f}")
+    if "ddp" in modes and "malleus" in modes:
+        ideal = med[("malleus", False)] * (1 + 1 / 3) / 2
+        print(f"healthy malleus.torch / DDP: {med[('malleus', False)] / med[('ddp', False)]:.3f} "
+              f"(target >= 1.0)")
+        print(f"straggler malleus.torch / DDP: {med[('malleus', True)] / med[('ddp', True)]:.2f} "
+              f"(target >= 1.5)")
+        print(f"straggler malleus.torch / ideal ({ideal:.0f}): "
+              f"{med[('malleus', True)] / ideal:.2f} (target >= 0.85)")
+    if "malleus-serial" in modes and "malleus" in modes:
+        print(f"healthy overlap / serial: "
+              f"{med[('malleus', False)] / med[('malleus-serial', False)]:.3f}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 parallelism, on the token shards `malleus train` reads (llm.c's format, src/data/shard.h).
 
     build/malleus prepare-data                 # data/fortunes/train_*.bin (once)
-    PYTHONPATH=build/python /usr/bin/python3 -m malleus.torch.run --nproc 2 \\
-        examples/torch_llama.py --steps 20
+    build/malleus-python -m malleus.torch.run --nproc 2 examples/torch_llama.py --steps 20
+
+The training loop is the one a DistributedDataParallel user writes (docs/python.md has the diff):
+micro-batches with gradient accumulation, loss.backward(), clipping, optimizer.step().
 
 Every rank prints nothing but rank 0 a step line in `malleus train`'s manner: loss, tokens/s,
 step time, the plan (micro-batches per rank) and every rank's rate; and a line per re-plan.
@@ -152,21 +154,15 @@ def main():
         raise SystemExit(f"{a.data}: {len(tokens)} tokens, fewer than one sequence")
 
     torch.manual_seed(0)
-    model = Llama(config)
+    model = mt.DataParallel(Llama(config), global_batch=a.global_batch,
+                            micro_batch=a.micro_batch, seq_len=a.seq_len, model_config=config,
+                            total_steps=a.steps)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    dp = mt.DataParallel(model, opt, global_batch=a.global_batch, micro_batch=a.micro_batch,
-                         seq_len=a.seq_len, model_config=config, total_steps=a.steps)
     if rank == 0:
         n = sum(t.numel() for t in model.parameters())
         print(f"model {config['name']}: {n / 1e6:.2f}M parameters; data {a.data}: "
               f"{len(tokens)} tokens; global batch {a.global_batch} x {a.seq_len} tokens "
-              f"(micro-batches of {a.micro_batch}) on {dp.world_size} ranks", flush=True)
-
-    def loss_fn(m, windows):
-        logits = m(windows[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               windows[:, 1:].reshape(-1), reduction="sum")
-        return loss, windows[:, 1:].numel()
+              f"(micro-batches of {a.micro_batch}) on {model.world_size} ranks", flush=True)
 
     sampler = torch.Generator().manual_seed(a.seed)  # the same global batch on every rank
     for _ in range(a.steps):
@@ -175,15 +171,23 @@ def main():
 
         def windows(first, count, starts=starts):  # only this rank's sequences are cut
             return torch.stack([tokens[s:s + a.seq_len + 1] for s in starts[first:first + count]])
-        plan_text = dp.plan.summary
+        plan_text = model.plan.summary
         t0 = time.perf_counter()
-        r = dp.step(windows, loss_fn)
+        for w in model.micro_batches(windows):  # this rank's micro-batches of the global batch
+            logits = model(w[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+            loss.backward()
+            model.note_loss(loss)  # for the step line: the loss over the global batch
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
         took = time.perf_counter() - t0
+        r = model.last
         if rank == 0:
             rates = " ".join(f"{x:.1f}" for x in r.rates)
             print(f"step {r.step:5d}/{a.steps} | loss {r.loss:.4f} | lr {a.lr:.2e} | "
-                  f"{r.units / took / 1e3:.1f}k tok/s | {took:.3f} s | {plan_text} | "
-                  f"rates {rates}", flush=True)
+                  f"{a.global_batch * a.seq_len / took / 1e3:.1f}k tok/s | {took:.3f} s | "
+                  f"{plan_text} | rates {rates}", flush=True)
             if r.decision:
                 print(r.decision, flush=True)  # the trainer's log line of the decision
     dist.destroy_process_group()

@@ -38,7 +38,7 @@ class Arguments(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "torch.nn.Module"):
             mt.DataParallel("model", tc.make_optimizer(model), global_batch=4)
         with self.assertRaisesRegex(TypeError, "torch.optim.Optimizer"):
-            mt.DataParallel(model, None, global_batch=4)
+            mt.DataParallel(model, "adam", global_batch=4)
         with self.assertRaisesRegex(ValueError, "global_batch must be a positive int, got 0"):
             self.make(global_batch=0)
         with self.assertRaisesRegex(ValueError, "not a multiple of micro_batch 3"):
@@ -49,6 +49,47 @@ class Arguments(unittest.TestCase):
             self.make(model_config="no-such-model")
         with self.assertRaisesRegex(ValueError, "seq_len"):
             self.make(seq_len=0)
+        with self.assertRaisesRegex(ValueError, "loss_reduction is \"mean\" or \"sum\""):
+            self.make(loss_reduction="avg")
+        with self.assertRaisesRegex(TypeError, "units must be a callable"):
+            self.make(units=3)
+
+    def test_the_wrapper_is_a_module_shaped_like_ddp(self):
+        model = tc.make_model()
+        dp = mt.DataParallel(model, global_batch=16, micro_batch=2, seq_len=tc.SEQ)
+        self.assertIsInstance(dp, torch.nn.Module)
+        self.assertIs(dp.module, model)
+        inputs = tc.batches(1)[0][0][:2]
+        self.assertTrue(torch.equal(dp(inputs), model(inputs)))
+        self.assertTrue(all(k.startswith("module.") for k in dp.state_dict()))
+        self.assertEqual(len(list(dp.parameters())), len(list(model.parameters())))
+        with dp.no_sync():  # DistributedDataParallel's, kept for loops written for it
+            pass
+        with self.assertRaisesRegex(RuntimeError, "step\(\) needs the optimizer"):
+            dp.step(tc.batches(1)[0], tc.loss_sum)
+
+    def test_bad_loops_are_named(self):
+        dp = self.make(units=tc.counted_tokens)
+        data = tc.batches(1)[0]
+        first = dp.micro_batches(data)
+        next(first)
+        with self.assertRaisesRegex(RuntimeError, "began before the last one ended"):
+            next(dp.micro_batches(data))
+        first.close()
+        with self.assertRaisesRegex(RuntimeError, "second backward"):
+            for k, micro_batch in enumerate(dp.micro_batches(data)):
+                loss = tc.mean_loss(dp, micro_batch)
+                loss.backward(retain_graph=True)
+                if k == 7:  # the last micro-batch
+                    loss.backward()
+        bad = self.make(units=lambda samples: -1)
+        with self.assertRaisesRegex(ValueError, "units\(micro_batch\) must be a non-negative "
+                                                "int, got -1"):
+            next(bad.micro_batches(data))
+        none = self.make(units=lambda samples: 0)
+        with self.assertRaisesRegex(ValueError, "no loss units"):
+            for micro_batch in none.micro_batches(data):
+                tc.mean_loss(none, micro_batch).backward()
 
     def test_bad_splits(self):
         dp = self.make()

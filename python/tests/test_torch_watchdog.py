@@ -69,7 +69,7 @@ class StoppedRank(unittest.TestCase):
             self.assertEqual(status, 0)
             with open(os.path.join(run_dir, "losses.json")) as f:
                 losses = json.load(f)
-            want, _ = tc.reference_run(STEPS)
+            want, _, _ = tc.reference_run(STEPS)
             self.assertEqual(len(losses), STEPS)
             for got, ref in zip(losses, want):
                 self.assertLessEqual(abs(got - ref), 1e-5 * abs(ref), (losses, want))

@@ -1,7 +1,12 @@
 """One rank of the malleus.torch tests (started by malleus.torch.run's launcher).
 
-    torch_worker.py exact OUT SCHEDULES_JSON   trains each schedule of splits; rank 0 saves the
-                                               losses and final parameters per schedule to OUT
+    torch_worker.py exact OUT SCHEDULES_JSON   trains each schedule of splits with step(); rank 0
+                                               saves the losses and final parameters per schedule
+    torch_worker.py loop OUT SCHEDULES_JSON    the same in a DistributedDataParallel-shaped loop
+                                               (mean losses weighted by tokens, global-norm
+                                               clipping), with AdamW and with a
+                                               ZeroRedundancyOptimizer over AdamW; rank 0 saves
+                                               the clipped norms and final parameters
     torch_worker.py straggler OUT STEPS BUSY_FROM BUSY_TO CORE
                                                trains with re-planning on; rank 0 starts two busy
                                                processes pinned to CORE before step BUSY_FROM and
@@ -41,6 +46,38 @@ def exact(out, schedules):
             splits.append(r.split)
         results.append({"losses": losses, "splits": splits,
                         "params": [p.detach().clone() for p in model.parameters()]})
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+
+
+def ddp_shaped(out, schedules):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    results = []
+    for optimizer in ("adamw", "zero"):
+        for schedule in schedules:
+            torch.manual_seed(0)
+            model = mt.DataParallel(tc.make_model(), global_batch=tc.GLOBAL_BATCH,
+                                    micro_batch=tc.MICRO_BATCH, seq_len=tc.SEQ,
+                                    units=tc.counted_tokens, replan=False, bucket_mb=0.004)
+            if optimizer == "zero":
+                opt = ZeroRedundancyOptimizer(model.parameters(),
+                                              optimizer_class=torch.optim.AdamW, lr=1e-2,
+                                              weight_decay=0.1)
+            else:
+                opt = tc.make_optimizer(model)
+            norms, splits = [], []
+            for split, batch in zip(schedule, tc.batches(len(schedule))):
+                model.set_split(split)
+                for micro_batch in model.micro_batches(batch):
+                    loss = tc.mean_loss(model, micro_batch)
+                    loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.CLIP)))
+                opt.step()
+                opt.zero_grad()
+                splits.append(model.last.split)
+            results.append({"optimizer": optimizer, "schedule": schedule, "norms": norms,
+                            "splits": splits,
+                            "params": [p.detach().clone() for p in model.module.parameters()]})
     if dist.get_rank() == 0:
         torch.save(results, out)
 
@@ -128,6 +165,8 @@ def main():
     mt.init_from_env("gloo")
     if mode == "exact":
         exact(out, json.loads(sys.argv[3]))
+    elif mode == "loop":
+        ddp_shaped(out, json.loads(sys.argv[3]))
     else:
         straggler(out, *(int(x) for x in sys.argv[3:7]))
     dist.destroy_process_group()

@@ -1,51 +1,54 @@
-"""malleus.torch.DataParallel: straggler-resilient data parallelism over torch.distributed.
+"""malleus.torch.DataParallel: data parallelism shaped like DistributedDataParallel, that moves
+micro-batches off slow ranks.
 
-``DataParallel`` trains a plain ``torch.nn.Module`` with its optimizer on every rank of a process
-group (gloo on CPU, NCCL on GPU). Each step:
+Wrap the module; keep the loop: every rank takes the same global batch, iterates over
+``model.micro_batches(batch)`` (this rank's micro-batches of it, consecutive in the global batch's
+order), calls ``loss.backward()`` on each, then ``optimizer.step()``. Per step:
 
-1. every rank runs forward and backward on its share of the global batch (its micro-batches,
-   consecutive in the global batch's order), timed without communication;
-2. the gradients are summed across ranks in buckets (one all-reduce per bucket, after the
-   backward) and divided by the number of loss units (tokens) in the whole global batch, so the
-   update is that of one process on the global batch whatever the split;
-3. the optimizer steps;
-4. the rates and the decision come from malleus's C++ straggler loop (malleus.StragglerLoop:
-   each rank against its own healthy speed; the planner's "data-parallel" strategy and the
-   shared switch rule): when it switches, the next step runs the new split (down to no micro-batch for a
-   hopeless rank, which then times a probe so that its recovery is seen, and back).
+1. the gradients accumulate in flat buckets; during the last micro-batch's backward each bucket
+   starts its all-reduce as soon as its gradients are in (buckets.py), overlapping the backward;
+2. the rank's compute is timed from its first micro-batch to the end of its last, with no wait in
+   it (a rank given no micro-batch times the C++ engine's idle probe instead);
+3. at the end of the iteration the sums are in: divided by the loss units (tokens) of the whole
+   global batch, so the update is that of one process on the global batch whatever the split,
+   and every ``.grad`` holds it for the optimizer, gradient clipping or a ZeroRedundancyOptimizer;
+4. every rank's time goes into malleus's straggler loop (malleus.StragglerLoop, the C++
+   trainer's: each rank against its own healthy speed, the planner's "data-parallel" strategy
+   and the shared switch rule); when it switches, the next step runs the new split, down to no
+   micro-batch for a hopeless rank and back.
 
 See docs/python.md.
 """
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 import malleus
 
+from .buckets import GradientBuckets
+from .distributed import broadcast_text, comm_device
 from .plans import plan_of_split, split_of_plan
+from .timing import ComputeTimer, IdleProbe
 
 __all__ = ["DataParallel", "StepResult"]
-
-# The C++ engine's idle probe: PROBE_REPEATS products of PROBE_SIZE x PROBE_SIZE fp32 matrices.
-_PROBE_SIZE = malleus.PROBE_SIZE
-_PROBE_REPEATS = malleus.PROBE_REPEATS
 
 
 @dataclass
 class StepResult:
     step: int
-    loss: float                 # over the whole global batch: sum of losses / units
+    loss: float                 # over the whole global batch (sum / units); NaN when not known
     units: int                  # loss units (tokens) in the global batch
     split: List[int]            # micro-batches per rank this step ran
-    compute_s: List[float]      # per rank: forward + backward (or probe), no communication
-    rates: List[float]          # the monitor's, after this step
-    step_s: float               # wall time of the whole step on this rank
-    decision: Optional[malleus.Decision] = None  # set when the controller was asked
+    compute_s: List[float]      # per rank: its micro-batches' forward and backward (or probe)
+    rates: List[float]          # the straggler loop's, after this step
+    step_s: float               # wall time of the step on this rank, from its first micro-batch
+    decision: Optional[malleus.Decision] = None  # when the controller was asked
     next_split: List[int] = field(default_factory=list)  # what the next step runs
 
 
@@ -55,30 +58,38 @@ def _positive_int(name, value):
     return value
 
 
-class DataParallel:
+# The step's figures summed over the ranks: the loss sum, the units, the ranks that counted their
+# loss (note_loss, step), then every rank's seconds.
+_LOSS, _UNITS, _NOTED, _SECONDS = 0, 1, 2, 3
+
+
+class DataParallel(torch.nn.Module):
     """Data parallelism that re-plans around slow ranks (module docstring; docs/python.md).
 
-    Every rank builds the same module and optimizer and calls ``step`` with the same arguments.
-
-    ``global_batch`` samples per optimizer step in ``global_batch // micro_batch`` micro-batches;
-    ``model_config``: the malleus model config (preset name, JSON file or dict) the cost model
-    plans with and whose FLOP count the monitor divides times by; for a module that is not a
-    LLaMA-style decoder give the nearest one: the split depends on the measured rates, the
-    predicted times on this config and ``cluster``. ``total_steps``: the run's length (the
-    controller's horizon is min(remaining steps, ``horizon_steps``)). ``replan=False`` keeps the
-    split (measured all the same).
+    ``global_batch`` samples per optimizer step in ``global_batch // micro_batch`` micro-batches.
+    ``units(micro_batch) -> int``: the loss units (tokens) a micro-batch's loss averages over;
+    None: every micro-batch counts the same. ``loss_reduction``: "mean" (the loss is a mean over
+    its micro-batch's units: ``F.cross_entropy``'s default) or "sum". ``model_config``: the
+    malleus model config the cost model plans with and whose FLOP count the loop divides times
+    by; for a module that is not a LLaMA-style decoder give the nearest one (the split follows
+    the measured rates; the predicted times follow this config and ``cluster``).
+    ``total_steps``: the run's length (the controller's horizon is min(remaining steps,
+    ``horizon_steps``)). ``replan=False`` keeps the split (measured all the same).
+    ``overlap=False`` starts every bucket after the backward. ``optimizer``: only for ``step``.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 global_batch: int, micro_batch: int = 1, seq_len: Optional[int] = None,
+    def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 *, global_batch: int, micro_batch: int = 1, seq_len: Optional[int] = None,
+                 units: Optional[Callable] = None, loss_reduction: str = "mean",
                  model_config="demo", cluster="cpu-local", total_steps: Optional[int] = None,
                  replan: bool = True, monitor_window: int = 3, horizon_steps: int = 50,
                  hysteresis: float = 0.3, straggler_threshold: float = 1.2,
-                 bucket_mb: float = 25.0, process_group=None):
+                 bucket_mb: float = 25.0, overlap: bool = True, process_group=None):
+        super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"malleus.torch: module must be a torch.nn.Module, got "
                             f"{type(module).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"malleus.torch: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -92,6 +103,11 @@ class DataParallel:
                              f"micro_batch {micro_batch}")
         if not bucket_mb > 0:
             raise ValueError(f"malleus.torch: bucket_mb must be positive, got {bucket_mb!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"malleus.torch: loss_reduction is \"mean\" or \"sum\", got "
+                             f"{loss_reduction!r}")
+        if units is not None and not callable(units):
+            raise TypeError("malleus.torch: units must be a callable (micro_batch) -> int")
         if total_steps is not None:
             _positive_int("total_steps", total_steps)
         self.module, self.optimizer = module, optimizer
@@ -99,18 +115,16 @@ class DataParallel:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.micro_batches = global_batch // micro_batch
-        if self.micro_batches < self.world_size:
-            raise ValueError(f"malleus.torch: {self.micro_batches} micro-batches cannot start "
+        self.micro_batch_count = global_batch // micro_batch
+        if self.micro_batch_count < self.world_size:
+            raise ValueError(f"malleus.torch: {self.micro_batch_count} micro-batches cannot start "
                              f"on {self.world_size} ranks (give each at least one)")
+        self.units_fn, self.loss_reduction = units, loss_reduction
         self.config = malleus.model_config(model_config)
         self.seq_len = seq_len if seq_len is not None else self.config["max_seq_len"]
         _positive_int("seq_len", self.seq_len)
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
-        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
-        self.cuda = dist.get_backend(self.group) == "nccl"
-        self.comm_device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
-            else torch.device("cpu")
+        self.comm_device = comm_device(self.group)
         # Every replica holds the whole model and optimizer state (no distributed optimizer).
         self.loop = malleus.StragglerLoop(
             plan_of_split(self._even_split(), micro_batch, self.config["num_layers"]),
@@ -119,18 +133,32 @@ class DataParallel:
             straggler_threshold=straggler_threshold, hysteresis=hysteresis,
             horizon_steps=horizon_steps, distributed_optimizer=False)
         self.steps = 0
+        self.last: Optional[StepResult] = None   # the last step's figures
         self._split = split_of_plan(self.loop.plan, self.world_size)
-        self._probe = None
-        self._make_buckets()
+        self._probe: Optional[IdleProbe] = None
+        self._in_step = False
+        self._buckets = GradientBuckets(list(module.parameters()), int(bucket_mb * 1024 * 1024),
+                                        _SECONDS + self.world_size, self.group, self.comm_device,
+                                        overlap)
         # Replicas start equal: rank 0's parameters and buffers everywhere.
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, 0, group=self.group)
+                dist.broadcast(t.data, dist.get_global_rank(self.group, 0)
+                               if self.group is not None else 0, group=self.group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DistributedDataParallel's, for loops written for it: nothing to do here (gradients
+        are reduced during the last micro-batch's backward only)."""
+        yield
 
     # ---- the split ------------------------------------------------------------------------
 
     def _even_split(self):
-        base, extra = divmod(self.micro_batches, self.world_size)
+        base, extra = divmod(self.micro_batch_count, self.world_size)
         return [base + (1 if r < extra else 0) for r in range(self.world_size)]
 
     @property
@@ -151,57 +179,137 @@ class DataParallel:
                                                 or m < 0 for m in split):
             raise ValueError(f"malleus.torch: a split is {self.world_size} non-negative ints "
                              f"(micro-batches per rank), got {split!r}")
-        if sum(split) != self.micro_batches:
+        if sum(split) != self.micro_batch_count:
             raise ValueError(f"malleus.torch: the split {split} has {sum(split)} micro-batches, "
-                             f"the global batch {self.micro_batches}")
+                             f"the global batch {self.micro_batch_count}")
         self.loop.set_plan(plan_of_split(split, self.micro_batch, self.config["num_layers"]))
         self._split = split
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def step(self, data, loss_fn: Callable) -> StepResult:
-        """One optimizer step on the global batch.
+    def micro_batches(self, data) -> Iterator:
+        """One optimizer step's micro-batches for this rank: iterate, run forward and
+        ``loss.backward()`` on each; when the iteration ends every ``.grad`` holds the global
+        batch's gradient. ``data``: the global batch (the same on every rank) as a tensor or a
+        tuple/list of tensors whose first dimension is the sample, or a callable
+        ``data(first, count)`` returning samples ``first .. first + count - 1`` of it (so a rank
+        loads only its own)."""
+        return self._micro_batches(data, None)
 
-        ``data``: a callable ``data(first, count)`` returning the global batch's samples
-        ``first .. first + count - 1``, or a tensor / tuple of tensors whose first dimension is
-        the global batch (sliced). ``loss_fn(module, samples)`` returns ``(loss_sum, units)``:
-        the loss summed over the micro-batch's loss units (tokens) and their number.
-        """
-        start = time.perf_counter()
-        split = list(self._split)
-        first = sum(split[:self.rank]) * self.micro_batch
-        mine = split[self.rank]
-        self._zero_gradients()
-        loss_sum, units, seconds = self._compute(data, loss_fn, first, mine)
-        # Every rank's seconds, the loss sum and the units travel with the gradients.
-        stats = [0.0] * self._stats_len
-        stats[0], stats[1] = loss_sum, units
-        stats[2 + self.rank] = seconds
-        stats = self._reduce(stats)
-        total_units = int(round(stats[1]))
+    def _micro_batches(self, data, tally):
+        if self._in_step:
+            raise RuntimeError("malleus.torch: a step's micro_batches() began before the last "
+                               "one ended (iterate each to its end)")
+        self._in_step = True
+        try:
+            split = list(self._split)
+            first = sum(split[:self.rank]) * self.micro_batch
+            mine = split[self.rank]
+            start = time.perf_counter()
+            timer = ComputeTimer(self.comm_device)
+            self._buckets.begin()
+            timer.start()
+            units, previous = 0, None
+            self._losses = {"loss": 0.0, "known": False}
+            for k in range(mine):
+                samples = self._samples(data, first + k * self.micro_batch, self.micro_batch)
+                u = self._units_of(samples) if tally is None else 1
+                weight = u if self.loss_reduction == "mean" and tally is None else 1
+                if previous is not None and previous != weight:
+                    self._buckets.rescale(previous / weight)
+                previous = weight
+                if k == mine - 1:
+                    self._buckets.arm(weight)
+                units += u
+                self._loss_weight = u if self.loss_reduction == "mean" else 1
+                yield samples
+            if mine == 0:
+                self._run_probe()
+            seconds = timer.stop()
+            stats = [0.0] * (_SECONDS + self.world_size)
+            if tally is not None:
+                stats[_LOSS], units = tally["loss"], tally["units"]
+            else:
+                stats[_LOSS] = self._losses["loss"]
+            stats[_UNITS] = units
+            stats[_SECONDS + self.rank] = seconds
+            stats[_NOTED] = 1.0 if tally is not None or self._losses["known"] else 0.0
+            try:
+                summed = self._buckets.finish(stats, _UNITS)
+            except RuntimeError as e:
+                # A peer that exited (its connection closed) or stopped answering (past the
+                # process group's timeout): this rank stops too, saying so, rather than waiting.
+                raise RuntimeError(
+                    f"malleus.torch: step {self.steps + 1}: the all-reduce of the gradients failed "
+                    f"on rank {self.rank} of {self.world_size}: another rank exited or did not "
+                    f"answer within the process group's timeout ({e})") from e
+            self._end_step(split, summed, start)
+        finally:
+            self._in_step = False
+
+    def note_loss(self, loss):
+        """Optional, inside ``micro_batches``: counts this micro-batch's loss into the step's loss
+        over the whole global batch (``last.loss``), weighted as its gradient is."""
+        if not self._in_step:
+            raise RuntimeError("malleus.torch: note_loss() belongs inside a step's micro_batches()")
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._losses["loss"] += value * self._loss_weight
+        self._losses["known"] = True
+
+    def _units_of(self, samples) -> int:
+        if self.units_fn is None:
+            return 1
+        u = self.units_fn(samples)
+        u = int(u.item()) if isinstance(u, torch.Tensor) else u
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0:
+            raise ValueError(f"malleus.torch: units(micro_batch) must be a non-negative int, got "
+                             f"{u!r}")
+        return u
+
+    def _end_step(self, split, summed, start):
+        total_units = int(round(summed[_UNITS]))
         if total_units <= 0:
-            raise ValueError("malleus.torch: the global batch has no loss units (loss_fn "
-                             "returned 0 units on every rank)")
-        # Summed over every rank, so every rank finds the same and stops together; the model is
-        # left as it was (the trainer's rule for a step that is not finite).
-        finite = math.isfinite(stats[0]) and all(
-            bool(torch.isfinite(flat[:n]).all()) for _, flat, n in self._buckets)
-        if not finite:
+            raise ValueError("malleus.torch: the global batch has no loss units (units() "
+                             "returned 0 for every micro-batch)")
+        # Summed over every rank, so every rank finds the same and raises together, before the
+        # optimizer steps: the model is left as it was (the C++ trainer's rule for such a step).
+        if (summed[_NOTED] > 0 and not math.isfinite(summed[_LOSS])) or \
+                not self._buckets.finite():
             raise FloatingPointError(
-                f"malleus.torch: step {self.steps + 1} is not finite (loss sum {stats[0]} over "
-                f"{total_units} units; a gradient or the loss is NaN or infinite on some rank): "
-                "the model was not updated")
-        for _, flat, n in self._buckets:
-            flat[:n].div_(total_units)
-        self.optimizer.step()
+                f"malleus.torch: step {self.steps + 1} is not finite (loss sum {summed[_LOSS]} "
+                f"over {total_units} units; a gradient or the loss is NaN or infinite on some "
+                "rank): the model was not updated")
         self.steps += 1
-        compute_s = stats[2:]
-        decision = self._observe(compute_s)
-        rates = list(self.loop.rates)
-        return StepResult(step=self.steps, loss=stats[0] / total_units, units=total_units,
-                          split=split, compute_s=compute_s, rates=rates,
-                          step_s=time.perf_counter() - start, decision=decision,
-                          next_split=list(self._split))
+        compute_s = summed[_SECONDS:]
+        remaining = (self.total_steps - self.steps) if self.total_steps else None
+        decision = self.loop.observe(self.steps, compute_s, remaining_steps=max(0, remaining)
+                                     if remaining is not None else None, root=self.rank == 0,
+                                     broadcast=lambda text: broadcast_text(text, self.group))
+        if decision is not None and decision.plan is not None:
+            self._split = split_of_plan(decision.plan, self.world_size)
+        loss = summed[_LOSS] / total_units if summed[_NOTED] > 0 else math.nan
+        self.last = StepResult(step=self.steps, loss=loss, units=total_units, split=split,
+                               compute_s=compute_s, rates=list(self.loop.rates),
+                               step_s=time.perf_counter() - start, decision=decision,
+                               next_split=list(self._split))
+
+    def step(self, data, loss_fn: Callable) -> StepResult:
+        """One optimizer step on the global batch, the loop written for you: ``loss_fn(module,
+        samples)`` returns ``(loss_sum, units)``, the loss summed over the micro-batch's loss
+        units (tokens) and their number; then the optimizer given at construction steps."""
+        if self.optimizer is None:
+            raise RuntimeError("malleus.torch: step() needs the optimizer given to DataParallel")
+        tally = {"loss": 0.0, "units": 0}
+        for samples in self._micro_batches(data, tally):
+            out = loss_fn(self.module, samples)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError("malleus.torch: loss_fn must return (loss_sum, units)")
+            loss, n = out
+            loss.backward()
+            tally["loss"] += float(loss.detach())
+            tally["units"] += int(n)
+        self.optimizer.step()
+        return self.last
 
     def _samples(self, data, first, count):
         if callable(data):
@@ -213,133 +321,8 @@ class DataParallel:
         raise TypeError("malleus.torch: data must be a callable (first, count) -> samples, a "
                         f"tensor or a tuple of tensors, got {type(data).__name__}")
 
-    def _compute(self, data, loss_fn, first, count):
-        """Forward and backward of this rank's micro-batches, timed alone (no communication)."""
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        else:
-            t0 = time.perf_counter()
-        loss_sum, units = 0.0, 0
-        for k in range(count):
-            samples = self._samples(data, first + k * self.micro_batch, self.micro_batch)
-            out = loss_fn(self.module, samples)
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError("malleus.torch: loss_fn must return (loss_sum, units)")
-            loss, n = out
-            loss.backward()
-            loss_sum += float(loss.detach())
-            units += int(n)
-        if count == 0:
-            self._run_probe()
-        if self.cuda:
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1000.0
-        else:
-            seconds = time.perf_counter() - t0
-        return loss_sum, units, seconds
-
     def _run_probe(self):
-        """What an idle rank times so that the monitor sees it recover (the engine's probe)."""
+        """What an idle rank times so that the loop sees it recover (the engine's probe)."""
         if self._probe is None:
-            g = torch.Generator().manual_seed(0)
-            a = torch.rand(_PROBE_SIZE, _PROBE_SIZE, generator=g).to(self.comm_device)
-            self._probe = (a, a.clone(), torch.empty_like(a))
-        a, b, c = self._probe
-        for _ in range(_PROBE_REPEATS):
-            torch.mm(a, b, out=c)
-
-    def _make_buckets(self):
-        """Flat gradient buckets of at most ``bucket_mb`` (one dtype and device each), every
-        parameter's gradient a view into one, so that the reduction neither gathers nor scatters;
-        the step's figures (loss, units, each rank's time and FLOPs) ride at the end of the last
-        fp32 bucket, or in a small fp64 one of their own."""
-        self._stats_len = 2 + self.world_size
-        groups, current, size, key = [], [], 0, None
-        for p in self.module.parameters():
-            if not p.requires_grad:
-                continue
-            k = (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            if current and (k != key or size + nbytes > self.bucket_bytes):
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-            key = k
-        if current:
-            groups.append(current)
-        last_fp32 = max((i for i, g in enumerate(groups) if g[0].dtype == torch.float32),
-                        default=None)
-        self._buckets, self._views = [], []
-        for i, params in enumerate(groups):
-            n = sum(p.numel() for p in params)
-            extra = self._stats_len if i == last_fp32 else 0
-            flat = torch.zeros(n + extra, dtype=params[0].dtype, device=params[0].device)
-            offset = 0
-            for p in params:
-                view = flat[offset:offset + p.numel()].view_as(p)
-                p.grad = view
-                self._views.append((p, view))
-                offset += p.numel()
-            self._buckets.append((params, flat, n))
-        self._stats_bucket = self._buckets[last_fp32][1] if last_fp32 is not None else None
-
-    def _zero_gradients(self):
-        for _, flat, _ in self._buckets:
-            flat.zero_()
-        for p, view in self._views:
-            p.grad = view  # what the caller or the optimizer may have replaced or dropped
-
-    def _reduce(self, stats):
-        """Sums every gradient and the step's figures over the ranks: one all-reduce per bucket,
-        all in flight at once. Returns the summed figures."""
-        for p, view in self._views:  # autograd accumulates into the views; a replaced gradient
-            if p.grad is None:        # is copied back
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-        separate = None
-        if self._stats_bucket is not None:
-            self._stats_bucket[-self._stats_len:] = torch.tensor(stats, dtype=torch.float32)
-        else:
-            separate = torch.tensor(stats, dtype=torch.float64, device=self.comm_device)
-        try:
-            works = [dist.all_reduce(flat, group=self.group, async_op=True)
-                     for _, flat, _ in self._buckets]
-            if separate is not None:
-                works.append(dist.all_reduce(separate, group=self.group, async_op=True))
-            for w in works:
-                w.wait()
-        except RuntimeError as e:
-            # A peer that exited (its connection closed) or stopped answering (past the process
-            # group's timeout): this rank stops too, saying so, rather than waiting.
-            raise RuntimeError(
-                f"malleus.torch: step {self.steps + 1}: the all-reduce of the gradients failed on "
-                f"rank {self.rank} of {self.world_size}: another rank exited or did not answer "
-                f"within the process group's timeout ({e})") from e
-        summed = separate if separate is not None else self._stats_bucket[-self._stats_len:]
-        return summed.double().cpu().tolist()
-
-    def _broadcast_text(self, text: str) -> str:
-        data = text.encode()
-        length = torch.tensor([len(data)], dtype=torch.int64, device=self.comm_device)
-        dist.broadcast(length, 0, group=self.group)
-        n = int(length.item())
-        buf = torch.tensor(list(data), dtype=torch.uint8, device=self.comm_device) \
-            if self.rank == 0 else torch.empty(n, dtype=torch.uint8, device=self.comm_device)
-        if n:
-            dist.broadcast(buf, 0, group=self.group)
-        return bytes(buf.cpu().tolist()).decode()
-
-    def _observe(self, compute_s):
-        """The step into the straggler loop (malleus.StragglerLoop); a switch runs from the next
-        step."""
-        remaining = (self.total_steps - self.steps) if self.total_steps else None
-        decision = self.loop.observe(self.steps, compute_s, remaining_steps=remaining,
-                                     root=self.rank == 0, broadcast=self._broadcast_text)
-        if decision is not None and decision.plan is not None:
-            self._split = split_of_plan(decision.plan, self.world_size)
-        return decision
+            self._probe = IdleProbe(self.comm_device)
+        self._probe.run()

@@ -1,5 +1,7 @@
-"""torch.distributed set-up for malleus.torch: the process group from the environment
-(what ``python3 -m malleus.torch.run`` sets, or Slurm's variables under ``srun``)."""
+"""torch.distributed set-up for malleus.torch: the process group from the environment (what
+``python3 -m malleus.torch.run`` sets, or Slurm's variables under ``srun``), the device its
+collectives use, and the broadcast of rank 0's text that carries the straggler loop's decision to
+every rank."""
 
 import datetime
 import math
@@ -10,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .._malleus import expand_hostlist
+
+__all__ = ["init_from_env", "comm_device", "broadcast_text", "DEFAULT_TIMEOUT_S"]
 
 # How long a collective waits for a rank that stopped answering before it fails on the others
 # (the process group's timeout: its watchdog). A rank that exits fails them at once.
@@ -88,3 +92,30 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIME
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def comm_device(group=None) -> torch.device:
+    """Where the group's collectives take their tensors: the current GPU under NCCL, else the
+    CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: str, group=None) -> str:
+    """Rank 0's ``text`` on every rank of ``group`` (the others pass anything, e.g. ""): the
+    ``broadcast`` a ``malleus.StragglerLoop`` takes to make its decision collective."""
+    device = comm_device(group)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    data = text.encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, root, group=group)
+    n = int(length.item())
+    if dist.get_rank(group) == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if n else \
+            torch.empty(0, dtype=torch.uint8, device=device)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    if n:
+        dist.broadcast(buf, root, group=group)
+    return buf.cpu().numpy().tobytes().decode()
