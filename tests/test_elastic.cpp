@@ -219,6 +219,42 @@ TEST(Monitor, ASeededReferenceIsCorrectedOnceTheRankRunsFaster) {
   EXPECT_DOUBLE_EQ(feed.monitor.reference(1), 1e-9);
 }
 
+TEST(Monitor, ARankEnteringAGeometryAPeerKnowsIsRatedAgainstThePeersReference) {
+  // A pipeline of 2: rank 0 runs the first stage (1.0 s per GFLOP healthy), rank 1 the last
+  // (1.2). Rank 1 turns 3x slow; a re-plan swaps the stages, and rank 1's load leaves one step
+  // after the switch. Seeded from its own slowdown at the switch (3) and the steps after (mostly
+  // healthy), rank 1's reference would be a third of the truth, and it would read 3 when healthy
+  // for good. Each rank takes the other's reference of the stage it enters.
+  MonitorFeed feed(2);
+  feed.geometries = {"first", "last"};
+  for (int s = 0; s < 5; ++s) feed.step({1.0, 1.2});
+  for (int s = 0; s < 3; ++s) feed.step({1.0, 3.6});
+  ASSERT_DOUBLE_EQ(feed.monitor.rates()[1], 3.0);
+  feed.geometries = {"last", "first"};
+  auto rates = feed.step({1.2, 3.0});
+  EXPECT_DOUBLE_EQ(rates[0], 1.0);  // rated at once, against rank 1's healthy 1.2
+  EXPECT_DOUBLE_EQ(rates[1], 3.0);
+  for (int s = 0; s < 2; ++s) rates = feed.step({1.2, 1.0});
+  EXPECT_DOUBLE_EQ(rates[1], 1.0);  // the load left: healthy, within the window
+  EXPECT_DOUBLE_EQ(feed.monitor.reference(1), 1e-9);
+  EXPECT_DOUBLE_EQ(feed.monitor.reference(0), 1.2e-9);
+
+  // Where the two ranks share a geometry, the peer's reference is scaled by their speeds there:
+  // rank 1's device is 10 % slower in "a" (within the calibration tolerance), so in "b", where
+  // rank 0 takes 2.0, rank 1's healthy 2.2 reads 1.
+  MonitorFeed scaled(2);
+  scaled.geometries = {"a", "a"};
+  for (int s = 0; s < 5; ++s) scaled.step({1.0, 1.1});
+  scaled.geometries = {"b", "a"};
+  for (int s = 0; s < 4; ++s) scaled.step({2.0, 1.1});
+  ASSERT_DOUBLE_EQ(scaled.monitor.reference(0), 2e-9);
+  scaled.geometries = {"a", "b"};
+  rates = scaled.step({1.0, 2.2});
+  EXPECT_DOUBLE_EQ(rates[1], 1.0);
+  EXPECT_NEAR(scaled.monitor.reference(1), 2.2e-9, 1e-20);
+  EXPECT_DOUBLE_EQ(rates[0], 1.0);  // back where it has its own reference
+}
+
 TEST(Monitor, AStragglerFromTheFirstStepIsSeenAgainstIdenticalPeers) {
   // The first three steps calibrate.
   MonitorFeed feed(4);

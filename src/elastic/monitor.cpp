@@ -34,6 +34,32 @@ void Monitor::set_reference(int rank, const std::string& geometry, double value)
   ref.fixed = true;
 }
 
+double Monitor::peer_seed(size_t rank, const std::string& geometry, const std::string& from) const {
+  const auto known = [](const RankState& st, const std::string& g) {
+    const auto it = st.references.find(g);
+    return it == st.references.end() ? 0.0 : it->second.value;
+  };
+  const RankState& own = ranks_[rank];
+  std::vector<double> seeds;
+  for (size_t p = 0; p < ranks_.size(); ++p) {
+    const double theirs = p == rank ? 0 : known(ranks_[p], geometry);
+    if (theirs <= 0) continue;
+    // The two devices compared where both have a reference: first where this rank came from.
+    double scale = 1;
+    std::vector<std::string> shared = {from};
+    for (const auto& [g, ref] : own.references) shared.push_back(g);
+    for (const std::string& g : shared) {
+      const double mine = known(own, g), peer = known(ranks_[p], g);
+      if (g != geometry && mine > 0 && peer > 0) {
+        scale = mine / peer;
+        break;
+      }
+    }
+    seeds.push_back(theirs * scale);
+  }
+  return seeds.empty() ? 0 : median(seeds);
+}
+
 const std::vector<double>& Monitor::observe(const std::vector<double>& measurements,
                                             const std::vector<std::string>& geometries) {
   const size_t n = ranks_.size();
@@ -50,10 +76,13 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
     step_times[r] = seconds / flops;
     const double t = seconds / flops;
     if (geometries[r] != st.geometry) {
-      st.entry_rate = st.geometry.empty() ? 0 : st.rate;
-      st.entry_reference = st.geometry.empty() ? 0 : st.references[st.geometry].value;
+      const std::string from = st.geometry;
+      st.entry_rate = from.empty() ? 0 : st.rate;
+      st.entry_reference = from.empty() ? 0 : st.references[from].value;
       st.geometry = geometries[r];
       st.window.clear();
+      Reference& entered = st.references[st.geometry];
+      if (!from.empty() && entered.value == 0) entered.value = peer_seed(r, st.geometry, from);
     }
     Reference& ref = st.references[st.geometry];
     ref.block.push_back(t);

@@ -12,10 +12,15 @@
 // - a reference is the lowest median of `block` consecutive steps the rank has shown in that
 //   geometry: it is never raised again (a rank slow for a long time does not become the new
 //   normal), and neither one lucky step nor a slow first one (cold caches, new buffers) moves it;
-// - a rank entering a geometry it has no reference for keeps its previous rate for `window`
-//   steps, then seeds the reference from them: median time per FLOP there / the rank's rate just
-//   before the switch (its slowdown is assumed unchanged across the switch; the reference comes
-//   down to the truth when the rank later runs faster than the seed says);
+// - a rank entering a geometry it has no reference for, where a peer has one, takes the peer's,
+//   scaled by how the two ranks' references compare in a geometry both know (1 where they share
+//   none: the devices of a job are of one kind): it is rated from its first step there, and its
+//   own slowdown at the switch does not enter the seed (a pipeline re-plan that swaps the first
+//   and last stages between a slow and a healthy rank is rated right, whenever the load leaves);
+// - where no peer has one, the rank keeps its previous rate for `window` steps, then seeds the
+//   reference from them: median time per FLOP there / the rank's rate just before the switch
+//   (its slowdown is assumed unchanged across the switch; the reference comes down to the truth
+//   when the rank later runs faster than the seed says);
 // - the first geometry of the run is calibrated from its first `window` measured steps; a rank
 //   whose calibration is more than `calibration_tolerance` slower than the fastest rank
 //   calibrating the identical geometry takes that rank's reference, so a device slow from the
@@ -81,6 +86,10 @@ class Monitor {
     double rate = 1;
     std::map<std::string, Reference> references;
   };
+
+  // A reference for `geometry` of rank `rank` (which came from geometry `from`) from its peers'
+  // references there (median over peers); 0: no peer has one.
+  double peer_seed(size_t rank, const std::string& geometry, const std::string& from) const;
 
   MonitorOptions options_;
   std::vector<RankState> ranks_;
