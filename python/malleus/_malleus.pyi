@@ -90,7 +90,7 @@ class StragglerLoop:
                  hysteresis: float = 0.3, horizon_steps: int = 50,
                  distributed_optimizer: bool = True,
                  profile: Union[None, str, Dict[str, Any]] = None,
-                 recompute: bool = True) -> None: ...
+                 recompute: bool = True, max_tp: int = 0) -> None: ...
     def observe(self, step: int, seconds: Sequence[float], *,
                 flops: Optional[Sequence[float]] = None, remaining_steps: Optional[int] = None,
                 root: bool = True,

@@ -95,6 +95,7 @@ struct LoopArgs {
   int monitor_window = 3, horizon_steps = 50;
   double straggler_threshold = 1.2, hysteresis = 0.3;
   bool distributed_optimizer = true, recompute = true;
+  int max_tp = 0;  // widest TP group the planner forms (0: no limit)
 };
 
 PyLoop make_loop(const LoopArgs& a) {
@@ -123,6 +124,9 @@ PyLoop make_loop(const LoopArgs& a) {
   plan::CostModel cost(config, spec, batch, python::profile(a.profile));
   cost.use_distributed_optimizer(a.distributed_optimizer);
   cost.allow_recompute(a.recompute);
+  check(a.max_tp >= 0, "straggler loop: max_tp must not be negative (0: no limit), got " +
+                           std::to_string(a.max_tp));
+  cost.limit_tensor_parallel(a.max_tp);
   elastic::LoopOptions options;
   options.monitor.window = a.monitor_window;
   options.monitor.block = std::max(options.monitor.block, a.monitor_window);
@@ -193,17 +197,18 @@ void bind_loop(py::module_& m) {
       .def(py::init([](const py::object& plan, const py::object& model, const py::object& cluster,
                        int seq_len, const std::string& strategy, bool replan, int monitor_window,
                        double straggler_threshold, double hysteresis, int horizon_steps,
-                       bool distributed_optimizer, const py::object& profile, bool recompute) {
+                       bool distributed_optimizer, const py::object& profile, bool recompute,
+                       int max_tp) {
              return make_loop({plan, model, cluster, profile, seq_len, strategy, replan,
                                monitor_window, horizon_steps, straggler_threshold, hysteresis,
-                               distributed_optimizer, recompute});
+                               distributed_optimizer, recompute, max_tp});
            }),
            py::arg("plan"), py::arg("model"), py::kw_only(), py::arg("cluster") = "cpu-local",
            py::arg("seq_len") = 0, py::arg("strategy") = "malleus", py::arg("replan") = true,
            py::arg("monitor_window") = 3, py::arg("straggler_threshold") = 1.2,
            py::arg("hysteresis") = 0.3, py::arg("horizon_steps") = 50,
            py::arg("distributed_optimizer") = true, py::arg("profile") = py::none(),
-           py::arg("recompute") = true)
+           py::arg("recompute") = true, py::arg("max_tp") = 0)
       .def("observe", &observe, py::arg("step"), py::arg("seconds"), py::kw_only(),
            py::arg("flops") = py::none(), py::arg("remaining_steps") = py::none(),
            py::arg("root") = true, py::arg("broadcast") = py::none(),

@@ -220,6 +220,28 @@ class PlansAndTheStragglerLoop(unittest.TestCase):
         self.assertEqual(root.plan, other.plan)
         self.assertTrue(d is not None and d.switched)
 
+    def test_a_loop_without_tensor_parallelism_plans_one_rank_per_stage(self):
+        # On 4 ranks of cpu-local the malleus strategy forms TP groups around a slow rank; with
+        # max_tp=1 (malleus.torch's pipelines) every stage it plans has one rank.
+        even = malleus.uniform_plan("demo", 4, 1, 1, 16, 2, 4)
+
+        def widest(plan):
+            return max(len(s["ranks"]) for p in plan.pipelines for s in p["stages"])
+
+        for slow in ([1, 1, 1, 2], [1, 4, 1, 1], [3, 1, 1, 1.5]):
+            plans = {}
+            for max_tp in (0, 1):
+                loop = malleus.StragglerLoop(even, "demo", seq_len=128, recompute=False,
+                                             distributed_optimizer=False, max_tp=max_tp)
+                switched = [d for d in run(loop, [[1] * 4] * 3 + [slow] * 3).values()
+                            if d.switched]
+                self.assertEqual(len(switched), 1, slow)
+                plans[max_tp] = switched[0].plan
+            self.assertGreater(widest(plans[0]), 1, (slow, plans[0].summary))
+            self.assertEqual(widest(plans[1]), 1, (slow, plans[1].summary))
+        with self.assertRaisesRegex(malleus.Error, "max_tp must not be negative"):
+            malleus.StragglerLoop(even, "demo", max_tp=-1)
+
     def test_bad_loop_arguments_are_named(self):
         even = malleus.uniform_plan("demo", 2, 1, 1, 8, 1, 2)
         with self.assertRaisesRegex(malleus.Error, "unknown strategy"):
