@@ -1,0 +1,62 @@
+"""malleus.torch's pipelines around a real straggler: 2 ranks over gloo pinned to one core each,
+one pipeline of 2 stages (10 blocks: embedding, 8 layers, head) split evenly, on a cluster
+whose devices hold at most 6 of the 8 layers (so the planner must keep 2 stages); two busy
+processes (taskset) share rank 1's core from step BUSY_FROM to step BUSY_TO (rank 1 gets a third
+of it). The monitor must see it, the controller move layers off rank 1 within 3 steps (its blocks
+and their optimizer state moving to rank 0), and the even split must come back within 3 steps of
+the busy processes leaving. Judges elapsed time: CTest runs it alone, in a session of its own
+(tests/own_session.sh), so that other sessions' load is not read as a slowdown of rank 0."""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from malleus.torch import run  # noqa: E402
+
+STEPS, BUSY_FROM, BUSY_TO = 24, 9, 16
+EVEN = [list(range(0, 5)), list(range(5, 10))]  # blocks per rank: [0, 4) and [4, 8) of 8 layers
+
+
+def work(entry):
+    """Blocks per rank of the plan the next step runs."""
+    return entry["next_blocks"]
+
+
+@unittest.skipIf(len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"),
+                 "needs 2 cores and taskset")
+class Straggler(unittest.TestCase):
+    def test_moves_layers_off_a_busy_core_and_back(self):
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "log.json")
+            status = run.launch([sys.executable, os.path.join(HERE, "pipeline_worker.py"),
+                                 "straggler", out, str(STEPS), str(BUSY_FROM), str(BUSY_TO),
+                                 str(cores[1])], 2, cores=cores, timeout=600)
+            self.assertEqual(status, 0)
+            with open(out) as f:
+                log = {e["step"]: e for e in json.load(f)}
+        # Healthy before: the even split all along.
+        for s in range(1, BUSY_FROM):
+            self.assertEqual(log[s]["blocks"], EVEN, log[s])
+        # Seen and re-partitioned within 3 steps: by the end of step BUSY_FROM + 2 the next
+        # plan gives rank 1 fewer blocks than rank 0, and it stays so while the load is there.
+        moved = [s for s in range(BUSY_FROM, BUSY_FROM + 3)
+                 if len(work(log[s])[1]) < len(work(log[s])[0])]
+        self.assertTrue(moved, [log[s] for s in range(BUSY_FROM, BUSY_FROM + 3)])
+        for s in range(moved[0], BUSY_TO):
+            self.assertLess(len(work(log[s])[1]), len(work(log[s])[0]), log[s])
+        self.assertGreater(max(log[s]["rates"][1] for s in range(BUSY_FROM, BUSY_TO)), 2)
+        # Back to the even split within 3 steps of the busy processes leaving, and to the end.
+        back = [s for s in range(BUSY_TO, BUSY_TO + 3) if work(log[s]) == EVEN]
+        self.assertTrue(back, [log[s] for s in range(BUSY_TO, BUSY_TO + 3)])
+        for s in range(back[0] + 1, STEPS + 1):
+            self.assertEqual(log[s]["blocks"], EVEN, log[s])
+
+
+if __name__ == "__main__":
+    unittest.main()
