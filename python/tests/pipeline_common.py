@@ -111,3 +111,26 @@ def cluster_holding(config, world, seq_len, layers, micro_batch=1, global_batch=
                             seq_len=seq_len)["devices"][0]["memory_gib"]
     c["memory_gib"] = need * 1.02 / c["usable_memory_fraction"]
     return c
+
+
+def planner_plans(world, slowdowns, seq_len=128):
+    """The plans malleus's straggler loop switches to (the C++ planner's "malleus" strategy, one
+    rank per stage, no recomputation: what PipelineParallel asks) from an even 2-pipeline plan
+    when the ranks run ``slowdown`` times slower, one JSON plan per slowdown list: pipelines of
+    unlike shape and micro-batch counts, idle ranks. Each rank's seconds are its FLOPs under the
+    running plan at 1e11 FLOP/s times its slowdown; healthy for 3 steps, then slowed."""
+    even = malleus.uniform_plan(config(), 2, 1, world // 2, GLOBAL_BATCH, MICRO_BATCH, world)
+    plans = []
+    for slow in slowdowns:
+        loop = malleus.StragglerLoop(even, config(), seq_len=seq_len, recompute=False,
+                                     distributed_optimizer=False, max_tp=1)
+        for step in range(1, 7):
+            rates = [1] * world if step <= 3 else slow
+            d = loop.observe(step, [f * 1e-11 * r for f, r in zip(loop.work_flops, rates)],
+                             remaining_steps=100)
+            if d is not None and d.switched:
+                plans.append(d.plan.to_dict())
+                break
+        else:
+            raise AssertionError(f"the loop did not switch for slowdowns {slow}")
+    return [even.to_dict()] + plans

@@ -1,9 +1,10 @@
 """malleus.torch's pipelines, numerics: on 2, 3 and 4 processes over gloo, under even, uneven and
 changing partitions, data parallel x pipeline with pipelines of unlike shape and micro-batch
-counts, fewer micro-batches than stages, an idle rank, and blocks moved while training (with
-their AdamW state), every step's loss and every block's parameters after every step equal a
-single process running the blocks one after the other on the whole global batch. Each switch
-frees what a rank no longer holds, and no rank ever held more than its old and new blocks.
+counts (by hand, and as the C++ planner plans them around slow ranks), fewer micro-batches than
+stages, an idle rank, and blocks moved while training (with their AdamW state), every step's
+loss and every block's parameters after every step equal a single process running the blocks
+one after the other on the whole global batch. Each switch frees what a rank no longer holds,
+and no rank ever held more than its old and new blocks.
 
 Tolerance (fp32): the sums run in another order (per micro-batch, then over the pipelines), so
 losses agree to a relative 1e-6 and parameters to an absolute 2e-6 after 4 or 5 AdamW steps at
@@ -74,6 +75,9 @@ FOUR = {
              pipe(2, stage((0, 6), 3))),
     ],
 }
+# The planner's own plans, as the loop switches to them around slow ranks (see planner_plans).
+FOUR["the planner's plans"] = pc.planner_plans(4, ([1, 1, 1, 2], [1, 4, 1, 1], [1, 1, 1e9, 1],
+                                                    [3, 1, 1, 1.5]))
 WORLDS = {2: TWO, 3: THREE, 4: FOUR}
 
 
