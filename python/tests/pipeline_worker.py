@@ -56,8 +56,11 @@ def exact(out, runs):
                 pp.set_plan(plans[step])
                 new = block_bytes(pp, pp.held_blocks)
                 union = block_bytes(pp, set(old_blocks) | set(pp.held_blocks))
+                stale = sum(p.grad is not None for b in range(len(pp.blocks))
+                            if b not in pp.held_blocks for p in pp.blocks.params[b])
                 switches.append({"rank": dist.get_rank(), "peak": pp.peak, "union": union,
-                                 "after": pp.blocks.bytes_held(), "new": new})
+                                 "after": pp.blocks.bytes_held(), "new": new,
+                                 "stale_gradients": stale})
             old_blocks = list(pp.held_blocks)
             r = pp.step(data)
             losses.append(r.loss)

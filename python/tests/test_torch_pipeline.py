@@ -115,6 +115,7 @@ class Exactness(unittest.TestCase):
         for s in result["switches"]:
             self.assertLessEqual(s["peak"], s["union"], s)   # never more than old and new
             self.assertEqual(s["after"], s["new"], s)        # what it no longer holds is freed
+            self.assertEqual(s["stale_gradients"], 0, s)    # with its gradients
         print(f"{world} processes, {name} ({', '.join(dict.fromkeys(result['plans']))}): "
               f"worst relative loss error {loss_err:.1e}, worst parameter error {worst:.1e}",
               file=sys.stderr)

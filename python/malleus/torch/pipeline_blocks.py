@@ -46,9 +46,10 @@ class Blocks:
         return len(self.modules)
 
     def release(self, b: int):
-        """Frees block b's storage."""
+        """Frees block b's storage (and its gradients, views into a gradient buffer)."""
         for t in self.tensors[b]:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            t.grad = None
         self.held.discard(b)
 
     def allocate(self, b: int):
