@@ -99,6 +99,18 @@ class Arguments(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "no loss units"):
             none.step(data)
 
+    def test_a_step_that_is_not_finite_raises_and_leaves_the_model(self):
+        data = tc.batches(1)[0]
+        for bad in (float("nan"), float("inf")):
+            with self.subTest(loss=bad):
+                pp = self.make(loss_fn=lambda out, targets: (
+                    pc.loss_fn(out, targets)[0] * bad, pc.loss_fn(out, targets)[1]))
+                before = [p.detach().clone() for b in pp.blocks.params for p in b]
+                with self.assertRaisesRegex(FloatingPointError, "step 1 is not finite"):
+                    pp.step(data)
+                after = [p.detach() for b in pp.blocks.params for p in b]
+                self.assertTrue(all(torch.equal(x, y) for x, y in zip(before, after)))
+
     def test_one_process_is_the_reference(self):
         pp = self.make()
         self.assertEqual(list(pp.held_blocks), list(range(8)))

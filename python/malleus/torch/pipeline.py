@@ -22,6 +22,7 @@ idle ranks. Each step:
 See docs/python.md.
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -388,9 +389,13 @@ class PipelineParallel:
 
     def _reduce(self, loss_sum: float, units: int, seconds: float):
         """Sums each block's gradient over its holders and the step's figures over the world.
-        Returns (loss sum, loss units, every rank's compute seconds)."""
-        stats = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
-        stats[0], stats[1], stats[2 + self.rank] = loss_sum, units, seconds
+        Returns (loss sum, loss units, every rank's compute seconds). Raises on every rank alike
+        when the loss or a gradient is not finite on some rank (before the optimizer runs)."""
+        stats = torch.zeros(3 + self.world_size, dtype=torch.float64, device=self.device)
+        # Whether this rank's own gradients are finite, summed with the figures over the world,
+        # so that every rank knows of a NaN in blocks it does not hold.
+        local_bad = not all(bool(torch.isfinite(flat).all()) for _, flat in self._buckets)
+        stats[0], stats[1], stats[2], stats[3 + self.rank] = loss_sum, units, local_bad, seconds
         works = [dist.all_reduce(stats, async_op=True)]
         for key, flat in self._buckets:
             if len(key) > 1:
@@ -402,7 +407,13 @@ class PipelineParallel:
         if total_units <= 0:
             raise ValueError("malleus.torch: the global batch has no loss units (loss_fn "
                              "returned 0 units on every pipeline)")
-        return figures[0], total_units, figures[2:]
+        if figures[2] > 0 or not math.isfinite(figures[0]) or not all(
+                bool(torch.isfinite(flat).all()) for _, flat in self._buckets):
+            raise FloatingPointError(
+                f"malleus.torch: step {self.steps + 1} is not finite (loss sum {figures[0]} over "
+                f"{total_units} units; a gradient or the loss is NaN or infinite on some rank): "
+                "the model was not updated")
+        return figures[0], total_units, figures[3:]
 
     # ---- the model, gathered ------------------------------------------------------------------
 
