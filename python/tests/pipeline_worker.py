@@ -18,7 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import malleus  # noqa: E402
 import pipeline_common as pc  # noqa: E402
 import torch_common as tc  # noqa: E402
 import malleus.torch as mt  # noqa: E402
@@ -81,15 +83,20 @@ def stop(processes):
 
 
 def straggler(out, steps, busy_from, busy_to, core):
-    width, seq, layers = 256, 128, 8
-    config = dict(pc.config(layers), hidden_size=width, ffn_hidden_size=2 * width)
-    blocks = pc.make_blocks(width=width, layers=layers)
-    pp = mt.PipelineParallel(blocks, lambda ps: torch.optim.AdamW(ps, lr=1e-3), pc.loss_fn,
-                             global_batch=16, micro_batch=1, seq_len=seq, model_config=config,
+    # The demo LLaMA as blocks (the example's), whose compute the planner's FLOP count follows
+    # block by block, so that a rank's rate does not move when its blocks change.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+    from torch_llama_pipeline import llama_blocks, loss_fn
+    seq, layers = 64, 8
+    config = dict(malleus.model_config("demo"), num_layers=layers)
+    torch.manual_seed(0)
+    pp = mt.PipelineParallel(llama_blocks(config), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                             loss_fn, global_batch=16, micro_batch=1, seq_len=seq,
+                             model_config=config,
                              cluster=pc.cluster_holding(config, 2, seq, layers - 2),
                              total_steps=steps)
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, tc.VOCAB, (16, seq + 1), generator=g)
+    tokens = torch.randint(0, config["vocab_size"], (16, seq + 1), generator=g)
     data = (tokens[:, :-1], tokens[:, 1:])
     log, busy = [], None
     try:
