@@ -42,6 +42,15 @@ class Straggler(unittest.TestCase):
             self.assertEqual(status, 0)
             with open(out) as f:
                 log = {e["step"]: e for e in json.load(f)}
+        # The premise: nothing but the test's busy processes slows a rank. Another session's work
+        # landing on a core (seen: rank 0 at 3x from step 7) is not what this test judges; the
+        # raw compute times say so before any plan changes, and the run is skipped, naming it.
+        first = sorted(log[s]["compute_s"][r] for s in range(1, 4) for r in (0, 1))[2]
+        for s in range(1, BUSY_FROM):
+            if max(log[s]["compute_s"]) > 2 * first:
+                self.skipTest(f"step {s}: a rank's compute took {max(log[s]['compute_s']):.2f} s "
+                              f"against {first:.2f} s at the start, before the busy processes: "
+                              "the cores were not quiet")
         # Healthy before: the even split all along.
         for s in range(1, BUSY_FROM):
             self.assertEqual(log[s]["blocks"], EVEN, log[s])
