@@ -14,6 +14,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "device/device.h"
 #include "model/config.h"
 #include "test_util.h"
 #include "train/config.h"
@@ -232,6 +233,32 @@ TEST(Cli, SyntaxOfFlagsIsCheckedBeforeTheData) {
       run_malleus("train " + tiny_flags(dir) + " --train-data /no/such/*.bin" + " --straggler 1:2");
   expect_error(r, {"straggler \"1:2\" is malformed"});
   EXPECT_EQ(r.output.find("/no/such"), std::string::npos) << r.output;
+}
+
+// --backend, --devices and --cuda-math of train, eval and generate: a bad value is named before
+// any file is read, and a binary without CUDA says how to build one with it (and leaves nothing).
+TEST(Cli, BackendChoicesAreCheckedBeforeTheData) {
+  ScratchDir dir;
+  const std::string missing = " --train-data /no/such/*.bin";
+  auto r = run_malleus("train " + tiny_flags(dir) + missing + " --backend gpu");
+  expect_error(r, {"--backend: \"gpu\" is not a backend (cpu or cuda)"});
+  EXPECT_EQ(r.output.find("/no/such"), std::string::npos) << r.output;
+  r = run_malleus("train " + tiny_flags(dir) + missing + " --devices 0,x");
+  expect_error(r, {"--devices \"0,x\": \"x\" is not a device index"});
+  r = run_malleus("eval --checkpoint /no/such --backend tpu");
+  expect_error(r, {"--backend: \"tpu\" is not a backend"});
+  r = run_malleus("generate --untrained tiny --tokenizer byte --devices 1,1");
+  expect_error(r, {"--devices \"1,1\": device 1 is listed twice"});
+  if (device::built_with_cuda()) return;  // the rest holds in a binary without CUDA
+  malleus::testing::write_synthetic_corpus(dir / "data");
+  r = run_malleus("train " + tiny_flags(dir) + " --backend cuda");
+  expect_error(r, {"--backend cuda: this malleus was built without CUDA", "-DMALLEUS_BUILD_CUDA=ON",
+                   "docs/cuda.md"});
+  EXPECT_FALSE(fs::exists(dir / "run")) << r.output;
+  r = run_malleus("generate --untrained tiny --tokenizer byte --max-tokens 2 --backend cuda");
+  expect_error(r, {"this malleus was built without CUDA"});
+  r = run_malleus("generate --untrained tiny --tokenizer byte --max-tokens 2 --backend cpu");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
 TEST(Cli, ConfigRoundTripsThroughTheCommandLineWithEveryField) {

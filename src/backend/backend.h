@@ -19,11 +19,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "backend/memory.h"
+#include "backend/region_timer.h"
+#include "common/device_memory.h"
 
 namespace malleus::backend {
 
@@ -185,13 +189,35 @@ class Backend {
   virtual void adamw_update(T* param, const T* grad, T* m, T* v, size_t count,
                             const AdamWStep& step) = 0;
 
+  // ---- where its memory lies, how its compute is timed --------------------------------------
+  // Set by whoever makes the backend (device/device.h for a CUDA device); the CPU backend keeps
+  // the defaults.
+  // Null when this backend's memory is host memory, which the host and MPI may read and write
+  // directly (the CPU backend). Otherwise every use of it outside the backend's calls goes through
+  // these copies: the communicator stages it around MPI (comm/staging.h), the runtime packs,
+  // migrates and checkpoints through it.
+  const std::shared_ptr<const DeviceMemory>& device_memory() const { return device_memory_; }
+  void set_device_memory(std::shared_ptr<const DeviceMemory> memory) {
+    device_memory_ = std::move(memory);
+  }
+  // Times the engine's compute regions for the straggler monitor: the host's steady clock unless
+  // set.
+  RegionTimer& region_timer() { return *region_timer_; }
+  void set_region_timer(std::unique_ptr<RegionTimer> timer) { region_timer_ = std::move(timer); }
+
  private:
   Allocations allocations_;
+  std::shared_ptr<const DeviceMemory> device_memory_;
+  std::unique_ptr<RegionTimer> region_timer_ = std::make_unique<SteadyClockTimer>();
 };
 
 // The CPU backend: OpenBLAS sgemm/dgemm for matmuls, OpenMP for our own kernels.
 template <typename T>
 std::unique_ptr<Backend<T>> make_cpu_backend(int threads);
+
+// Makes the backend an engine computes with (`threads`: CPU threads for a CPU backend). The CPU
+// backend's by default; device/device.h makes one for a CUDA device.
+using BackendFactory = std::function<std::unique_ptr<Backend<float>>(int threads)>;
 
 // Owning handle for backend memory: values of T, or int32 tokens with Element = int32_t. Its
 // bytes are booked in the process's memory ledger under `kind` while it lives, through the

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include "data/corpus.h"
+#include "device/device.h"
 
 namespace malleus::cli {
 
@@ -19,6 +20,14 @@ struct ExitStatus {
 // --separator, --skip-bad and --max-document-mb, with the built-in default of Debian's fortunes,
 // one fortune per document.
 void add_corpus_options(CLI::App& command, data::CorpusOptions& corpus);
+
+// What eval, generate and profile compute on (train has the same flags from its config's fields):
+// --backend, --devices, --cuda-math; choice() checks them.
+struct BackendArgs {
+  std::string backend = "cpu", devices, cuda_math = device::BackendChoice().cuda_math;
+  device::BackendChoice choice() const;
+};
+void add_backend_options(CLI::App& command, BackendArgs& args);
 
 // train, prepare-data, eval, export, models
 void add_training_commands(CLI::App& app);

@@ -25,6 +25,7 @@ struct GenerateArgs {
   model::SamplingOptions sampling;
   int context = 0, threads = 1;
   bool ignore_eos = false, no_cache = false;
+  BackendArgs backend;
 };
 
 // Ranks this process was started among by mpirun (OpenMPI, or any PMI launcher); 1 otherwise.
@@ -41,6 +42,7 @@ void run_generate(const GenerateArgs& args) {
         "the plan it was trained under)");
   check(args.checkpoint.empty() != args.untrained.empty(),
         "generate: give either --checkpoint or --untrained");
+  const device::Device device = device::open_device(args.backend.choice(), device::local_rank());
   checkpoint::Checkpoint checkpoint;
   std::filesystem::path dir;
   if (!args.checkpoint.empty()) {
@@ -72,7 +74,7 @@ void run_generate(const GenerateArgs& args) {
                                            " exceeds the model's max_seq_len " +
                                            std::to_string(config.max_seq_len));
 
-  auto backend = backend::make_cpu_backend<float>(train::resolve_threads(args.threads, 1));
+  auto backend = device.make_backend(train::resolve_threads(args.threads, 1));
   model::Transformer<float> model(config, *backend, 1, context);
   if (checkpoint.params.empty()) {
     model.init_parameters(args.init_seed);
@@ -108,9 +110,11 @@ void run_generate(const GenerateArgs& args) {
                                                                   : "token limit";
   std::printf("\n");
   std::fflush(stdout);  // the text before the statistics when both go to one terminal or pipe
-  std::fprintf(stderr, "[%zu tokens in %.2f s, %.1f tokens/s, %s; %s, step %lld]\n",
+  const std::string on =
+      device.kind == device::BackendKind::kCpu ? "" : "; on " + device.description;
+  std::fprintf(stderr, "[%zu tokens in %.2f s, %.1f tokens/s, %s; %s, step %lld%s]\n",
                out.tokens.size(), seconds, static_cast<double>(out.tokens.size()) / seconds, why,
-               tok->kind().c_str(), static_cast<long long>(checkpoint.step));
+               tok->kind().c_str(), static_cast<long long>(checkpoint.step), on.c_str());
 }
 
 }  // namespace
@@ -142,6 +146,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--context", args->context, "Positions kept (default: the model's max_seq_len)");
   cmd->add_option("--threads", args->threads, "Compute threads (0: all cores)")
       ->capture_default_str();
+  add_backend_options(*cmd, args->backend);
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Go on past the end-of-text token");
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence for every token (for comparison)");

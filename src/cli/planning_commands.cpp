@@ -239,8 +239,8 @@ void write_experiments(const sim::ExperimentsRequest& request) {
 // Times forward and backward of the model with one and with two layers; the difference is one
 // layer, the rest is embedding + head + loss.
 void run_profile(const std::string& model_name, int micro_batch, int seq_len, int threads,
-                 int repeats, const std::string& out) {
-  using Clock = std::chrono::steady_clock;
+                 int repeats, const std::string& out, const device::BackendChoice& choice) {
+  const device::Device device = device::open_device(choice, device::local_rank());
   model::ModelConfig base = model::load_model_config(model_name);
   if (seq_len <= 0) seq_len = base.max_seq_len;
   check(seq_len <= base.max_seq_len, "--seq-len " + std::to_string(seq_len) +
@@ -249,7 +249,9 @@ void run_profile(const std::string& model_name, int micro_batch, int seq_len, in
   // --threads 0 (the default) is every core of the machine, as its help says; more threads
   // than CPUs are refused naming the value, as `train` refuses them.
   check(threads >= 0, "--threads must not be negative (got " + std::to_string(threads) + ")");
-  auto backend = backend::make_cpu_backend<float>(train::resolve_threads(threads, 1));
+  auto backend = device.make_backend(train::resolve_threads(threads, 1));
+  // The backend's own timer: the host's clock on the CPU, the device's events on a GPU.
+  backend::RegionTimer& timer = backend->region_timer();
   const size_t tokens = static_cast<size_t>(micro_batch) * static_cast<size_t>(seq_len);
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> token(0, base.vocab_size - 1);
@@ -267,19 +269,20 @@ void run_profile(const std::string& model_name, int micro_batch, int seq_len, in
     m.backward(1.0f / static_cast<float>(tokens));
     std::vector<double> f, b;
     for (int i = 0; i < repeats; ++i) {
-      const auto t0 = Clock::now();
+      timer.begin();
       m.forward(inputs.data(), targets.data());
-      const auto t1 = Clock::now();
+      f.push_back(timer.elapsed());
+      timer.begin();
       m.backward(1.0f / static_cast<float>(tokens));
-      const auto t2 = Clock::now();
-      f.push_back(std::chrono::duration<double>(t1 - t0).count());
-      b.push_back(std::chrono::duration<double>(t2 - t1).count());
+      b.push_back(timer.elapsed());
     }
     fwd[layers - 1] = median(f);
     bwd[layers - 1] = median(b);
   }
   plan::Profile p;
-  p.device = "cpu (" + std::to_string(backend->num_threads()) + " threads)";
+  p.device = device.kind == device::BackendKind::kCpu
+                 ? "cpu (" + std::to_string(backend->num_threads()) + " threads)"
+                 : device.description;
   p.model = base.name;
   p.threads = backend->num_threads();
   p.micro_batch = micro_batch;
@@ -380,6 +383,7 @@ void add_profile_command(CLI::App& app) {
   struct ProfileArgs {
     std::string model = "demo", out = "profile.json";
     int micro_batch = 1, seq_len = 0, threads = 0, repeats = 5;
+    BackendArgs backend;
   };
   auto prof = std::make_shared<ProfileArgs>();
   auto* prof_cmd = app.add_subcommand(
@@ -394,9 +398,10 @@ void add_profile_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   prof_cmd->add_option("--out", prof->out, "Profile file to write")->capture_default_str();
+  add_backend_options(*prof_cmd, prof->backend);
   prof_cmd->callback([prof] {
     run_profile(prof->model, prof->micro_batch, prof->seq_len, prof->threads, prof->repeats,
-                prof->out);
+                prof->out, prof->backend.choice());
   });
 }
 

@@ -285,9 +285,10 @@ void run_train(const TrainArgs& args) {
 }
 
 void run_eval(const std::string& checkpoint_path, const std::string& data, int samples,
-              int micro_batch, int seq_len, int threads) {
+              int micro_batch, int seq_len, int threads, const device::BackendChoice& choice) {
   with_mpi([&](comm::Communicator& world) {
     check(world.size() == 1, "eval runs on one rank");
+    const device::Device device = device::open_device(choice, device::local_rank());
     const fs::path dir = checkpoint::resolve_checkpoint(checkpoint_path);
     checkpoint::Checkpoint checkpoint = checkpoint::load_checkpoint(dir, /*with_optimizer=*/false);
     if (seq_len == 0) {
@@ -297,6 +298,7 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
     runtime::EngineOptions options;
     options.seq_len = seq_len;
     options.threads = train::resolve_threads(threads, 1);
+    options.make_backend = device.make_backend;
     runtime::Engine engine(checkpoint.model, plan, world, options);
     runtime::FullState state;
     state.adam_m.assign(checkpoint.params.size(), 0.0f);  // evaluation needs no moments
@@ -315,9 +317,10 @@ void run_eval(const std::string& checkpoint_path, const std::string& data, int s
                                    std::to_string(count) +
                                    " sequences, not a number a model can have: its weights hold "
                                    "non-finite values or overflow");
-    std::printf("checkpoint %s (step %lld) on %s: mean loss %.6f over %d sequences of %d tokens\n",
-                dir.c_str(), static_cast<long long>(checkpoint.step), data.c_str(), loss, count,
-                seq_len);
+    std::printf(
+        "checkpoint %s (step %lld) on %s: mean loss %.6f over %d sequences of %d tokens%s\n",
+        dir.c_str(), static_cast<long long>(checkpoint.step), data.c_str(), loss, count, seq_len,
+        device.kind == device::BackendKind::kCpu ? "" : (" on " + device.description).c_str());
   });
 }
 
@@ -484,6 +487,7 @@ void add_eval_command(CLI::App& app) {
   struct EvalArgs {
     std::string checkpoint, data = "data/fortunes/val_*.bin";
     int samples = 1 << 30, micro_batch = 8, seq_len = 0, threads = 0;
+    BackendArgs backend;
   };
   auto eval_args = std::make_shared<EvalArgs>();
   auto* eval_cmd =
@@ -500,9 +504,10 @@ void add_eval_command(CLI::App& app) {
   eval_cmd->add_option("--seq-len", eval_args->seq_len,
                        "Tokens per sequence (default: the training one)");
   eval_cmd->add_option("--threads", eval_args->threads, "Compute threads (0: all cores)");
+  add_backend_options(*eval_cmd, eval_args->backend);
   eval_cmd->callback([eval_args] {
     run_eval(eval_args->checkpoint, eval_args->data, eval_args->samples, eval_args->micro_batch,
-             eval_args->seq_len, eval_args->threads);
+             eval_args->seq_len, eval_args->threads, eval_args->backend.choice());
   });
 }
 

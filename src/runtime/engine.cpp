@@ -61,11 +61,16 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
       options_(options),
       state_(
           std::make_unique<ParallelState>(plan, model, std::move(world), options.core_lease.get())),
-      backend_(backend::make_cpu_backend<float>(options.threads)),
+      backend_(options.make_backend ? options.make_backend(options.threads)
+                                    : backend::make_cpu_backend<float>(options.threads)),
       distributed_optimizer_(layout::splits_moments(plan, options.distributed_optimizer)) {
   check(options.migration_bucket_bytes > 0, "migration_bucket_bytes must be positive, got " +
                                                 std::to_string(options.migration_bucket_bytes));
   backend_->allocations().set_deferring(deferred);
+  // A device's compute still queued is not counted as waiting inside tensor-parallel collectives.
+  if (MpiTensorParallelGroup* tp = state_->tensor_parallel()) {
+    tp->set_settle([timer = &backend_->region_timer()] { timer->settle(); });
+  }
   if (state_->role().idle()) {
     const size_t probe = size_t{kProbeSize} * kProbeSize;
     probe_a_ = backend::Buffer<float>(*backend_, probe, backend::MemoryKind::kWorkspace);
@@ -114,11 +119,13 @@ double Engine::timed(Section&& section, double slowdown) {
   }
   const auto* tp = state_->tensor_parallel();
   const double waited_before = tp ? tp->wait_seconds() : 0;
-  const auto start = Clock::now();
+  // The backend's timer: the host's clock on the CPU, the device's events on a GPU.
+  backend::RegionTimer& timer = backend_->region_timer();
+  timer.begin();
   section();
   auto compute = [&] {
     const double waited = (tp ? tp->wait_seconds() : 0) - waited_before;
-    return std::max(0.0, seconds_since(start) - waited);
+    return std::max(0.0, timer.elapsed() - waited);
   };
   if (slowdown > 1) keep_busy_for((slowdown - 1) * compute());
   return compute();

@@ -31,6 +31,9 @@ namespace malleus::runtime {
 struct EngineOptions {
   int seq_len = 0;
   int threads = 1;
+  // Makes the backend this rank computes with (device/device.h: the CPU, or a CUDA device); null:
+  // the CPU backend with `threads` threads. Called again for the engine of each new plan.
+  backend::BackendFactory make_backend;
   AdamWConfig adamw;
   // This rank's turn on cores it shares with other ranks (CoreSharing::detect); null when its
   // cores are its own. Held while computing, given back while waiting for communication.

@@ -22,6 +22,7 @@ double seconds_since(Clock::time_point start) {
 }  // namespace
 
 void MpiTensorParallelGroup::all_reduce_sum(float* data, size_t count) {
+  settle();
   const auto start = Clock::now();
   runtime::all_reduce_sum(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);
@@ -32,12 +33,17 @@ namespace {
 // A started MPI_Iallreduce of the group; waiting adds to the group's time inside collectives.
 class PendingMpiSum final : public model::TensorParallelGroup<float>::Pending {
  public:
-  PendingMpiSum(comm::Request request, CoreLease* lease, double* wait_seconds)
-      : request_(std::move(request)), lease_(lease), wait_seconds_(wait_seconds) {}
+  PendingMpiSum(comm::Request request, CoreLease* lease, double* wait_seconds,
+                std::function<void()> settle)
+      : request_(std::move(request)),
+        lease_(lease),
+        wait_seconds_(wait_seconds),
+        settle_(std::move(settle)) {}
   ~PendingMpiSum() override {
     if (request_.pending()) wait();
   }
   void wait() override {
+    if (settle_) settle_();
     const auto start = Clock::now();
     runtime::wait(request_, lease_);
     *wait_seconds_ += seconds_since(start);
@@ -47,6 +53,7 @@ class PendingMpiSum final : public model::TensorParallelGroup<float>::Pending {
   comm::Request request_;
   CoreLease* lease_;
   double* wait_seconds_;
+  std::function<void()> settle_;
 };
 
 }  // namespace
@@ -57,14 +64,16 @@ MpiTensorParallelGroup::start_all_reduce_sum(float* data, size_t count) {
     all_reduce_sum(data, count);
     return nullptr;
   }
+  settle();
   const auto start = Clock::now();
   comm::Request request = comm_.iall_reduce_sum(data, count);
   wait_seconds_ += seconds_since(start);
   ++started_sums_;
-  return std::make_unique<PendingMpiSum>(std::move(request), lease_, &wait_seconds_);
+  return std::make_unique<PendingMpiSum>(std::move(request), lease_, &wait_seconds_, settle_);
 }
 
 void MpiTensorParallelGroup::all_reduce_max(float* data, size_t count) {
+  settle();
   const auto start = Clock::now();
   runtime::all_reduce_max(comm_, data, count, lease_);
   wait_seconds_ += seconds_since(start);

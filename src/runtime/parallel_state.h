@@ -4,6 +4,7 @@
 // plan; building another one for a new plan is how communicators are rebuilt after a re-plan.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -42,10 +43,17 @@ class MpiTensorParallelGroup final : public model::TensorParallelGroup<float> {
   double wait_seconds() const { return wait_seconds_; }
   // Sums started with start_all_reduce_sum so far.
   int64_t started_sums() const { return started_sums_; }
+  // Called before each wait is timed: waits for the device's queued compute, which would
+  // otherwise count as waiting (backend::RegionTimer::settle; the engine sets it).
+  void set_settle(std::function<void()> settle) { settle_ = std::move(settle); }
 
  private:
+  void settle() const {
+    if (settle_) settle_();
+  }
   comm::Communicator comm_;
   CoreLease* lease_;
+  std::function<void()> settle_;
   double wait_seconds_ = 0;
   int64_t started_sums_ = 0;
 };

@@ -83,6 +83,13 @@ Limits<std::vector<std::string>> straggler_specs() {
   };
 }
 
+Limits<std::string> backend_kind() {
+  return [](const std::string& v, const std::string& what) { device::parse_backend_kind(v, what); };
+}
+Limits<std::string> device_list() {
+  return [](const std::string& v, const std::string& what) { device::parse_devices(v, what); };
+}
+
 template <typename T>
 const char* type_name() {
   if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>) {
@@ -223,6 +230,17 @@ std::vector<ConfigField> parallel_fields() {
       field(&C::threads, "threads", "--threads", P::kHonoured,
             "Compute threads per rank (0: the node's cores shared among its ranks)",
             not_negative<int>()),
+      field(&C::backend, "backend", "--backend", P::kHonoured,
+            "What each rank computes on: cpu, or cuda (one GPU per rank by its local rank; "
+            "needs a build with -DMALLEUS_BUILD_CUDA=ON)",
+            backend_kind()),
+      field(&C::devices, "devices", "--devices", P::kHonoured,
+            "CUDA devices the ranks of a node take in turn, e.g. 0,1 (\"\": every device); "
+            "ranks may share one",
+            device_list()),
+      field(&C::cuda_math, "cuda_math", "--cuda-math", P::kHonoured,
+            "How the CUDA backend multiplies: exact (fp32), tf32 or bf16 tensor cores",
+            non_empty()),
       field(&C::shifted_recompute, "shifted_recompute", "--shifted-recompute", P::kHonoured,
             "Recompute a micro-batch's activations while its gradient is on its way on every "
             "recomputing stage before the last (--no-shifted-recompute: only where the plan "
@@ -354,6 +372,11 @@ TrainConfig TrainConfig::from_json(const Json& json, const std::string& source) 
   c.apply(values_of(json, source));
   c.validate(source);
   return c;
+}
+
+device::BackendChoice TrainConfig::backend_choice() const {
+  return {device::parse_backend_kind(backend, "\"backend\""),
+          device::parse_devices(devices, "\"devices\""), cuda_math};
 }
 
 Json TrainConfig::to_json() const {

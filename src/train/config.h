@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/json.h"
+#include "device/device.h"
 
 namespace malleus::train {
 
@@ -102,6 +103,11 @@ struct TrainConfig {
   bool distributed_optimizer = true;
   std::string out_dir = "runs/demo";  // metrics.jsonl and checkpoints/
   int threads = 0;  // per rank; 0: the machine's cores shared among the ranks on it
+  // What each rank computes on (device/device.h): "cpu" or "cuda"; with cuda, the devices the
+  // ranks of a node take in turn ("0,1"; "": every device) and how cuBLAS multiplies.
+  std::string backend = "cpu";
+  std::string devices;
+  std::string cuda_math = "bf16";
   // Every stage that recomputes activations, other than the last, recomputes a micro-batch's
   // forward while its gradient is on its way (runtime::EngineOptions::shifted_recompute); off,
   // only the stages the plan marks (plan::Stage::recompute_ahead, where the planner found the
@@ -153,6 +159,8 @@ struct TrainConfig {
   std::string watchdog_network;
 
   int64_t tokens_per_step() const { return int64_t{global_batch_size} * seq_len; }
+  // backend, devices and cuda_math as device::open_device takes them.
+  device::BackendChoice backend_choice() const;
 
   bool operator==(const TrainConfig&) const = default;
 

@@ -50,6 +50,7 @@ void announce(const std::filesystem::path& out, const model::ModelConfig& mc,
       config.seq_len, config.micro_batch_size, format_counted(header.world_size, "rank").c_str(),
       format_counted(header.threads, "thread").c_str(), header.plan_text.c_str(),
       cores.summary.c_str());
+  if (!header.devices.empty()) std::printf("%s\n", header.devices.c_str());
   std::fflush(stdout);
   Json ranks = Json::array();
   for (size_t r = 0; r < cores.pids.size(); ++r) {

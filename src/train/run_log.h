@@ -35,10 +35,11 @@ struct RunHeader {
   int threads = 1;        // per rank
   std::string plan_text;  // the plan's summary
   const runtime::CoreSharing* cores = nullptr;
+  std::string devices;  // where the ranks compute on GPUs (open_devices); empty on the CPU
 };
 
-// Rank 0's header of a run on stdout (model, data, plan, cores), and <out>/ranks.json: where each
-// rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
+// Rank 0's header of a run on stdout (model, data, plan, cores, devices), and <out>/ranks.json:
+// where each rank runs, for tools that slow a rank from outside (scripts/slow_rank.sh).
 void announce(const std::filesystem::path& out, const model::ModelConfig& model,
               const TrainConfig& config, const RunHeader& header);
 

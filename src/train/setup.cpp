@@ -11,6 +11,7 @@
 #include "common/files.h"
 #include "common/format.h"
 #include "common/slurm_lists.h"
+#include "device/device.h"
 #include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
 #include "layout/optimizer_shard.h"
@@ -43,6 +44,37 @@ runtime::EngineOptions engine_options(const TrainConfig& c, int world_size) {
   options.tp_subpipeline = c.tp_subpipeline;
   options.distributed_optimizer = c.distributed_optimizer;
   return options;
+}
+
+std::string open_devices(const TrainConfig& c, const comm::Communicator& world,
+                         runtime::EngineOptions* options) {
+  device::Device device;
+  comm::agree_on_error(world, comm::error_of([&] {
+                         device = device::open_device(c.backend_choice(), device::local_rank());
+                       }));
+  options->make_backend = device.make_backend;
+  const std::vector<std::string> all = world.gather_text(device.description, 0);
+  if (world.rank() != 0 || device.kind == device::BackendKind::kCpu) return "";
+  // Ranks on the same device in one entry: "ranks 0, 1: cuda device 0 (...)".
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (size_t r = 0; r < all.size(); ++r) {
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == all[r]; });
+    if (it == groups.end()) it = groups.insert(groups.end(), {all[r], {}});
+    it->second.push_back(static_cast<int>(r));
+  }
+  std::string line = "devices:";
+  for (const auto& [what, ranks] : groups) {
+    if (line.size() > 8) line += ';';
+    line += ranks.size() == 1 ? " rank " : " ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (i > 0) line += ", ";
+      line += std::to_string(ranks[i]);
+    }
+    line += ": ";
+    line += what;
+  }
+  return line;
 }
 
 elastic::StragglerSchedule injected_stragglers(const TrainConfig& c, int world_size) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "comm/communicator.h"
 #include "elastic/loop.h"
 #include "elastic/stragglers.h"
 #include "model/config.h"
@@ -44,6 +45,13 @@ int ranks_on_this_node(int world_size);
 // The engine's options from a config on `world_size` ranks (threads resolved; the core lease and
 // the hosts are filled later, by the trainer).
 runtime::EngineOptions engine_options(const TrainConfig& config, int world_size);
+
+// Opens this rank's device for the engine (options->make_backend, from the config's backend,
+// devices and cuda_math); one rank's failure (no device, a --devices entry the node lacks) stops
+// every rank with its message. Collective. Returns rank 0's header line saying where each rank
+// computes, or "" on other ranks and when every rank is on the CPU.
+std::string open_devices(const TrainConfig& config, const comm::Communicator& world,
+                         runtime::EngineOptions* options);
 
 // The injected stragglers of a config. Throws Error when a spec or the trace names a rank outside
 // the job (built before the data is read, so a bad trace is reported first).

@@ -52,6 +52,7 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
   // The plan and the limits are checked completely before any rank allocates or communicates.
   const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
   engine_options_ = engine_options(config_, world_.size());
+  devices_line_ = open_devices(config_, world_, &engine_options_);
   // Collective: each rank's host, which the memory check needs too (where the memory copies go).
   engine_options_.hosts = runtime::host_indices(world_);
   // Before anything is allocated: the model state, and the memory copies when they are on, must
@@ -241,7 +242,8 @@ int Trainer::run() {
                        .world_size = world_.size(),
                        .threads = engine_options_.threads,
                        .plan_text = plan_text,
-                       .cores = &cores_});
+                       .cores = &cores_,
+                       .devices = devices_line_});
   }
   std::optional<Watchdog> watchdog;
   if (config_.watchdog && world_.size() > 1) {  // one rank waits for nobody

@@ -114,6 +114,7 @@ class Trainer {
   comm::Communicator world_;
   runtime::CoreSharing cores_;  // where the ranks run; the core lease when they share cores
   runtime::EngineOptions engine_options_;
+  std::string devices_line_;  // the header's line on the ranks' devices; empty on the CPU
   std::unique_ptr<runtime::Engine> engine_;
   LrSchedule schedule_;
   elastic::StragglerSchedule stragglers_;
