@@ -1,13 +1,24 @@
-// What a rank computes on, under mpirun: the engine times its compute with the backend's timer
-// (backend/region_timer.h), the device's clock where the backend has one.
+// A device's memory under MPI, checked on the CPU with a test double of a GPU backend
+// (tests/device_double.h: the CPU backend's arithmetic on memory the host and MPI may not touch).
+// The communicator stages it through host buffers (comm/staging.h), and the runtime packs,
+// migrates and checkpoints it through its copies: real plans under mpirun (data parallel,
+// pipelines, tensor parallel, idle ranks, the distributed optimizer) with migrations and switches
+// between them train with the very losses and state of the CPU backend. A path that handed the
+// double's memory to MPI or read it on the host would fault. Also the timing seam: the engine
+// times its compute with the backend's timer.
 //
 // Run under mpirun with 1, 2 and 4 ranks; every rank runs every test (they are collective).
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "comm/staging.h"
+#include "device_double.h"
 #include "plan/plan.h"
 #include "runtime/engine.h"
 #include "test_util.h"
@@ -27,7 +38,225 @@ void sample(int index, int32_t* inputs, int32_t* targets) {
   }
 }
 
+runtime::EngineOptions options_on(bool device) {
+  runtime::EngineOptions options;
+  options.seq_len = kSeq;
+  if (device) options.make_backend = malleus::testing::make_device_double;
+  return options;
+}
+
+// Values of `count` floats that differ by rank and position.
+std::vector<float> pattern(size_t count, int rank, float scale = 1.0f) {
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = scale * float(rank + 1) + 0.25f * float(i % 7);
+  return values;
+}
+
+// A buffer of the double, filled from and read back to the host.
+struct DeviceBuffer {
+  explicit DeviceBuffer(backend::Backend<float>& device, const std::vector<float>& values)
+      : on(device), buffer(device, values.size(), backend::MemoryKind::kWorkspace) {
+    device.copy_from_host(buffer.data(), values.data(), values.size());
+  }
+  std::vector<float> host() {
+    std::vector<float> values(buffer.size());
+    on.copy_to_host(values.data(), buffer.data(), values.size());
+    return values;
+  }
+  backend::Backend<float>& on;
+  backend::Buffer<float> buffer;
+};
+
 }  // namespace
+
+// Every communicator call takes the double's memory as it takes host memory, and gives the same
+// results; the bytes went through staging buffers (MPI reading the double's pages would fault).
+TEST(DeviceMpi, CollectivesAndMessagesStageDeviceBuffers) {
+  Communicator world = Communicator::world();
+  const int n = world.size(), me = world.rank();
+  auto device = malleus::testing::make_device_double(1);
+  comm::register_device_memory(device->device_memory());  // as an engine on it does
+  const int64_t staged_before = comm::staged_bytes();
+  const size_t count = 1000;
+  double rank_sum = 0;
+  for (int r = 0; r < n; ++r) rank_sum += r + 1;
+
+  DeviceBuffer sum(*device, pattern(count, me));
+  world.all_reduce_sum(sum.buffer.data(), count);
+  DeviceBuffer started(*device, pattern(count, me));
+  comm::Request pending = world.iall_reduce_sum(started.buffer.data(), count);
+  pending.wait();
+  DeviceBuffer most(*device, pattern(count, me));
+  world.all_reduce_max(most.buffer.data(), count);
+  const std::vector<float> summed = sum.host(), started_sum = started.host(), maxed = most.host();
+  for (size_t i = 0; i < count; ++i) {
+    ASSERT_FLOAT_EQ(summed[i], float(rank_sum) + float(n) * 0.25f * float(i % 7)) << i;
+    ASSERT_EQ(started_sum[i], summed[i]) << i;
+    ASSERT_FLOAT_EQ(maxed[i], float(n) + 0.25f * float(i % 7)) << i;
+  }
+
+  // Uneven parts: rank r's part is r + 3 elements.
+  std::vector<int> counts, displacements;
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    displacements.push_back(total);
+    counts.push_back(r + 3);
+    total += r + 3;
+  }
+  DeviceBuffer send(*device, pattern(size_t(total), me));
+  DeviceBuffer part(*device, std::vector<float>(size_t(counts[size_t(me)]), -1.0f));
+  world.reduce_scatter_sum(send.buffer.data(), part.buffer.data(), counts);
+  const std::vector<float> mine = part.host();
+  for (int i = 0; i < counts[size_t(me)]; ++i) {
+    const int at = displacements[size_t(me)] + i;
+    ASSERT_FLOAT_EQ(mine[size_t(i)], float(rank_sum) + float(n) * 0.25f * float(at % 7)) << i;
+  }
+  std::vector<float> gathered_values(size_t(total), 0.0f);
+  for (int i = 0; i < counts[size_t(me)]; ++i) {
+    gathered_values[size_t(displacements[size_t(me)] + i)] = float(me * 100 + i);
+  }
+  DeviceBuffer gathered(*device, gathered_values);
+  comm::Request gathering =
+      world.iall_gather_in_place(gathered.buffer.data(), counts, displacements);
+  gathering.wait();
+  const std::vector<float> all = gathered.host();
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < counts[size_t(r)]; ++i) {
+      ASSERT_EQ(all[size_t(displacements[size_t(r)] + i)], float(r * 100 + i)) << r << " " << i;
+    }
+  }
+
+  DeviceBuffer broadcast(*device, pattern(count, me));
+  world.broadcast(broadcast.buffer.data(), count * sizeof(float), n - 1);
+  EXPECT_EQ(broadcast.host(), pattern(count, n - 1));
+
+  // A ring of messages, device to device; the receive is completed by test(), not wait().
+  DeviceBuffer outgoing(*device, pattern(count, me, 3.0f));
+  DeviceBuffer incoming(*device, std::vector<float>(count, 0.0f));
+  comm::Request receive =
+      world.irecv(incoming.buffer.data(), count * sizeof(float), (me + n - 1) % n, 7);
+  comm::Request sent = world.isend(outgoing.buffer.data(), count * sizeof(float), (me + 1) % n, 7);
+  while (!receive.test()) {
+  }
+  sent.wait();
+  EXPECT_EQ(incoming.host(), pattern(count, (me + n - 1) % n, 3.0f));
+
+  EXPECT_GT(comm::staged_bytes(), staged_before);
+  EXPECT_EQ(comm::device_memory_of(sum.buffer.data()),
+            malleus::testing::device_double_memory().get());
+  const std::vector<float> host(4);
+  EXPECT_EQ(comm::device_memory_of(host.data()), nullptr);
+  const std::string how = comm::transport_text(*malleus::testing::device_double_memory());
+  EXPECT_NE(how.find("staged through host memory"), std::string::npos) << how;
+}
+
+namespace {
+
+// What one run did: every step's loss and gradient norm, and the state gathered at the end.
+struct Run {
+  std::vector<double> losses, norms;
+  runtime::FullState state;
+};
+
+// Trains `plans[0]`, then moves to each next plan (alternately migrate() and the overlapped
+// switch_to()), two steps per plan, an evaluation, and a round trip of the state through the
+// host: gather and scatter, and the held state a checkpoint copies and restores.
+Run train_through(const std::vector<plan::Plan>& plans, runtime::EngineOptions options) {
+  const auto model = malleus::testing::parallel_test_model();
+  Run run;
+  auto engine = std::make_unique<runtime::Engine>(model, plans[0], Communicator::world(), options);
+  engine->init_parameters(21);
+  auto steps = [&](int count) {
+    for (int s = 0; s < count; ++s) {
+      const runtime::StepResult r = engine->step(sample, 2e-3f, 1.0f);
+      run.losses.push_back(r.loss);
+      run.norms.push_back(r.grad_norm);
+    }
+  };
+  steps(2);
+  for (size_t p = 1; p < plans.size(); ++p) {
+    engine = p % 2 == 1 ? engine->migrate(plans[p])
+                        : runtime::Engine::switch_to(std::move(engine), plans[p]);
+    steps(2);
+  }
+  run.losses.push_back(engine->evaluate(sample, 5));
+  // The state out to the host and back, as a single-file checkpoint moves it...
+  const runtime::FullState gathered = engine->gather();
+  engine->scatter(gathered, engine->steps_done());
+  // ... and as a sharded one does: each rank copies what it holds and reads it back.
+  const runtime::HeldState held = engine->held_state();
+  std::vector<float> params, moment;
+  if (held.layout != nullptr) {
+    params.assign(held.params, held.params + held.layout->total_size());
+    moment.assign(held.adam_m, held.adam_m + engine->optimizer_elements());
+  }
+  engine->restore_held_state([&](const runtime::HeldState& target) {
+    if (target.layout == nullptr) return;
+    std::fill_n(target.params, params.size(), 0.0f);  // what the restore must overwrite
+    std::copy(params.begin(), params.end(), target.params);
+    std::copy(moment.begin(), moment.end(), target.adam_m);
+  });
+  steps(1);
+  run.state = engine->gather();
+  return run;
+}
+
+void expect_same_run(const std::vector<plan::Plan>& plans, runtime::EngineOptions options) {
+  Communicator world = Communicator::world();
+  std::string path;
+  for (const auto& p : plans) {
+    if (!path.empty()) path += " -> ";
+    path += p.summary();
+  }
+  SCOPED_TRACE(path);
+  const int64_t before = malleus::testing::device_double_bytes();
+  const int64_t staged = comm::staged_bytes();
+  const Run cpu = train_through(plans, options);
+  options.make_backend = malleus::testing::make_device_double;
+  const Run device = train_through(plans, options);
+  EXPECT_EQ(device.losses, cpu.losses);
+  EXPECT_EQ(device.norms, cpu.norms);
+  if (world.rank() == 0) {
+    EXPECT_EQ(device.state.params, cpu.state.params);
+    EXPECT_EQ(device.state.adam_m, cpu.state.adam_m);
+    EXPECT_EQ(device.state.adam_v, cpu.state.adam_v);
+  }
+  EXPECT_EQ(malleus::testing::device_double_bytes(), before) << "device memory left allocated";
+  if (world.size() > 1) {
+    EXPECT_GT(comm::staged_bytes(), staged) << "no device buffer went through the staging";
+  }
+}
+
+}  // namespace
+
+// Data parallel, then a 2-stage pipeline (every pipeline of two stages), then back.
+TEST(DeviceMpi, DataParallelAndPipelineRunsEqualTheCpuBackend) {
+  const int n = Communicator::world().size();
+  const auto model = malleus::testing::parallel_test_model();
+  const auto dp = plan::uniform_plan(model, n, 1, 1, 8, 1);
+  std::vector<plan::Plan> plans{dp};
+  if (n >= 2) {
+    plans.push_back(plan::uniform_plan(model, n / 2, 1, 2, 8, 1, n));
+    plans.push_back(dp);
+  }
+  expect_same_run(plans, options_on(false));
+  runtime::EngineOptions whole = options_on(false);
+  whole.distributed_optimizer = false;  // every holder keeps whole moments
+  expect_same_run(plans, whole);
+}
+
+// Tensor parallel groups (activations all-reduced inside layers, started non-blocking when
+// sub-pipelined), a plan that leaves a rank idle (its probe), and a switch between them.
+TEST(DeviceMpi, TensorParallelAndIdleRanksEqualTheCpuBackend) {
+  const int n = Communicator::world().size();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  const auto model = malleus::testing::parallel_test_model();
+  const auto tp = plan::uniform_plan(model, n / 2, 2, 1, 8, 1, n);
+  const auto fewer = plan::uniform_plan(model, 1, 1, 1, 8, 1, n);  // ranks 1.. idle
+  runtime::EngineOptions options = options_on(false);
+  options.tp_subpipeline = true;
+  expect_same_run({tp, fewer, tp}, options);
+}
 
 namespace {
 
@@ -52,8 +281,7 @@ TEST(DeviceMpi, TheEngineTimesComputeWithTheBackendsTimer) {
   Communicator world = Communicator::world();
   const int n = world.size();
   const auto model = malleus::testing::parallel_test_model();
-  runtime::EngineOptions options;
-  options.seq_len = kSeq;
+  runtime::EngineOptions options = options_on(false);
   options.make_backend = [](int threads) {
     auto made = backend::make_cpu_backend<float>(threads);
     made->set_region_timer(std::make_unique<FixedTimer>(0.125));

@@ -83,6 +83,21 @@ MPI_Request iall_reduce_in_place(MPI_Comm comm, T* data, size_t count, MPI_Op op
   return request;
 }
 
+// The same through StagedBuffer: a device buffer is reduced in a host copy.
+template <typename T>
+void all_reduce_staged(MPI_Comm comm, T* data, size_t count, MPI_Op op) {
+  StagedBuffer view(data, count * sizeof(T), StagedBuffer::kInOut);
+  all_reduce_in_place(comm, static_cast<T*>(view.mpi()), count, op);
+  view.finish();
+}
+
+template <typename T>
+std::vector<StagedBuffer> staged_one(T* data, size_t bytes, StagedBuffer::Direction direction) {
+  std::vector<StagedBuffer> staged;
+  staged.emplace_back(data, bytes, direction);
+  return staged;
+}
+
 // FNV-1a over the rank list, folded into [0, tag_ub]: distinct groups that are being created at
 // the same time by overlapping ranks get distinct tags (with high probability).
 int group_tag(const std::vector<int>& ranks) {
@@ -241,26 +256,43 @@ Communicator Communicator::subgroup(const std::vector<int>& ranks) const {
 }
 
 void Communicator::all_reduce_sum(float* data, size_t count) const {
-  all_reduce_in_place(live_state().comm, data, count, MPI_SUM);
+  all_reduce_staged(live_state().comm, data, count, MPI_SUM);
 }
 void Communicator::all_reduce_sum(double* data, size_t count) const {
-  all_reduce_in_place(live_state().comm, data, count, MPI_SUM);
+  all_reduce_staged(live_state().comm, data, count, MPI_SUM);
 }
 void Communicator::all_reduce_max(float* data, size_t count) const {
-  all_reduce_in_place(live_state().comm, data, count, MPI_MAX);
+  all_reduce_staged(live_state().comm, data, count, MPI_MAX);
 }
 void Communicator::all_reduce_max(double* data, size_t count) const {
-  all_reduce_in_place(live_state().comm, data, count, MPI_MAX);
+  all_reduce_staged(live_state().comm, data, count, MPI_MAX);
 }
 
+namespace {
+
+// The request of a started reduction, and its staged buffer.
+template <typename T>
+std::pair<MPI_Request, std::vector<StagedBuffer>> iall_reduce_staged(MPI_Comm comm, T* data,
+                                                                     size_t count, MPI_Op op) {
+  std::vector<StagedBuffer> staged = staged_one(data, count * sizeof(T), StagedBuffer::kInOut);
+  const MPI_Request request =
+      iall_reduce_in_place(comm, static_cast<T*>(staged[0].mpi()), count, op);
+  return {request, std::move(staged)};
+}
+
+}  // namespace
+
 Request Communicator::iall_reduce_sum(float* data, size_t count) const {
-  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_SUM), false, 0, -1, 0);
+  auto [request, staged] = iall_reduce_staged(live_state().comm, data, count, MPI_SUM);
+  return Request::posted(request, std::move(staged));
 }
 Request Communicator::iall_reduce_sum(double* data, size_t count) const {
-  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_SUM), false, 0, -1, 0);
+  auto [request, staged] = iall_reduce_staged(live_state().comm, data, count, MPI_SUM);
+  return Request::posted(request, std::move(staged));
 }
 Request Communicator::iall_reduce_max(float* data, size_t count) const {
-  return Request(iall_reduce_in_place(live_state().comm, data, count, MPI_MAX), false, 0, -1, 0);
+  auto [request, staged] = iall_reduce_staged(live_state().comm, data, count, MPI_MAX);
+  return Request::posted(request, std::move(staged));
 }
 
 double Communicator::all_reduce_sum(double value) const {
@@ -300,44 +332,70 @@ void check_parts(int ranks, const std::vector<int>& counts, const std::vector<in
                               " elements exceed INT_MAX");
 }
 
+// Bytes of the parts laid end to end.
+size_t parts_bytes(const std::vector<int>& counts) {
+  size_t total = 0;
+  for (int c : counts) total += static_cast<size_t>(c);
+  return total * sizeof(float);
+}
+
+// A reduce-scatter's send buffer (read whole) and this rank's receive part (written).
+std::vector<StagedBuffer> staged_parts(const float* send, float* receive,
+                                       const std::vector<int>& counts, int rank) {
+  std::vector<StagedBuffer> staged;
+  staged.emplace_back(send, parts_bytes(counts), StagedBuffer::kIn);
+  staged.emplace_back(receive,
+                      static_cast<size_t>(counts[static_cast<size_t>(rank)]) * sizeof(float),
+                      StagedBuffer::kOut);
+  return staged;
+}
+
 }  // namespace
 
 void Communicator::reduce_scatter_sum(const float* send, float* receive,
                                       const std::vector<int>& counts) const {
   const State& s = live_state();
   check_parts(s.size, counts, nullptr, "reduce_scatter_sum");
-  mpi_check(MPI_Reduce_scatter(send, receive, counts.data(), MPI_FLOAT, MPI_SUM, s.comm),
+  std::vector<StagedBuffer> staged = staged_parts(send, receive, counts, s.rank);
+  mpi_check(MPI_Reduce_scatter(staged[0].mpi(), staged[1].mpi(), counts.data(), MPI_FLOAT, MPI_SUM,
+                               s.comm),
             "MPI_Reduce_scatter");
+  staged[1].finish();
 }
 
 Request Communicator::ireduce_scatter_sum(const float* send, float* receive,
                                           const std::vector<int>& counts) const {
   const State& s = live_state();
   check_parts(s.size, counts, nullptr, "ireduce_scatter_sum");
+  std::vector<StagedBuffer> staged = staged_parts(send, receive, counts, s.rank);
   MPI_Request request = MPI_REQUEST_NULL;
-  mpi_check(MPI_Ireduce_scatter(send, receive, counts.data(), MPI_FLOAT, MPI_SUM, s.comm, &request),
+  mpi_check(MPI_Ireduce_scatter(staged[0].mpi(), staged[1].mpi(), counts.data(), MPI_FLOAT, MPI_SUM,
+                                s.comm, &request),
             "MPI_Ireduce_scatter");
-  return Request(request, false, 0, -1, 0);
+  return Request::posted(request, std::move(staged));
 }
 
 void Communicator::all_gather_in_place(float* data, const std::vector<int>& counts,
                                        const std::vector<int>& displacements) const {
   const State& s = live_state();
   check_parts(s.size, counts, &displacements, "all_gather_in_place");
-  mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+  StagedBuffer view(data, parts_bytes(counts), StagedBuffer::kInOut);
+  mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, view.mpi(), counts.data(),
                            displacements.data(), MPI_FLOAT, s.comm),
             "MPI_Allgatherv");
+  view.finish();
 }
 
 Request Communicator::iall_gather_in_place(float* data, const std::vector<int>& counts,
                                            const std::vector<int>& displacements) const {
   const State& s = live_state();
   check_parts(s.size, counts, &displacements, "iall_gather_in_place");
+  std::vector<StagedBuffer> staged = staged_one(data, parts_bytes(counts), StagedBuffer::kInOut);
   MPI_Request request = MPI_REQUEST_NULL;
-  mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+  mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, staged[0].mpi(), counts.data(),
                             displacements.data(), MPI_FLOAT, s.comm, &request),
             "MPI_Iallgatherv");
-  return Request(request, false, 0, -1, 0);
+  return Request::posted(request, std::move(staged));
 }
 
 void Communicator::broadcast(void* data, size_t bytes, int root) const {
@@ -346,15 +404,18 @@ void Communicator::broadcast(void* data, size_t bytes, int root) const {
                                         " out of range for a communicator of size " +
                                         std::to_string(s.size));
   check(data != nullptr || bytes == 0, "Communicator::broadcast: null buffer");
-  auto* p = static_cast<char*>(data);
+  StagedBuffer view(data, bytes, s.rank == root ? StagedBuffer::kIn : StagedBuffer::kOut);
+  auto* p = static_cast<char*>(view.mpi());
   if (bytes <= static_cast<size_t>(INT_MAX)) {
     mpi_check(MPI_Bcast(p, static_cast<int>(bytes), MPI_BYTE, root, s.comm), "MPI_Bcast");
+    view.finish();
     return;
   }
   for (size_t offset = 0; offset < bytes; offset += kChunk) {
     const size_t n = std::min(kChunk, bytes - offset);
     mpi_check(MPI_Bcast(p + offset, static_cast<int>(n), MPI_BYTE, root, s.comm), "MPI_Bcast");
   }
+  view.finish();
 }
 
 std::string Communicator::broadcast_text(const std::string& text, int root) const {
@@ -420,19 +481,23 @@ void check_p2p(const char* what, const void* data, size_t bytes, int peer, int t
 Request Communicator::isend(const void* data, size_t bytes, int dest, int tag) const {
   const State& s = live_state();
   check_p2p("isend", data, bytes, dest, tag, s.size);
+  std::vector<StagedBuffer> staged = staged_one(data, bytes, StagedBuffer::kIn);
   MPI_Request request = MPI_REQUEST_NULL;
-  mpi_check(MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, tag, s.comm, &request),
-            "MPI_Isend");
-  return Request(request, false, bytes, dest, tag);
+  mpi_check(
+      MPI_Isend(staged[0].mpi(), static_cast<int>(bytes), MPI_BYTE, dest, tag, s.comm, &request),
+      "MPI_Isend");
+  return Request(request, false, bytes, dest, tag, std::move(staged));
 }
 
 Request Communicator::irecv(void* data, size_t bytes, int source, int tag) const {
   const State& s = live_state();
   check_p2p("irecv", data, bytes, source, tag, s.size);
+  std::vector<StagedBuffer> staged = staged_one(data, bytes, StagedBuffer::kOut);
   MPI_Request request = MPI_REQUEST_NULL;
-  mpi_check(MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE, source, tag, s.comm, &request),
-            "MPI_Irecv");
-  return Request(request, true, bytes, source, tag);
+  mpi_check(
+      MPI_Irecv(staged[0].mpi(), static_cast<int>(bytes), MPI_BYTE, source, tag, s.comm, &request),
+      "MPI_Irecv");
+  return Request(request, true, bytes, source, tag, std::move(staged));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -447,8 +512,10 @@ Request::Request(Request&& other) noexcept
       is_receive_(other.is_receive_),
       bytes_(other.bytes_),
       peer_(other.peer_),
-      tag_(other.tag_) {
+      tag_(other.tag_),
+      staged_(std::move(other.staged_)) {
   other.request_ = MPI_REQUEST_NULL;
+  other.staged_.clear();
 }
 
 Request& Request::operator=(Request&& other) noexcept {
@@ -459,19 +526,32 @@ Request& Request::operator=(Request&& other) noexcept {
     bytes_ = other.bytes_;
     peer_ = other.peer_;
     tag_ = other.tag_;
+    staged_ = std::move(other.staged_);
     other.request_ = MPI_REQUEST_NULL;
+    other.staged_.clear();
   }
   return *this;
 }
 
 void Request::complete_quietly() noexcept {
-  if (request_ == MPI_REQUEST_NULL) return;
-  // After MPI_Finalize the request cannot be waited on (and MPI has released it).
-  if (MpiSession::initialized()) MPI_Wait(&request_, MPI_STATUS_IGNORE);
-  request_ = MPI_REQUEST_NULL;
+  if (request_ != MPI_REQUEST_NULL) {
+    // After MPI_Finalize the request cannot be waited on (and MPI has released it).
+    if (MpiSession::initialized()) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    request_ = MPI_REQUEST_NULL;
+    // What MPI wrote reaches the device buffer as it would have reached a host buffer.
+    for (StagedBuffer& buffer : staged_) {
+      try {
+        buffer.finish();
+      } catch (...) {  // a destructor must not throw; the device's error shows at its next call
+      }
+    }
+  }
+  staged_.clear();
 }
 
-void Request::check_completed(const MPI_Status& status) const {
+void Request::check_completed(const MPI_Status& status) {
+  for (StagedBuffer& buffer : staged_) buffer.finish();
+  staged_.clear();
   if (!is_receive_) return;
   int received = 0;
   MPI_Get_count(&status, MPI_BYTE, &received);

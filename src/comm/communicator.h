@@ -5,6 +5,10 @@
 // malleus::Error naming the problem instead of a hang or silent corruption inside MPI.
 //
 // MPI errors keep the default handler (MPI_ERRORS_ARE_FATAL): a failed MPI call aborts the job.
+//
+// Device memory (comm/staging.h): a buffer in memory a backend registered as its device's is
+// staged through host memory around every call (or given to a CUDA-aware MPI as it is), so the
+// callers hand device buffers and host buffers alike.
 #pragma once
 
 #include <mpi.h>
@@ -16,6 +20,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "comm/staging.h"
 
 namespace malleus::comm {
 
@@ -34,7 +40,8 @@ class Request {
 
   // Blocks until the operation completes; a no-op if it already has. For a receive, throws Error
   // if the message that arrived is shorter than the posted length (a longer one is an MPI
-  // truncation error, fatal under MPI_ERRORS_ARE_FATAL).
+  // truncation error, fatal under MPI_ERRORS_ARE_FATAL). Staged device buffers that MPI wrote
+  // are copied back to the device once it completes (by wait, test, wait_all or the destructor).
   void wait();
   // Completes the operation if it is done (with the same check as wait()); returns whether it is.
   bool test();
@@ -45,10 +52,21 @@ class Request {
 
  private:
   friend class Communicator;
-  Request(MPI_Request request, bool is_receive, size_t bytes, int peer, int tag)
-      : request_(request), is_receive_(is_receive), bytes_(bytes), peer_(peer), tag_(tag) {}
-  // Checks a completed receive's length; request_ must already be MPI_REQUEST_NULL.
-  void check_completed(const MPI_Status& status) const;
+  // A started collective (no length to check) and its staged buffers.
+  static Request posted(MPI_Request request, std::vector<StagedBuffer> staged) {
+    return Request(request, false, 0, -1, 0, std::move(staged));
+  }
+  Request(MPI_Request request, bool is_receive, size_t bytes, int peer, int tag,
+          std::vector<StagedBuffer> staged = {})
+      : request_(request),
+        is_receive_(is_receive),
+        bytes_(bytes),
+        peer_(peer),
+        tag_(tag),
+        staged_(std::move(staged)) {}
+  // Checks a completed receive's length and copies staged buffers back; request_ must already be
+  // MPI_REQUEST_NULL.
+  void check_completed(const MPI_Status& status);
   // Waits without checking (destructor, move-assignment).
   void complete_quietly() noexcept;
 
@@ -57,6 +75,7 @@ class Request {
   size_t bytes_ = 0;
   int peer_ = -1;
   int tag_ = 0;
+  std::vector<StagedBuffer> staged_;  // device buffers MPI sees through host copies
 };
 
 // An MPI communicator with shared ownership: copies refer to the same MPI_Comm, which is freed

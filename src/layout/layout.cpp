@@ -332,31 +332,61 @@ std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces) {
   return owners;
 }
 
-template <typename T>
-void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out) {
-  const T* base = local_buffer + local.offset;
+PieceRuns piece_runs(const model::TensorSpec& local, const Piece& piece) {
   const int64_t from = piece.begin - local.shard_begin, length = piece.end - piece.begin;
   if (local.shard_axis == model::ShardAxis::kColumns) {
     const int64_t rows = local.shape[0], cols = local.shape[1];
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy_n(base + r * cols + from, length, out + r * length);
-  } else {
-    const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
-    std::copy_n(base + from * row, length * row, out);
+    return {local.offset + from, length, rows, cols};
+  }
+  const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
+  return {local.offset + from * row, length * row, 1, length * row};
+}
+
+template <typename T>
+void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out,
+                const DeviceMemory* memory) {
+  const PieceRuns runs = piece_runs(local, piece);
+  if (memory != nullptr) {
+    memory->to_host(out, local_buffer + runs.offset, size_t(runs.length) * sizeof(T),
+                    size_t(runs.rows), size_t(runs.stride) * sizeof(T));
+    return;
+  }
+  for (int64_t r = 0; r < runs.rows; ++r) {
+    std::copy_n(local_buffer + runs.offset + r * runs.stride, runs.length, out + r * runs.length);
   }
 }
 
 template <typename T>
-void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece,
-                  T* local_buffer) {
-  T* base = local_buffer + local.offset;
-  const int64_t from = piece.begin - local.shard_begin, length = piece.end - piece.begin;
-  if (local.shard_axis == model::ShardAxis::kColumns) {
-    const int64_t rows = local.shape[0], cols = local.shape[1];
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(in + r * length, length, base + r * cols + from);
-  } else {
-    const int64_t row = local.shape.size() > 1 ? local.shape[1] : 1;
-    std::copy_n(in, length * row, base + from * row);
+void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece, T* local_buffer,
+                  const DeviceMemory* memory) {
+  const PieceRuns runs = piece_runs(local, piece);
+  if (memory != nullptr) {
+    memory->from_host(local_buffer + runs.offset, in, size_t(runs.length) * sizeof(T),
+                      size_t(runs.rows), size_t(runs.stride) * sizeof(T));
+    return;
+  }
+  for (int64_t r = 0; r < runs.rows; ++r) {
+    std::copy_n(in + r * runs.length, runs.length, local_buffer + runs.offset + r * runs.stride);
+  }
+}
+
+template <typename T>
+void pack_piece(backend::Backend<T>& backend, const T* local_buffer, const model::TensorSpec& local,
+                const Piece& piece, T* out) {
+  const PieceRuns runs = piece_runs(local, piece);
+  for (int64_t r = 0; r < runs.rows; ++r) {
+    backend.copy(out + r * runs.length, local_buffer + runs.offset + r * runs.stride,
+                 size_t(runs.length));
+  }
+}
+
+template <typename T>
+void unpack_piece(backend::Backend<T>& backend, const T* in, const model::TensorSpec& local,
+                  const Piece& piece, T* local_buffer) {
+  const PieceRuns runs = piece_runs(local, piece);
+  for (int64_t r = 0; r < runs.rows; ++r) {
+    backend.copy(local_buffer + runs.offset + r * runs.stride, in + r * runs.length,
+                 size_t(runs.length));
   }
 }
 
@@ -372,20 +402,32 @@ std::optional<int64_t> contiguous_offset(const model::TensorSpec& local, const P
 }
 
 template <typename T>
-void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out) {
-  pack_piece(buffer, rows_view(block.spec, part.row_begin, part.row_end), part.part, out);
+void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out,
+                     const DeviceMemory* memory) {
+  pack_piece(buffer, rows_view(block.spec, part.row_begin, part.row_end), part.part, out, memory);
 }
 
 template <typename T>
-void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer) {
-  unpack_piece(in, rows_view(block.spec, part.row_begin, part.row_end), part.part, buffer);
+void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer,
+                       const DeviceMemory* memory) {
+  unpack_piece(in, rows_view(block.spec, part.row_begin, part.row_end), part.part, buffer, memory);
 }
 
-template void pack_block_part<float>(const float*, const Block&, const BlockPart&, float*);
-template void unpack_block_part<float>(const float*, const Block&, const BlockPart&, float*);
-template void pack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
-template void pack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
-template void unpack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*);
-template void unpack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*);
+template void pack_block_part<float>(const float*, const Block&, const BlockPart&, float*,
+                                     const DeviceMemory*);
+template void unpack_block_part<float>(const float*, const Block&, const BlockPart&, float*,
+                                       const DeviceMemory*);
+template void pack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*,
+                                const DeviceMemory*);
+template void pack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*,
+                                 const DeviceMemory*);
+template void unpack_piece<float>(const float*, const model::TensorSpec&, const Piece&, float*,
+                                  const DeviceMemory*);
+template void unpack_piece<double>(const double*, const model::TensorSpec&, const Piece&, double*,
+                                   const DeviceMemory*);
+template void pack_piece<float>(backend::Backend<float>&, const float*, const model::TensorSpec&,
+                                const Piece&, float*);
+template void unpack_piece<float>(backend::Backend<float>&, const float*, const model::TensorSpec&,
+                                  const Piece&, float*);
 
 }  // namespace malleus::layout

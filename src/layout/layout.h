@@ -12,6 +12,8 @@
 #include <optional>
 #include <vector>
 
+#include "backend/backend.h"
+#include "common/device_memory.h"
 #include "model/config.h"
 #include "model/parameters.h"
 #include "plan/plan.h"
@@ -122,22 +124,45 @@ model::TensorSpec rows_view(const model::TensorSpec& spec, int64_t row_begin, in
 // as pack_block_part writes it, described as a block: parts cut out of parts (a checkpoint's
 // stored pieces read into another plan's blocks) use the same pack and unpack.
 Block packed_block(const model::TensorSpec& full, const BlockPart& part);
-// Copies `part` (which `block` holds) between a buffer laid out with `block` and a contiguous one.
+// Copies `part` (which `block` holds) between a buffer laid out with `block` and a contiguous one
+// in host memory; `memory` is where `buffer` lies (null: host memory; see pack_piece).
 template <typename T>
-void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out);
+void pack_block_part(const T* buffer, const Block& block, const BlockPart& part, T* out,
+                     const DeviceMemory* memory = nullptr);
 template <typename T>
-void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer);
+void unpack_block_part(const T* in, const Block& block, const BlockPart& part, T* buffer,
+                       const DeviceMemory* memory = nullptr);
 
 // One owner for every piece of a one-layout refinement (holders[0]): the holder with the fewest
 // elements given so far, lowest rank on ties, so that every holder of replicated state gets
 // about the same share. What a sharded checkpoint has each rank write.
 std::vector<int> balanced_owners(const std::vector<RefinedPiece>& pieces);
 
-// Copies a piece between a rank's flat buffer (laid out by `local`) and a contiguous buffer.
+// A piece as it lies in a flat buffer laid out by `local`: `rows` runs of `length` elements, the
+// first at `offset`, each `stride` elements after the one before (one run for a row piece or a
+// replicated tensor, one per row for a column piece). pack_piece lays the runs end to end.
+struct PieceRuns {
+  int64_t offset = 0, length = 0, rows = 1, stride = 0;
+};
+PieceRuns piece_runs(const model::TensorSpec& local, const Piece& piece);
+
+// Copies a piece between a rank's flat buffer (laid out by `local`) and a contiguous buffer in
+// host memory. `memory` says where the flat buffer lies: null for host memory, else a device's
+// (a backend's device_memory()), reached through its copies, one per piece.
 template <typename T>
-void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out);
+void pack_piece(const T* local_buffer, const model::TensorSpec& local, const Piece& piece, T* out,
+                const DeviceMemory* memory = nullptr);
 template <typename T>
-void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece, T* local_buffer);
+void unpack_piece(const T* in, const model::TensorSpec& local, const Piece& piece, T* local_buffer,
+                  const DeviceMemory* memory = nullptr);
+// The same with both buffers in `backend`'s memory, by its copies (one per run): what the engine
+// packs gradients and parameters with, so that a GPU's never leave the device to be packed.
+template <typename T>
+void pack_piece(backend::Backend<T>& backend, const T* local_buffer, const model::TensorSpec& local,
+                const Piece& piece, T* out);
+template <typename T>
+void unpack_piece(backend::Backend<T>& backend, const T* in, const model::TensorSpec& local,
+                  const Piece& piece, T* local_buffer);
 // Where `piece` lies in a flat buffer laid out by `local` when it lies there as one run, in the
 // order pack_piece writes it (row pieces, replicated tensors, column pieces as wide as the local
 // tensor): its offset in elements. Then pack_piece / unpack_piece are one copy, and a reader can

@@ -104,8 +104,10 @@ void copy_locally(const RedistributionPlan& plan, int me, const LocalState<const
       const Piece& piece = plan.pieces[static_cast<size_t>(m.piece)].piece;
       scratch.resize(static_cast<size_t>(elements_of(plan, m)));
       for (size_t b = 0; b < buffers; ++b) {
-        pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor), piece, scratch.data());
-        unpack_piece(scratch.data(), to.layout->tensor(m.destination_tensor), piece, to.buffers[b]);
+        pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor), piece, scratch.data(),
+                   from.memory);
+        unpack_piece(scratch.data(), to.layout->tensor(m.destination_tensor), piece, to.buffers[b],
+                     to.memory);
       }
     }
   }
@@ -136,7 +138,7 @@ int64_t move_round(const RedistributionPlan& plan, comm::Communicator& world,
       for (size_t b = 0; b < buffers; ++b) {
         for (const PieceMove& m : bucket) {
           pack_piece(from.buffers[b], from.layout->tensor(m.source_tensor),
-                     plan.pieces[static_cast<size_t>(m.piece)].piece, cursor);
+                     plan.pieces[static_cast<size_t>(m.piece)].piece, cursor, from.memory);
           cursor += elements_of(plan, m);
         }
       }
@@ -155,7 +157,7 @@ int64_t move_round(const RedistributionPlan& plan, comm::Communicator& world,
     for (size_t b = 0; b < buffers; ++b) {
       for (const PieceMove& m : active->buckets[round]) {
         unpack_piece(cursor, to.layout->tensor(m.destination_tensor),
-                     plan.pieces[static_cast<size_t>(m.piece)].piece, to.buffers[b]);
+                     plan.pieces[static_cast<size_t>(m.piece)].piece, to.buffers[b], to.memory);
         cursor += elements_of(plan, m);
       }
     }

@@ -39,16 +39,19 @@ RedistributionPlan plan_redistribution(const model::ModelConfig& model, const La
                                        const Layout& to, int ranks_per_node = 0);
 
 // One side of a redistribution on this rank: its own parameter layout and the buffers laid out by
-// it (parameters, Adam moments, ...), or nothing when the rank holds nothing on that side.
+// it (parameters, Adam moments, ...), or nothing when the rank holds nothing on that side. The
+// buffers lie in `memory` (a backend's device memory; null: host memory): pieces are packed into
+// and unpacked from host messages through its copies.
 template <typename T>
 struct LocalState {
   const model::ParameterLayout* layout = nullptr;
   std::vector<T*> buffers;
+  const DeviceMemory* memory = nullptr;
 };
 
 template <typename T>
 LocalState<const T> read_only(const LocalState<T>& state) {
-  return {state.layout, {state.buffers.begin(), state.buffers.end()}};
+  return {state.layout, {state.buffers.begin(), state.buffers.end()}, state.memory};
 }
 
 // Runs `plan` on this rank, moving every buffer of `from` (this rank's old state) into the same

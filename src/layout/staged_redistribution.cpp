@@ -481,7 +481,8 @@ class BandMover {
     const model::TensorSpec view =
         band_view((*state.blocks)[static_cast<size_t>(m.source_block)].spec, m);
     for (size_t b = 0; b < buffers_of(m); ++b) {
-      pack_piece(state.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements));
+      pack_piece(state.buffers[b], view, m.part, out + b * static_cast<size_t>(m.elements),
+                 state.memory);
     }
   }
 
@@ -490,7 +491,8 @@ class BandMover {
     const model::TensorSpec view =
         band_view((*state.blocks)[static_cast<size_t>(m.destination_block)].spec, m);
     for (size_t b = 0; b < buffers_of(m); ++b) {
-      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, state.buffers[b]);
+      unpack_piece(in + b * static_cast<size_t>(m.elements), view, m.part, state.buffers[b],
+                   state.memory);
     }
   }
 

@@ -105,11 +105,13 @@ struct StateMemory {
 };
 
 // One kind of state on this rank, on one side: its blocks (the kind's from or to blocks of this
-// rank) and its buffers, or nothing when it holds none.
+// rank) and its buffers, or nothing when it holds none. The buffers lie in `memory` (a backend's
+// device memory; null: host memory), reached through its copies.
 template <typename T>
 struct KindState {
   const Blocks* blocks = nullptr;
   std::vector<T*> buffers;
+  const DeviceMemory* memory = nullptr;
 };
 
 // Runs `staged` on this rank: collective over `world` (every rank calls it with the same staged

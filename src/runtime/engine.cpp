@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "comm/staging.h"
 #include "common/error.h"
 #include "layout/migration.h"
 #include "layout/redistribution.h"
@@ -67,7 +68,9 @@ Engine::Engine(const model::ModelConfig& model, const plan::Plan& plan, comm::Co
   check(options.migration_bucket_bytes > 0, "migration_bucket_bytes must be positive, got " +
                                                 std::to_string(options.migration_bucket_bytes));
   backend_->allocations().set_deferring(deferred);
-  // A device's compute still queued is not counted as waiting inside tensor-parallel collectives.
+  // A device's memory reaches MPI through the communicator's staging (comm/staging.h), and its
+  // queued compute is not counted as waiting inside tensor-parallel collectives.
+  comm::register_device_memory(backend_->device_memory());
   if (MpiTensorParallelGroup* tp = state_->tensor_parallel()) {
     tp->set_settle([timer = &backend_->region_timer()] { timer->settle(); });
   }
@@ -173,6 +176,7 @@ StepResult Engine::step(const SampleFn& sample, float lr, float grad_clip, doubl
   // stops).
   if (std::isfinite(result.loss) && std::isfinite(result.grad_norm)) {
     update(lr, static_cast<float>(clip), slowdown);
+    host_copy_.fresh = false;
   }
   ++steps_done_;
   return result;
@@ -387,9 +391,9 @@ void Engine::sync_gradients() {
     for (size_t i = begin; i < end; ++i) {
       const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
       if (layout::contributes(piece, me)) {
-        layout::pack_piece(model_->grads(), my_part(piece), piece.piece, cursor);
+        layout::pack_piece(*backend_, model_->grads(), my_part(piece), piece.piece, cursor);
       } else {
-        std::fill_n(cursor, piece.elements, 0.0f);
+        backend_->fill_zero(cursor, static_cast<size_t>(piece.elements));
       }
       cursor += piece.elements;
     }
@@ -420,11 +424,11 @@ void Engine::sync_gradients() {
       int64_t elements = 0;
       for (size_t i = begin; i < end; ++i) elements += sync.pieces[size_t(ids[i])].elements;
       pack(ids, begin, end, pack_buffer(static_cast<size_t>(elements)));
-      all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_buffer_.size(), lease());
+      all_reduce_sum(st.grad_sync_comm(g), pack_buffer_.data(), pack_size_, lease());
       const float* cursor = pack_buffer_.data();
       for (size_t i = begin; i < end; ++i) {
         const auto& piece = sync.pieces[static_cast<size_t>(ids[i])];
-        layout::unpack_piece(cursor, my_part(piece), piece.piece, model_->grads());
+        layout::unpack_piece(*backend_, cursor, my_part(piece), piece.piece, model_->grads());
         cursor += piece.elements;
       }
     }
@@ -450,8 +454,20 @@ std::pair<double, double> Engine::probe_links() {
   // are all slow.
   CoreLease::Gap gap(lease());
   const size_t elements = static_cast<size_t>(plan::kLinkProbeElements);
-  float* buffer = pack_buffer(2 * elements);
-  std::fill_n(buffer, 2 * elements, 0.0f);
+  // The link's bytes, from host memory: the packing buffer where the backend's memory is the
+  // host's, else a host buffer of the probe's own (staging a device's would time its copies too).
+  std::vector<float> host_probe;
+  backend::MemoryBooking host_probe_booking;
+  float* buffer = nullptr;
+  if (backend_->device_memory()) {
+    host_probe.assign(2 * elements, 0.0f);
+    host_probe_booking = backend::MemoryBooking(backend::MemoryKind::kCommunication,
+                                                int64_t(2 * elements * sizeof(float)));
+    buffer = host_probe.data();
+  } else {
+    buffer = pack_buffer(2 * elements);
+    std::fill_n(buffer, 2 * elements, 0.0f);
+  }
   const size_t bytes = elements * sizeof(float);
   constexpr int kProbeTag = 32000;  // above any micro-batch's activation tags
   double fastest = std::numeric_limits<double>::infinity();
@@ -494,7 +510,7 @@ void Engine::distributed_update(float lr, float grad_scale) {
       const int64_t end = std::min(at + piece.elements, chunk.slice_end());
       if (begin < end) {
         const model::TensorSpec& part = my_part(piece);
-        layout::pack_piece(model_->params(), part, piece.piece, packed + at);
+        layout::pack_piece(*backend_, model_->params(), part, piece.piece, packed + at);
         const int64_t offset = chunk.shard_offset + (begin - chunk.slice_begin());
         optimizer_->update(packed + begin, grad_shard_.data() + offset, offset, end - begin,
                            part.weight_decay, lr, grad_scale);
@@ -509,15 +525,20 @@ void Engine::distributed_update(float lr, float grad_scale) {
     at = 0;
     for (int p : chunk.pieces) {
       const auto& piece = sync.pieces[static_cast<size_t>(p)];
-      layout::unpack_piece(packed + at, my_part(piece), piece.piece, model_->params());
+      layout::unpack_piece(*backend_, packed + at, my_part(piece), piece.piece, model_->params());
       at += piece.elements;
     }
   }
 }
 
 float* Engine::pack_buffer(size_t elements) {
-  pack_buffer_.resize(elements);
-  pack_booking_.resize(static_cast<int64_t>(pack_buffer_.capacity() * sizeof(float)));
+  if (elements > pack_buffer_.size()) {
+    // As std::vector::resize grows: to twice the size asked for last, or what is asked if more.
+    const size_t capacity = std::max(2 * pack_size_, elements);
+    pack_buffer_ = {};
+    pack_buffer_ = backend::Buffer<float>(*backend_, capacity, backend::MemoryKind::kCommunication);
+  }
+  pack_size_ = elements;
   return pack_buffer_.data();
 }
 
@@ -537,9 +558,9 @@ double Engine::local_norm_squares() {
   double sum = 0;
   for (const auto& piece : sync.pieces) {
     if (layout::norm_owner(piece) != me) continue;
-    layout::pack_piece(model_->grads(), my_part(piece), piece.piece,
+    layout::pack_piece(*backend_, model_->grads(), my_part(piece), piece.piece,
                        pack_buffer(static_cast<size_t>(piece.elements)));
-    sum += backend_->sum_squares(pack_buffer_.data(), pack_buffer_.size());
+    sum += backend_->sum_squares(pack_buffer_.data(), pack_size_);
   }
   return sum;
 }
@@ -554,8 +575,11 @@ int64_t Engine::move_state(Engine& next, const layout::StagedRedistribution& sta
   std::vector<std::vector<float*>> old_buffers(kinds.size());  // given back band by band
   for (size_t k = 0; k < kinds.size(); ++k) {
     old_buffers[k] = state_buffers(static_cast<int>(k));
-    from[k] = {&kinds[k].from[me], {old_buffers[k].begin(), old_buffers[k].end()}};
-    to[k] = {&kinds[k].to[me], next.state_buffers(static_cast<int>(k))};
+    from[k] = {&kinds[k].from[me],
+               {old_buffers[k].begin(), old_buffers[k].end()},
+               backend_->device_memory().get()};
+    to[k] = {&kinds[k].to[me], next.state_buffers(static_cast<int>(k)),
+             next.backend_->device_memory().get()};
   }
   layout::StateMemory memory;
   memory.commit = [&](int kind, int64_t offset, int64_t count) {
@@ -577,8 +601,9 @@ int64_t Engine::move_kind(Engine& next, const layout::StagedRedistribution& stag
   const std::vector<float*> old_buffers = state_buffers(which),
                             new_buffers = next.state_buffers(which);
   const std::vector<layout::KindState<const float>> from{
-      {&kind.from[me], {old_buffers.begin(), old_buffers.end()}}};
-  const std::vector<layout::KindState<float>> to{{&kind.to[me], new_buffers}};
+      {&kind.from[me], {old_buffers.begin(), old_buffers.end()}, backend_->device_memory().get()}};
+  const std::vector<layout::KindState<float>> to{
+      {&kind.to[me], new_buffers, next.backend_->device_memory().get()}};
   layout::StateMemory memory;
   memory.commit = [&](int, int64_t offset, int64_t count) {
     for (float* buffer : new_buffers) next.backend_->commit_range(buffer + offset, size_t(count));
@@ -607,7 +632,7 @@ void Engine::give_back_working_memory() {
     backend_->decommit_all(kind);
   }
   pack_buffer_ = {};
-  pack_booking_.resize(0);
+  pack_size_ = 0;
 }
 
 std::unique_ptr<Engine> Engine::migrate(const plan::Plan& plan, MigrationStats* stats) {
@@ -666,9 +691,45 @@ HeldState Engine::held_state() {
     moment_blocks_ = shard_ ? layout::shard_blocks(full, state_->grad_sync(), *shard_)
                             : layout::local_blocks(full, model_->layout());
   }
-  return {
-      &model_->layout(),           model_->params(),  &moment_blocks_, optimizer_->first_moment(),
-      optimizer_->second_moment(), shard_.has_value()};
+  if (!backend_->device_memory()) {
+    return {
+        &model_->layout(),           model_->params(),  &moment_blocks_, optimizer_->first_moment(),
+        optimizer_->second_moment(), shard_.has_value()};
+  }
+  copy_state_to_host();
+  return {&model_->layout(),        host_copy_.params.data(), &moment_blocks_,
+          host_copy_.adam_m.data(), host_copy_.adam_v.data(), shard_.has_value()};
+}
+
+// The state into host_copy_, unless it holds it already.
+void Engine::copy_state_to_host() {
+  const DeviceMemory& memory = *backend_->device_memory();
+  const size_t params = static_cast<size_t>(model_->layout().total_size());
+  const size_t moments = static_cast<size_t>(optimizer_->elements());
+  if (host_copy_.params.size() != params) host_copy_.params = PageBuffer<float>(params);
+  if (host_copy_.adam_m.size() != moments) {
+    host_copy_.adam_m = PageBuffer<float>(moments);
+    host_copy_.adam_v = PageBuffer<float>(moments);
+    host_copy_.fresh = false;
+  }
+  if (host_copy_.fresh) return;
+  memory.to_host(host_copy_.params.data(), model_->params(), params * sizeof(float));
+  memory.to_host(host_copy_.adam_m.data(), optimizer_->first_moment(), moments * sizeof(float));
+  memory.to_host(host_copy_.adam_v.data(), optimizer_->second_moment(), moments * sizeof(float));
+  host_copy_.fresh = true;
+}
+
+void Engine::restore_held_state(const std::function<void(const HeldState&)>& write) {
+  const HeldState held = held_state();
+  write(held);
+  if (!backend_->device_memory() || held.layout == nullptr) return;
+  const DeviceMemory& memory = *backend_->device_memory();
+  memory.from_host(model_->params(), held.params, host_copy_.params.size() * sizeof(float));
+  memory.from_host(optimizer_->first_moment(), held.adam_m,
+                   host_copy_.adam_m.size() * sizeof(float));
+  memory.from_host(optimizer_->second_moment(), held.adam_v,
+                   host_copy_.adam_v.size() * sizeof(float));
+  host_copy_.fresh = true;  // the device now holds what the copy holds
 }
 
 layout::LocalState<float> Engine::local_state() {
@@ -683,8 +744,8 @@ layout::LocalState<float> Engine::local_state() {
     for (auto [moment, staged] : {std::pair{optimizer_->first_moment(), staged_m_.data()},
                                   std::pair{optimizer_->second_moment(), staged_v_.data()}}) {
       float* packed = pack_buffer(static_cast<size_t>(chunk.elements));
-      std::copy_n(moment + chunk.shard_offset, chunk.slice_elements(),
-                  packed + chunk.slice_begin());
+      backend_->copy(packed + chunk.slice_begin(), moment + chunk.shard_offset,
+                     static_cast<size_t>(chunk.slice_elements()));
       if (chunk.group >= 0) {
         slice_parts(chunk, &counts, &displacements);
         all_gather_in_place(state_->grad_sync_comm(static_cast<size_t>(chunk.group)), packed,
@@ -693,7 +754,7 @@ layout::LocalState<float> Engine::local_state() {
       int64_t at = 0;
       for (int p : chunk.pieces) {
         const auto& piece = sync.pieces[static_cast<size_t>(p)];
-        layout::unpack_piece(packed + at, my_part(piece), piece.piece, staged);
+        layout::unpack_piece(*backend_, packed + at, my_part(piece), piece.piece, staged);
         at += piece.elements;
       }
     }
@@ -704,19 +765,22 @@ layout::LocalState<float> Engine::local_state() {
 layout::LocalState<float> Engine::writable_local_state() {
   finish_background();
   if (!model_) return {};
+  const DeviceMemory* memory = backend_->device_memory().get();
   if (!shard_) {
     return {&model_->layout(),
-            {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()}};
+            {model_->params(), optimizer_->first_moment(), optimizer_->second_moment()},
+            memory};
   }
   const size_t total = static_cast<size_t>(model_->layout().total_size());
   if (staged_m_.size() != total) {
     staged_m_ = backend::Buffer<float>(*backend_, total, backend::MemoryKind::kOptimizer);
     staged_v_ = backend::Buffer<float>(*backend_, total, backend::MemoryKind::kOptimizer);
   }
-  return {&model_->layout(), {model_->params(), staged_m_.data(), staged_v_.data()}};
+  return {&model_->layout(), {model_->params(), staged_m_.data(), staged_v_.data()}, memory};
 }
 
 void Engine::commit_local_state() {
+  host_copy_.fresh = false;  // written through writable_local_state()
   if (!shard_ || staged_m_.size() == 0) return;
   const auto& sync = state_->grad_sync();
   for (const layout::ShardChunk& chunk : shard_->chunks) {
@@ -727,12 +791,12 @@ void Engine::commit_local_state() {
       for (int p : chunk.pieces) {
         const auto& piece = sync.pieces[static_cast<size_t>(p)];
         if (at < chunk.slice_end() && chunk.slice_begin() < at + piece.elements) {
-          layout::pack_piece(staged, my_part(piece), piece.piece, packed + at);
+          layout::pack_piece(*backend_, staged, my_part(piece), piece.piece, packed + at);
         }
         at += piece.elements;
       }
-      std::copy_n(packed + chunk.slice_begin(), chunk.slice_elements(),
-                  moment + chunk.shard_offset);
+      backend_->copy(moment + chunk.shard_offset, packed + chunk.slice_begin(),
+                     static_cast<size_t>(chunk.slice_elements()));
     }
   }
   release_local_state();
@@ -745,6 +809,7 @@ void Engine::release_local_state() {
 
 void Engine::set_steps_done(int64_t steps) {
   steps_done_ = steps;
+  host_copy_.fresh = false;
   if (optimizer_) optimizer_->set_steps_done(steps);
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/host_pages.h"
 #include "layout/optimizer_shard.h"
 #include "layout/redistribution.h"
 #include "model/transformer.h"
@@ -211,9 +212,13 @@ class Engine {
   // Every method that reads or writes the moments calls it first.
   void finish_background();
 
-  // This rank's state as it lies (not collective): what a checkpoint copies out of and reads
-  // into. Writing into it is not followed by anything: the engine uses what it finds there.
+  // This rank's state as it lies (not collective): what a checkpoint copies out of. On a backend
+  // whose memory is a device's (Backend::device_memory) the pointers are a host copy of it, made
+  // once per state (kept, and refreshed only after the state changed).
   HeldState held_state();
+  // What a checkpoint reads into: `write` gets the same pointers as held_state() and fills them;
+  // on a device backend the host copy then goes back to the device. Not collective.
+  void restore_held_state(const std::function<void(const HeldState&)>& write);
 
   // Parameters and both Adam moments in this rank's layout (nothing when idle): what a gather to
   // one rank and a scatter from it move.
@@ -312,10 +317,19 @@ class Engine {
   // Both moments in the local layout, while local_state() lends them out.
   backend::Buffer<float> staged_m_, staged_v_;
   int64_t steps_done_ = 0;  // kept on idle ranks too
-  std::vector<float> pack_buffer_;
-  backend::MemoryBooking pack_booking_{backend::MemoryKind::kCommunication, 0};  // pack_buffer_'s
-  // Sizes pack_buffer_ and books its allocation.
+  // Gradients and parameters packed for the collectives, in the backend's memory (a device's
+  // stays there; the communicator stages it around MPI). Grows as a std::vector would, booked as
+  // communication.
+  backend::Buffer<float> pack_buffer_;
+  size_t pack_size_ = 0;
+  // Sizes pack_buffer_ (its values are not kept) and returns it.
   float* pack_buffer(size_t elements);
+  // The host copy held_state() gives on a device backend, and whether it holds the state as it is.
+  struct HostCopy {
+    PageBuffer<float> params, adam_m, adam_v;
+    bool fresh = false;
+  } host_copy_;
+  void copy_state_to_host();
   double work_flops_ = 0;  // per step, of this rank's shard
   backend::Buffer<float> probe_a_, probe_b_, probe_c_;
   std::vector<int32_t> inputs_, targets_;

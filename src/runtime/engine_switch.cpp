@@ -150,10 +150,12 @@ void Engine::start_background(std::unique_ptr<Background> background, std::uniqu
   const int64_t window = std::max<int64_t>(1, options_.migration_bucket_bytes / 2);
   background->move = std::make_unique<layout::BackgroundRedistribution<float>>(
       std::move(part), state_->world(),
-      std::vector<layout::KindState<const float>>{
-          {&moments.from[me], {old_moments.begin(), old_moments.end()}}},
-      std::vector<layout::KindState<float>>{{&moments.to[me], state_buffers(1)}}, std::move(memory),
-      window, kBackgroundTag);
+      std::vector<layout::KindState<const float>>{{&moments.from[me],
+                                                   {old_moments.begin(), old_moments.end()},
+                                                   from.backend_->device_memory().get()}},
+      std::vector<layout::KindState<float>>{
+          {&moments.to[me], state_buffers(1), backend_->device_memory().get()}},
+      std::move(memory), window, kBackgroundTag);
   background->old = std::move(old);
   background_ = std::move(background);
   poll_background();  // the first bands leave now

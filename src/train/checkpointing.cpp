@@ -138,15 +138,17 @@ void load_engine_state(runtime::Engine& engine, const checkpoint::Checkpoint& ch
                        const model::ModelConfig& model, comm::Communicator& world) {
   if (checkpoint.sharded) {
     // Straight into where each rank keeps its state (the Adam moments into its optimizer shard
-    // when they are split); nothing goes through rank 0 or is scattered.
-    const runtime::HeldState held = engine.held_state();
+    // when they are split); nothing goes through rank 0 or is scattered. On a device the
+    // pointers are a host copy, which goes to the device once read.
     comm::agree_on_error(
         world, comm::error_of([&] {
-          if (held.layout == nullptr) return;
-          const layout::Blocks params =
-              layout::local_blocks(model::ParameterLayout(model), *held.layout);
-          const checkpoint::StateTarget moments{held.moment_blocks, {held.adam_m, held.adam_v}};
-          checkpoint.sharded->read({&params, {held.params}}, &moments);
+          engine.restore_held_state([&](const runtime::HeldState& held) {
+            if (held.layout == nullptr) return;
+            const layout::Blocks params =
+                layout::local_blocks(model::ParameterLayout(model), *held.layout);
+            const checkpoint::StateTarget moments{held.moment_blocks, {held.adam_m, held.adam_v}};
+            checkpoint.sharded->read({&params, {held.params}}, &moments);
+          });
         }));
     engine.set_steps_done(checkpoint.step);
     return;

@@ -7,6 +7,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/memory_checkpoint.h"
+#include "comm/staging.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/format.h"
@@ -74,6 +75,8 @@ std::string open_devices(const TrainConfig& c, const comm::Communicator& world,
     line += ": ";
     line += what;
   }
+  // How the device's buffers meet MPI: staged through host memory, or given to a CUDA-aware MPI.
+  if (device.memory) line += "\ncommunication: " + comm::transport_text(*device.memory);
   return line;
 }
 

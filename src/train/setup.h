@@ -49,7 +49,8 @@ runtime::EngineOptions engine_options(const TrainConfig& config, int world_size)
 // Opens this rank's device for the engine (options->make_backend, from the config's backend,
 // devices and cuda_math); one rank's failure (no device, a --devices entry the node lacks) stops
 // every rank with its message. Collective. Returns rank 0's header line saying where each rank
-// computes, or "" on other ranks and when every rank is on the CPU.
+// computes and how device buffers reach MPI, or "" on other ranks and when every rank is on the
+// CPU.
 std::string open_devices(const TrainConfig& config, const comm::Communicator& world,
                          runtime::EngineOptions* options);
 
