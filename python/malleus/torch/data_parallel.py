@@ -125,6 +125,10 @@ class DataParallel(torch.nn.Module):
         _positive_int("seq_len", self.seq_len)
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
         self.comm_device = comm_device(self.group)
+        # Where the module computes, whatever the group's backend: its compute is timed there
+        # (CUDA events on a GPU) and an idle rank's probe runs there.
+        first = next(module.parameters(), None)
+        self.device = first.device if first is not None else self.comm_device
         # Every replica holds the whole model and optimizer state (no distributed optimizer).
         self.loop = malleus.StragglerLoop(
             plan_of_split(self._even_split(), micro_batch, self.config["num_layers"]),
@@ -206,7 +210,7 @@ class DataParallel(torch.nn.Module):
             first = sum(split[:self.rank]) * self.micro_batch
             mine = split[self.rank]
             start = time.perf_counter()
-            timer = ComputeTimer(self.comm_device)
+            timer = ComputeTimer(self.device)
             self._buckets.begin()
             timer.start()
             units, previous = 0, None
@@ -324,5 +328,5 @@ class DataParallel(torch.nn.Module):
     def _run_probe(self):
         """What an idle rank times so that the loop sees it recover (the engine's probe)."""
         if self._probe is None:
-            self._probe = IdleProbe(self.comm_device)
+            self._probe = IdleProbe(self.device)
         self._probe.run()

@@ -14,10 +14,13 @@ __all__ = ["ComputeTimer", "IdleProbe"]
 
 class ComputeTimer:
     """Elapsed compute between ``start()`` and ``stop()``: ``time.perf_counter`` around
-    synchronous CPU work, ``torch.cuda.Event`` pairs on the current stream on a GPU."""
+    synchronous CPU work, ``torch.cuda.Event`` pairs on ``device``'s current stream on a GPU
+    (the device the module computes on, whatever the process group's backend: gloo reduces CUDA
+    tensors too, and two processes sharing one GPU must use it)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self._begin = self._end = None
         self._t0 = 0.0
 
@@ -25,14 +28,14 @@ class ComputeTimer:
         if self.cuda:
             self._begin = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
-            self._begin.record()
+            self._begin.record(torch.cuda.current_stream(self.device))
         else:
             self._t0 = time.perf_counter()
 
     def stop(self) -> float:
         """Seconds since ``start()``."""
         if self.cuda:
-            self._end.record()
+            self._end.record(torch.cuda.current_stream(self.device))
             self._end.synchronize()
             return self._begin.elapsed_time(self._end) / 1000.0
         return time.perf_counter() - self._t0
