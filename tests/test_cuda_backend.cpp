@@ -298,6 +298,56 @@ TEST_F(CudaBackend, ProductsSeeParametersWrittenSinceTheLastUpdate) {
   }
 }
 
+// What MPI's staging and the runtime's migration see (Backend::device_memory): a bf16 buffer
+// reads as the floats it stands for and takes floats, rounded; rows apart by a pitch too; a write
+// into parameters reaches the next product (their bf16 copy goes stale).
+TEST_F(CudaBackend, ItsDeviceMemoryReadsAndWritesBf16BuffersAsFloats) {
+  auto gpu = make_cuda_backend(CudaMath::kBf16);
+  ASSERT_NE(gpu->device_memory(), nullptr);
+  const DeviceMemory& memory = *gpu->device_memory();
+  const size_t rows = 8, columns = 300, pitch = 512;
+  Buffer<float> narrow(*gpu, rows * pitch, MemoryKind::kActivations);
+  EXPECT_TRUE(memory.holds(narrow.data() + 17));
+  const Host x = random_vector(rows * pitch, 31, -3, 3);
+  gpu->copy_from_host(narrow.data(), x.data(), x.size());
+  Host all(x.size());
+  memory.to_host(all.data(), narrow.data(), all.size() * sizeof(float));
+  EXPECT_EQ(all, rounded_bf16(x));
+  // Columns [5, 5 + columns) of every row, out and back in.
+  Host piece(rows * columns);
+  memory.to_host(piece.data(), narrow.data() + 5, columns * sizeof(float), rows,
+                 pitch * sizeof(float));
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < columns; ++c) ASSERT_EQ(piece[r * columns + c], all[r * pitch + 5 + c]);
+  }
+  const Host y = random_vector(piece.size(), 32, -3, 3);
+  memory.from_host(narrow.data() + 5, y.data(), columns * sizeof(float), rows,
+                   pitch * sizeof(float));
+  Host back(x.size());
+  gpu->copy_to_host(back.data(), narrow.data(), back.size());
+  const Host y_rounded = rounded_bf16(y);
+  for (size_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(back[r * pitch + 4], all[r * pitch + 4]);  // untouched beside the piece
+    for (size_t c = 0; c < columns; ++c)
+      ASSERT_EQ(back[r * pitch + 5 + c], y_rounded[r * columns + c]);
+  }
+  // Parameters written through it: the product after sees them.
+  const int n = 16, ic = 64, oc = 32;
+  Buffer<float> weight(*gpu, size_t(oc) * ic, MemoryKind::kParameters);
+  Buffer<float> in(*gpu, size_t(n) * ic, MemoryKind::kActivations);
+  Buffer<float> out(*gpu, size_t(n) * oc, MemoryKind::kActivations);
+  const Host ones(in.size(), 1.0f);
+  gpu->copy_from_host(in.data(), ones.data(), ones.size());
+  Host result(out.size());
+  for (float value : {0.5f, -2.0f}) {
+    const Host w(weight.size(), value);
+    memory.from_host(weight.data(), w.data(), w.size() * sizeof(float));
+    gpu->matmul_forward(out.data(), in.data(), weight.data(), n, ic, oc);
+    gpu->copy_to_host(result.data(), out.data(), result.size());
+    EXPECT_FLOAT_EQ(result[0], value * ic) << "weights " << value;
+  }
+}
+
 Outputs matmul_outputs(Side& s, int n, int ic, int oc, uint64_t seed) {
   const Host in = random_vector(size_t(n) * ic, seed),
              weight = random_vector(size_t(oc) * ic, seed + 1),

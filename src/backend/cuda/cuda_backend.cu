@@ -18,7 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/backend_memory.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/flash_attention.cuh"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/storage_map.h"
@@ -176,6 +178,11 @@ class CudaBackend final : public Backend<float> {
     cublas_check(cublasSetMathMode(handle_, math == CudaMath::kExact ? CUBLAS_PEDANTIC_MATH
                                                                      : CUBLAS_DEFAULT_MATH),
                  "cublasSetMathMode");
+    int device = 0;
+    cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+    // Its buffers as MPI and the host reach them (bf16 handles widened and rounded on the way);
+    // open_device keeps a backend's own device memory.
+    set_device_memory(cuda::backend_memory(storage_, cuda_device_memory(device)));
     const char* profile = std::getenv("MALLEUS_CUDA_PROFILE");
     if (profile != nullptr && std::string(profile) == "1") profile_ = std::make_unique<Profile>();
     const char* tuning = std::getenv("MALLEUS_CUDA_GEMM_TUNING");
@@ -185,7 +192,7 @@ class CudaBackend final : public Backend<float> {
   }
   ~CudaBackend() override {
     // Buffers still registered (a leak elsewhere) are given back with the backend.
-    storage_.for_each([](StoredBuffer& b) { free_buffer(b); });
+    storage_->for_each([](StoredBuffer& b) { free_buffer(b); });
     if (handle_ != nullptr) cublasDestroy(handle_);
   }
   CudaBackend(const CudaBackend&) = delete;
@@ -215,7 +222,7 @@ class CudaBackend final : public Backend<float> {
       b.handle = b.data;
       if (shadowed(kind)) b.shadow = zeroed(count * sizeof(bf16));
     }
-    storage_.add(b);
+    storage_->add(b);
     return static_cast<float*>(const_cast<void*>(b.handle));
   }
   size_t allocation_bytes(size_t count, MemoryKind kind, Precision precision) const override {
@@ -231,7 +238,7 @@ class CudaBackend final : public Backend<float> {
     // Called from destructors (Buffer's): reported, not thrown.
     if (tokens_.erase(pointer) > 0) return cuda::free_quietly(pointer);
     try {
-      StoredBuffer b = storage_.remove(pointer);
+      StoredBuffer b = storage_->remove(pointer);
       free_buffer(b);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
@@ -521,7 +528,7 @@ class CudaBackend final : public Backend<float> {
     s.inv_sqrt_bias2 = float(1.0 / std::sqrt(1.0 - std::pow(double(step.beta2), steps)));
     s.eps = step.eps;
     // The update writes the bf16 copy too, so it does not go stale.
-    const cuda::Resolved p = storage_.resolve(param, count);
+    const cuda::Resolved p = storage_->resolve(param, count);
     bf16* shadow = p.buffer->shadow ? static_cast<bf16*>(p.shadow_address()) : nullptr;
     cuda::adamw({p.address(), p.buffer->storage == Storage::kBf16}, shadow, span(grad, count),
                 written(m, count), written(v, count), count, s);
@@ -541,19 +548,19 @@ class CudaBackend final : public Backend<float> {
 
   // Where `count` elements from `pointer` are stored, for reading.
   Span span(const float* pointer, size_t count) {
-    const cuda::Resolved r = storage_.resolve(pointer, count);
+    const cuda::Resolved r = storage_->resolve(pointer, count);
     return {r.address(), r.buffer->storage == Storage::kBf16};
   }
   // The same, for writing: a buffer with a bf16 copy has that copy go stale.
   Span written(float* pointer, size_t count) {
-    const cuda::Resolved r = storage_.resolve(pointer, count);
+    const cuda::Resolved r = storage_->resolve(pointer, count);
     if (r.buffer->shadow != nullptr) r.buffer->shadow_stale = true;
     return {r.address(), r.buffer->storage == Storage::kBf16};
   }
   // A matrix product's weights: the bf16 copy where the buffer has one (converted again first
   // when stale).
   Span weights(const float* pointer, size_t count) {
-    const cuda::Resolved r = storage_.resolve(pointer, count);
+    const cuda::Resolved r = storage_->resolve(pointer, count);
     StoredBuffer& b = *r.buffer;
     if (b.shadow == nullptr) return {r.address(), b.storage == Storage::kBf16};
     if (b.shadow_stale) {
@@ -596,7 +603,7 @@ class CudaBackend final : public Backend<float> {
   cublasHandle_t handle_ = nullptr;
   std::unique_ptr<Profile> profile_;        // null unless MALLEUS_CUDA_PROFILE=1
   std::unique_ptr<cuda::TunedGemm> tuned_;  // null unless bf16 and MALLEUS_CUDA_GEMM_TUNING=1
-  cuda::StorageMap storage_;
+  std::shared_ptr<cuda::StorageMap> storage_ = std::make_shared<cuda::StorageMap>();
   std::set<void*> tokens_;
   cuda::KernelScratch scratch_;
   Scratch<float> staging_;   // fp32 copies of bf16 ranges on their way to and from the host
