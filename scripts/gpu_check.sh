@@ -37,6 +37,7 @@ prepare() {
   done
   cp build-cuda/src/*/libmalleus_*.a "$carry/static/"
   cp -r /usr/include/nlohmann "$carry/include/"
+  cp -r "$(mpicc --showme:incdirs | awk '{print $1}')" "$carry/include/openmpi"
   # Shared libraries outside the C runtime, the CUDA driver and toolkit and Open MPI (the device
   # has those: its own libmpi.so.40 serves our binaries).
   ldd "$carry"/bin/* | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
@@ -244,7 +245,9 @@ python_module() {
   [[ -f .gpu-python/malleus/built ]] && return 0
   local suffix includes libdir mpi
   suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-  includes=$("$python" -m pybind11 --includes)
+  # Open MPI's headers: the device's own where it has them, else the ones carried from here (the
+  # same 4.1 ABI).
+  includes="$("$python" -m pybind11 --includes) -I$(ompi_info --path incdir 2> /dev/null | awk '{print $NF}') -I$carry/include/openmpi"
   libdir=$(ompi_info --path libdir 2> /dev/null | awk '{print $NF}')
   mpi=$(ls "$libdir"/libmpi.so.40 2> /dev/null || ldconfig -p | awk '/libmpi.so.40 /{print $NF; exit}')
   rm -rf .gpu-python && mkdir -p .gpu-python && cp -r python/malleus .gpu-python/

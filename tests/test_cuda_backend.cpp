@@ -348,6 +348,23 @@ TEST_F(CudaBackend, ItsDeviceMemoryReadsAndWritesBf16BuffersAsFloats) {
   }
 }
 
+// An engine's switch copies from the old engine's buffers into the new one's, each allocated by
+// the engine's own backend: one backend reaches another's buffers, and ending one frees its own.
+TEST_F(CudaBackend, OneBackendReachesAnothersBuffers) {
+  auto old_backend = make_cuda_backend(CudaMath::kBf16);
+  auto new_backend = make_cuda_backend(CudaMath::kBf16);
+  const Host x = random_vector(1000, 33, -3, 3);
+  Buffer<float> from(*old_backend, x.size(), MemoryKind::kActivations);
+  Buffer<float> to(*new_backend, x.size(), MemoryKind::kActivations, Precision::kExact);
+  old_backend->copy_from_host(from.data(), x.data(), x.size());
+  new_backend->copy(to.data(), from.data(), x.size());
+  from = {};
+  old_backend.reset();
+  Host back(x.size());
+  new_backend->copy_to_host(back.data(), to.data(), back.size());
+  EXPECT_EQ(back, rounded_bf16(x));
+}
+
 Outputs matmul_outputs(Side& s, int n, int ic, int oc, uint64_t seed) {
   const Host in = random_vector(size_t(n) * ic, seed),
              weight = random_vector(size_t(oc) * ic, seed + 1),

@@ -167,6 +167,11 @@ const void* reserve_handle(size_t count) {
   return address;
 }
 
+std::shared_ptr<cuda::StorageMap> process_storage() {
+  static const auto storage = std::make_shared<cuda::StorageMap>();
+  return storage;
+}
+
 class CudaBackend final : public Backend<float> {
  public:
   explicit CudaBackend(CudaMath math) : math_(math) {
@@ -192,7 +197,13 @@ class CudaBackend final : public Backend<float> {
   }
   ~CudaBackend() override {
     // Buffers still registered (a leak elsewhere) are given back with the backend.
-    storage_->for_each([](StoredBuffer& b) { free_buffer(b); });
+    for (const void* handle : owned_) {
+      try {
+        free_buffer(storage_->remove(handle));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+      }
+    }
     if (handle_ != nullptr) cublasDestroy(handle_);
   }
   CudaBackend(const CudaBackend&) = delete;
@@ -223,6 +234,7 @@ class CudaBackend final : public Backend<float> {
       if (shadowed(kind)) b.shadow = zeroed(count * sizeof(bf16));
     }
     storage_->add(b);
+    owned_.insert(b.handle);
     return static_cast<float*>(const_cast<void*>(b.handle));
   }
   size_t allocation_bytes(size_t count, MemoryKind kind, Precision precision) const override {
@@ -238,6 +250,7 @@ class CudaBackend final : public Backend<float> {
     // Called from destructors (Buffer's): reported, not thrown.
     if (tokens_.erase(pointer) > 0) return cuda::free_quietly(pointer);
     try {
+      owned_.erase(pointer);
       StoredBuffer b = storage_->remove(pointer);
       free_buffer(b);
     } catch (const std::exception& e) {
@@ -603,7 +616,10 @@ class CudaBackend final : public Backend<float> {
   cublasHandle_t handle_ = nullptr;
   std::unique_ptr<Profile> profile_;        // null unless MALLEUS_CUDA_PROFILE=1
   std::unique_ptr<cuda::TunedGemm> tuned_;  // null unless bf16 and MALLEUS_CUDA_GEMM_TUNING=1
-  std::shared_ptr<cuda::StorageMap> storage_ = std::make_shared<cuda::StorageMap>();
+  // One map for every CUDA backend of the process: an engine's switch (Engine::switch_to) copies
+  // from the old engine's buffers into the new one's, each made by its own backend.
+  std::shared_ptr<cuda::StorageMap> storage_ = process_storage();
+  std::set<const void*> owned_;  // the handles of the buffers this backend allocated
   std::set<void*> tokens_;
   cuda::KernelScratch scratch_;
   Scratch<float> staging_;   // fp32 copies of bf16 ranges on their way to and from the host
