@@ -23,7 +23,7 @@ class TinyLM(torch.nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         # A causal mixing of positions, so that a sequence is more than independent tokens.
-        x = torch.cumsum(x, dim=1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
+        x = torch.cumsum(x, dim=1) / torch.arange(1, x.shape[1] + 1, device=x.device).view(1, -1, 1)
         for b in self.blocks:
             x = x + b(x)
         return self.head(x)
