@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <fstream>
 #include <functional>
@@ -303,6 +304,21 @@ TEST(Monitor, BadInputIsNamed) {
   elastic::Monitor monitor(2);
   EXPECT_THROW(monitor.observe({1, 1e9}, {"a", "b"}), Error);
   EXPECT_THROW(monitor.observe({1, 1e9, 1, 1e9}, {"a"}), Error);
+  // A world no machine holds is named, not a failed allocation.
+  EXPECT_THROW(elastic::Monitor(elastic::Monitor::kMaxRanks + 1), Error);
+  // A time or FLOP count that is not finite, or negative, names the rank.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& bad : std::vector<std::vector<double>>{
+           {1, 1e9, inf, 1e9}, {1, 1e9, std::nan(""), 1e9}, {1, 1e9, 1, -1}, {1, 1e9, -1, 1e9}}) {
+    try {
+      monitor.observe(bad, {"a", "a"});
+      ADD_FAILURE() << "accepted " << bad[2] << " s, " << bad[3] << " FLOPs";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1's time and FLOPs"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(monitor.rates(), std::vector<double>(2, 1.0));  // nothing refused was taken
 }
 
 TEST(Monitor, GeometriesIgnoreThePositionInTheModelButNotTheShape) {

@@ -98,6 +98,11 @@ class MonitorAndController(unittest.TestCase):
             m.observe([1.0, -1.0], [1e9, 1e9], ["g", "g"])
         with self.assertRaisesRegex(malleus.Error, "world size"):
             malleus.Monitor(0)
+        # Named, not a MemoryError from a failed allocation.
+        with self.assertRaisesRegex(malleus.Error, "more than the 1048576 a monitor takes"):
+            malleus.Monitor(10**9)
+        with self.assertRaisesRegex(malleus.Error, "rank 1's time and FLOPs must be finite"):
+            m.observe([1.0, float("inf")], [1e9, 1e9], ["g", "g"])
 
 
 
@@ -255,8 +260,10 @@ class PlansAndTheStragglerLoop(unittest.TestCase):
             loop.observe(1, [1.0])
         with self.assertRaisesRegex(malleus.Error, "needs a broadcast"):
             loop.observe(1, [1.0, 1.0], root=False)
-        with self.assertRaisesRegex(malleus.Error, "must not be negative"):
+        with self.assertRaisesRegex(malleus.Error, "must be finite and not negative"):
             loop.observe(1, [1.0, -1.0])
+        with self.assertRaisesRegex(malleus.Error, "rank 0's time and FLOPs must be finite"):
+            loop.observe(1, [float("nan"), 1.0])
         with self.assertRaisesRegex(malleus.Error, "world_size must be 0"):
             malleus.uniform_plan("demo", 2, 1, 1, 8, 1, -5)
 

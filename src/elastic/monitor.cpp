@@ -1,6 +1,7 @@
 #include "elastic/monitor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "common/error.h"
@@ -14,6 +15,9 @@ Monitor::Monitor(int world_size, MonitorOptions options)
       rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0),
       step_rates_(rates_) {
   check(world_size > 0, "monitor: the world size must be positive");
+  check(world_size <= kMaxRanks, "monitor: " + std::to_string(world_size) +
+                                     " ranks is more than the " + std::to_string(kMaxRanks) +
+                                     " a monitor takes");
   check(options.window >= 1 && options.block >= options.window,
         "monitor: the window must be at least 1 and the block at least the window");
   check(options.calibration_tolerance >= 1, "monitor: the calibration tolerance must be >= 1");
@@ -66,6 +70,14 @@ const std::vector<double>& Monitor::observe(const std::vector<double>& measureme
   check(measurements.size() == 2 * n && geometries.size() == n,
         "monitor: expected (seconds, FLOPs) and a geometry for each of the " + std::to_string(n) +
             " ranks");
+  // All checked before any is taken: a refused step leaves the monitor as it was.
+  for (size_t r = 0; r < n; ++r) {
+    const double seconds = measurements[2 * r], flops = measurements[2 * r + 1];
+    check(std::isfinite(seconds) && std::isfinite(flops) && seconds >= 0 && flops >= 0,
+          "monitor: rank " + std::to_string(r) +
+              "'s time and FLOPs must be finite and not negative, got " + std::to_string(seconds) +
+              " s and " + std::to_string(flops) + " FLOPs");
+  }
   const size_t window = static_cast<size_t>(options_.window);
   std::vector<size_t> calibrated;  // ranks whose first reference was set this step
   std::vector<double> step_times(n, 0.0);

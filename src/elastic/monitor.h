@@ -49,6 +49,8 @@ struct MonitorOptions {
 
 class Monitor {
  public:
+  static constexpr int kMaxRanks = 1 << 20;  // a world larger than this is refused
+
   Monitor(int world_size, MonitorOptions options = {});
 
   // Adds one step: every rank's (seconds, FLOPs) of its work (StepResult::measurements) and the
