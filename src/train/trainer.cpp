@@ -226,6 +226,14 @@ std::vector<checkpoint::SavedKind> Trainer::saved_state() const {
   return train::saved_state(*engine_, model_config_, world_.rank());
 }
 
+RunEnd Trainer::run_end() {
+  return {.world = world_,
+          .checkpoints = checkpoints_,
+          .out = config_.out_dir,
+          .step = step_,
+          .steps = config_.steps};
+}
+
 int Trainer::run() {
   check_state_ready("run");
   const std::filesystem::path out(config_.out_dir);
@@ -269,7 +277,9 @@ int Trainer::run() {
   while (step_ < config_.steps) {
     watch("step", step_ + 1);
     const StepStats s = train_step();
-    if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) stop_diverged(s);
+    if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
+      stop_diverged(run_end(), s.loss, s.grad_norm);
+    }
     checkpoints_.poll();  // commits a background save once every rank has written its part
     recent_step_time =
         recent_step_time == 0 ? s.step_time_s : 0.9 * recent_step_time + 0.1 * s.step_time_s;
@@ -302,10 +312,13 @@ int Trainer::run() {
 
     // A stop request on any rank stops every rank here, after the same step. One small
     // all-reduce per step; the checkpoint is of the step every rank has finished.
-    const int signal = agreed_stop_signal();
+    const int signal = agreed_stop_signal(world_);
     if (signal != 0 && !last) {
       if (!saved) watch("checkpoint", step_);
-      stop_for_signal(signal, saved, out);
+      std::function<void()> save;
+      if (!saved)
+        save = [&] { checkpoints_.save(checkpoints, checkpoint_header(), saved_state()); };
+      stop_with_checkpoint(run_end(), signal, save);
       return signal;
     }
   }
@@ -313,65 +326,6 @@ int Trainer::run() {
   checkpoints_.clear_memory();  // the run is over
   checkpoints_.report_memory();
   return 0;
-}
-
-void Trainer::stop_for_signal(int signal, bool saved, const std::filesystem::path& out) {
-  StopSignals::unblock_output();
-  // Which step is being saved and where, on disk before the save: the kill may come first.
-  StopRecord record{StopSignals::name(signal), step_,
-                    checkpoint::checkpoint_dir(out / "checkpoints", step_).string(), false, ""};
-  if (is_root()) {
-    try {
-      if (const auto latest = checkpoint::latest_checkpoint(out / "checkpoints")) {
-        record.previous = latest->string();
-      }
-    } catch (const Error&) {
-      // a `latest` that names nothing: no complete checkpoint to name
-    }
-    write_stop_record(out, record);
-    std::fprintf(stderr, "stopping on %s after step %lld: saving its checkpoint into %s\n",
-                 record.signal.c_str(), static_cast<long long>(step_), record.checkpoint.c_str());
-  }
-  if (!saved) checkpoints_.save(out / "checkpoints", checkpoint_header(), saved_state());
-  checkpoints_.finish();
-  if (is_root()) {
-    record.saved = true;
-    write_stop_record(out, record);
-  }
-  checkpoints_.clear_memory();  // the checkpoint of this step supersedes them
-  if (is_root()) {
-    std::printf("stopped by %s after step %lld of %lld; continue with: malleus train --resume %s\n",
-                StopSignals::name(signal).c_str(), static_cast<long long>(step_),
-                static_cast<long long>(config_.steps), out.c_str());
-    std::fflush(stdout);
-  }
-  // Every rank exits only once rank 0 has written the checkpoint: mpirun ends the whole job as
-  // soon as one rank exits with a non-zero status.
-  world_.barrier();
-}
-
-void Trainer::stop_diverged(const StepStats& s) {
-  // Every rank sees the same loss and norm (the step's all-reduce), so every rank is here. The
-  // save in flight holds an earlier step's state (the update waited for its copy): commit it.
-  checkpoints_.finish();
-  char figures[128];
-  std::snprintf(figures, sizeof figures, "the %s is not finite (loss %g, gradient norm %g)",
-                std::isfinite(s.loss) ? "gradient norm" : "loss", s.loss, s.grad_norm);
-  const std::string resume =
-      checkpoints_.last_saved()
-          ? "the last checkpoint, " + checkpoints_.last_saved()->dir.string() +
-                ", is intact: continue from it with malleus train --resume " + config_.out_dir +
-                " (with a lower --lr or a --grad-clip)"
-          : "this run saved no checkpoint";
-  checkpoints_.clear_memory();  // the run is over: its last checkpoint is where to go on from
-  world_.barrier();             // no rank leaves while another still commits
-  throw Diverged("step " + std::to_string(s.step) + " of " + std::to_string(config_.steps) + ": " +
-                 figures + "; training stopped without updating the model or saving this step; " +
-                 resume);
-}
-
-int Trainer::agreed_stop_signal() {
-  return static_cast<int>(world_.all_reduce_max(static_cast<double>(StopSignals::received())));
 }
 
 }  // namespace malleus::train

@@ -26,18 +26,13 @@
 #include "train/run_log.h"
 #include "train/schedule.h"
 #include "train/setup.h"
+#include "train/stopping.h"
 
 namespace malleus::watchdog {
 class Watchdog;
 }
 
 namespace malleus::train {
-
-// The run stopped at a step whose loss or gradient norm was not finite (Trainer::run).
-class Diverged : public Error {
- public:
-  using Error::Error;
-};
 
 // How a Trainer's model state starts: initialised from the config's seed (a fresh run), or left
 // for restore() to fill (a resumed run: initialising parameters that a checkpoint then
@@ -95,12 +90,8 @@ class Trainer {
   // of the state, as both kinds of save take them.
   checkpoint::Checkpoint checkpoint_header() const;
   std::vector<checkpoint::SavedKind> saved_state() const;
-  // The stop signal any rank received (train/stop_signal.h), or 0. Collective.
-  int agreed_stop_signal();
-  // After a stop signal: this step's checkpoint (saved already if `saved`) committed, the memory
-  // copies removed, every rank waiting for them. Collective.
-  void stop_for_signal(int signal, bool saved, const std::filesystem::path& out);
-  [[noreturn]] void stop_diverged(const StepStats& s);
+  // This run's ranks, checkpoints, directory and step, for an early end (train/stopping.h).
+  RunEnd run_end();
   // Throws Error when the model state was neither initialised nor restored.
   void check_state_ready(const char* what) const;
   // The straggler loop after the engine's step: its measurements into `stats` and the loop, and
