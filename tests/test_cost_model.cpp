@@ -59,6 +59,22 @@ TEST(CostModel, FlopsMatchTheModelsTrainingCount) {
   EXPECT_NEAR(a + b, whole, 1e-9 * whole);
 }
 
+TEST(CostModel, ABatchOfMoreMicroBatchesThanAStepMayHaveIsNamed) {
+  plan::BatchConfig batch{
+      .global_batch = 2 * plan::BatchConfig::kMaxMicroBatches, .micro_batch = 2, .seq_len = 128};
+  EXPECT_NO_THROW(batch.validate("batch"));  // exactly the limit
+  batch.micro_batch = 1;
+  try {
+    batch.validate("batch");
+    ADD_FAILURE() << "accepted " << batch.micro_batches() << " micro-batches";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("batch: global batch 2097152 gives 2097152 micro-batches "
+                                         "of 1, more than the 1048576 a step may have"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CostModel, RingAllReduce) {
   const CostModel cost = a800_70b();
   const auto& c = cost.cluster();

@@ -68,6 +68,9 @@ class PlanAndSimulate(unittest.TestCase):
             malleus.plan("cpu-local", "demo", rates={9: 2})
         with self.assertRaisesRegex(malleus.Error, "rate"):
             malleus.plan("cpu-local", "demo", rates={1: 0.5})
+        # Named at once, not a search that runs for minutes.
+        with self.assertRaisesRegex(malleus.Error, "more than the 1048576 a step may have"):
+            malleus.plan("cpu-local", "demo", global_batch=2**31 - 1)
         with self.assertRaisesRegex(malleus.Error, "global batch"):
             malleus.simulate("cpu-local", "demo", malleus.uniform_plan("demo", 4, 1, 1, 16),
                              global_batch=32)

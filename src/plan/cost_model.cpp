@@ -147,6 +147,10 @@ void BatchConfig::validate(const std::string& source) const {
   check(global_batch % micro_batch == 0, source + ": global batch " + std::to_string(global_batch) +
                                              " is not a multiple of the micro-batch " +
                                              std::to_string(micro_batch));
+  check(micro_batches() <= kMaxMicroBatches,
+        source + ": global batch " + std::to_string(global_batch) + " gives " +
+            std::to_string(micro_batches()) + " micro-batches of " + std::to_string(micro_batch) +
+            ", more than the " + std::to_string(kMaxMicroBatches) + " a step may have");
 }
 
 Json Profile::to_json() const {

@@ -96,6 +96,9 @@ int link_probe_rounds(int nodes);
 int link_probe_partner(int nodes, int round, int node);
 
 struct BatchConfig {
+  // More micro-batches than this in a step are refused: no model trains on them, and the planners'
+  // searches over them would run for minutes.
+  static constexpr int kMaxMicroBatches = 1 << 20;
   int global_batch = 64;  // sequences per optimizer step
   int micro_batch = 1;    // sequences per micro-batch
   int seq_len = 4096;
