@@ -9,15 +9,24 @@
 
 namespace malleus::elastic {
 
+namespace {
+
+// The world size, checked before anything is allocated for it.
+size_t checked_world_size(int world_size) {
+  check(world_size > 0, "monitor: the world size must be positive");
+  check(world_size <= Monitor::kMaxRanks,
+        "monitor: " + std::to_string(world_size) + " ranks is more than the " +
+            std::to_string(Monitor::kMaxRanks) + " a monitor takes");
+  return static_cast<size_t>(world_size);
+}
+
+}  // namespace
+
 Monitor::Monitor(int world_size, MonitorOptions options)
     : options_(options),
-      ranks_(static_cast<size_t>(std::max(world_size, 0))),
-      rates_(static_cast<size_t>(std::max(world_size, 0)), 1.0),
+      ranks_(checked_world_size(world_size)),
+      rates_(ranks_.size(), 1.0),
       step_rates_(rates_) {
-  check(world_size > 0, "monitor: the world size must be positive");
-  check(world_size <= kMaxRanks, "monitor: " + std::to_string(world_size) +
-                                     " ranks is more than the " + std::to_string(kMaxRanks) +
-                                     " a monitor takes");
   check(options.window >= 1 && options.block >= options.window,
         "monitor: the window must be at least 1 and the block at least the window");
   check(options.calibration_tolerance >= 1, "monitor: the calibration tolerance must be >= 1");
