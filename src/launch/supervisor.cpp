@@ -625,14 +625,18 @@ class Supervisor {
     return hang_report;
   }
 
+  // The last line of a run that finished, whatever ended its job: "launch: the run finished
+  // [after N restarts]". Returns the exit status, 0.
+  int finished() const {
+    std::printf("launch: the run finished%s\n",
+                restarts_ == 0 ? "" : (" after " + format_counted(restarts_, "restart")).c_str());
+    return 0;
+  }
+
   // The exit status when the job ended for good (finished, stopped, failed); nothing when ranks
   // were lost.
   std::optional<int> ended(const Outcome& outcome, const Forwarded& forwarded, int status) const {
-    if (outcome.kind == Outcome::Kind::kFinished) {
-      std::printf("launch: the run finished%s\n",
-                  restarts_ == 0 ? "" : (" after " + format_counted(restarts_, "restart")).c_str());
-      return 0;
-    }
+    if (outcome.kind == Outcome::Kind::kFinished) return finished();
     if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
       // Which step the stop saved, and where, as the job recorded it (its own lines may be lost).
       if (const std::optional<train::StopRecord> stop = train::read_stop_record(run_dir_)) {
@@ -672,10 +676,11 @@ class Supervisor {
         who, failed_at_step,
         hosts.size() > 1 ? train::MemoryHosts::kSeveral : train::MemoryHosts::kThisHost);
     if (from >= config_.at("steps").get<int64_t>()) {
-      // Lost after its last step was saved (while the job was ending): nothing is left to do.
-      std::printf("launch: %s after the run's last step (%lld) was saved: the run finished\n",
-                  who.c_str(), static_cast<long long>(from));
-      return 0;
+      // Lost after its last step was saved (while the job was ending, e.g. in MPI_Finalize):
+      // nothing is left to do, and the run ends as a finished one does.
+      std::printf("launch: %s after the run's last step (%lld) was saved\n", who.c_str(),
+                  static_cast<long long>(from));
+      return finished();
     }
     check(!(restarted_from_ == from && last_reason_ == outcome.reason),
           "launch: " + who + " again before the run checkpointed past step " +
