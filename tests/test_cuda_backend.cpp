@@ -22,6 +22,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
 #include "common/error.h"
 #include "model/transformer.h"
 #include "test_models.h"
@@ -582,6 +583,19 @@ TEST_F(CudaBackend, ABf16TrainingStepStaysNearTheCpu) {
     EXPECT_LE(grads, 1e-1) << config.name;
     EXPECT_LE(params, 1e-2) << config.name;
   }
+}
+
+// An injected straggler's extra work (RegionTimer::keep_busy) runs on the device, so the events
+// that time a region count it, as they count a slow device's own kernels.
+TEST_F(CudaBackend, TheEventTimerCountsTheBusyWorkItQueues) {
+  cuda_use_device(0);
+  const auto timer = make_cuda_event_timer();
+  timer->begin();
+  timer->keep_busy(0.050);
+  const double seconds = timer->elapsed();
+  std::printf("  keep_busy(0.050) timed by events: %.4f s\n", seconds);
+  EXPECT_GE(seconds, 0.049);
+  EXPECT_LE(seconds, 0.5);
 }
 
 TEST(CudaBackendMath, ModeNamesParseAndBadOnesAreRefused) {

@@ -260,15 +260,18 @@ TEST(DeviceMpi, TensorParallelAndIdleRanksEqualTheCpuBackend) {
 
 namespace {
 
-// A region timer that says every region took the same time.
+// A region timer that says every region took the same time, and adds up the busy work asked of
+// it.
 class FixedTimer final : public backend::RegionTimer {
  public:
-  explicit FixedTimer(double seconds) : seconds_(seconds) {}
+  FixedTimer(double seconds, double* busy) : seconds_(seconds), busy_(busy) {}
   void begin() override {}
   double elapsed() override { return seconds_; }
+  void keep_busy(double seconds) override { *busy_ += seconds; }
 
  private:
   double seconds_;
+  double* busy_;
 };
 
 }  // namespace
@@ -282,9 +285,10 @@ TEST(DeviceMpi, TheEngineTimesComputeWithTheBackendsTimer) {
   const int n = world.size();
   const auto model = malleus::testing::parallel_test_model();
   runtime::EngineOptions options = options_on(false);
-  options.make_backend = [](int threads) {
+  double busy = 0;
+  options.make_backend = [&busy](int threads) {
     auto made = backend::make_cpu_backend<float>(threads);
-    made->set_region_timer(std::make_unique<FixedTimer>(0.125));
+    made->set_region_timer(std::make_unique<FixedTimer>(0.125, &busy));
     return made;
   };
   const auto plan = plan::uniform_plan(model, n, 1, 1, 8 * n, 1);
@@ -293,6 +297,12 @@ TEST(DeviceMpi, TheEngineTimesComputeWithTheBackendsTimer) {
   const runtime::StepResult r = engine.step(sample, 1e-3f, 1.0f);
   EXPECT_EQ(r.compute_seconds, 2 * 8 * 0.125);
   for (int rank = 0; rank < n; ++rank) EXPECT_EQ(r.measurements[size_t(2 * rank)], 2.0);
+  EXPECT_EQ(busy, 0.0);
+
+  // An injected 3x straggler's extra work goes to the timer, on the device, where a GPU's events
+  // count it: twice each region's time, in the 16 regions and the optimizer's update.
+  engine.step(sample, 1e-3f, 1.0f, 3.0);
+  EXPECT_EQ(busy, 2 * 0.125 * (2 * 8 + 1));
 
   backend::SteadyClockTimer clock;
   clock.begin();
@@ -300,4 +310,6 @@ TEST(DeviceMpi, TheEngineTimesComputeWithTheBackendsTimer) {
   const double first = clock.elapsed();
   EXPECT_GE(first, 0.020);
   EXPECT_GE(clock.elapsed(), first);  // read again in the same region: later
+  clock.keep_busy(0.030);
+  EXPECT_GE(clock.elapsed(), first + 0.030);
 }

@@ -21,6 +21,10 @@ class RegionTimer {
   // wait inside a region (a tensor-parallel collective), so that the device's compute still
   // queued is not counted as waiting.
   virtual void settle() {}
+  // Keeps the device computing for `seconds` of its own clock, after the work issued so far: an
+  // injected straggler's extra work (runtime/engine.h), which this timer counts like any other.
+  // Busy work, not a sleep: a sleeping CPU rank would hand its core to the others.
+  virtual void keep_busy(double seconds) = 0;
 };
 
 // The host's steady clock: right for a backend whose calls return when their work is done.
@@ -29,6 +33,13 @@ class SteadyClockTimer final : public RegionTimer {
   void begin() override { start_ = std::chrono::steady_clock::now(); }
   double elapsed() override {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  void keep_busy(double seconds) override {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    volatile double sink = 0;
+    while (std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 1024; ++i) sink = sink + 1.0;
+    }
   }
 
  private:

@@ -32,17 +32,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// An emulated slow device keeps computing for the extra time: busy work until the wall clock
-// says so, not a sleep, which on an oversubscribed machine would hand the core to the other
-// ranks and make the rest of the job faster than it would be next to a real straggler.
-void keep_busy_for(double seconds) {
-  const auto until = Clock::now() + std::chrono::duration<double>(seconds);
-  volatile double sink = 0;
-  while (Clock::now() < until) {
-    for (int i = 0; i < 1024; ++i) sink = sink + 1.0;
-  }
-}
-
 int forward_tag(int micro_batch) {
   return 2 * micro_batch;
 }
@@ -130,7 +119,9 @@ double Engine::timed(Section&& section, double slowdown) {
     const double waited = (tp ? tp->wait_seconds() : 0) - waited_before;
     return std::max(0.0, timer.elapsed() - waited);
   };
-  if (slowdown > 1) keep_busy_for((slowdown - 1) * compute());
+  // The extra work runs on the device, after the section's: the timer counts it (a GPU's events
+  // would not see the host spinning).
+  if (slowdown > 1) timer.keep_busy((slowdown - 1) * compute());
   return compute();
 }
 
@@ -301,13 +292,14 @@ void Engine::update(float lr, float clip, double slowdown) {
   // Not a section the monitor times (its cost does not scale with the plan's work), but an
   // emulated slow device is slow here too.
   CoreLease::Hold turn(lease());
-  const auto start = Clock::now();
+  backend::RegionTimer& timer = backend_->region_timer();
+  if (slowdown > 1) timer.begin();
   if (shard_) {
     distributed_update(lr, clip);
   } else {
     optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr, clip);
   }
-  if (slowdown > 1) keep_busy_for((slowdown - 1) * seconds_since(start));
+  if (slowdown > 1) timer.keep_busy((slowdown - 1) * timer.elapsed());
 }
 
 size_t Engine::activation_bytes() const {

@@ -18,6 +18,16 @@ void check_event(cudaError_t status, const char* what) {
   }
 }
 
+// Spins one thread on the device until its global timer has advanced `nanoseconds`: the kernels
+// queued after it wait, as they would behind a slow device's own work.
+__global__ void spin_for(unsigned long long nanoseconds) {
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+}
+
 class CudaEventTimer final : public RegionTimer {
  public:
   explicit CudaEventTimer(cudaStream_t stream) : stream_(stream) {
@@ -36,6 +46,12 @@ class CudaEventTimer final : public RegionTimer {
   void begin() override { check_event(cudaEventRecord(start_, stream_), "cudaEventRecord"); }
 
   void settle() override { check_event(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+
+  void keep_busy(double seconds) override {
+    if (seconds <= 0) return;
+    spin_for<<<1, 1, 0, stream_>>>(static_cast<unsigned long long>(seconds * 1e9));
+    check_event(cudaGetLastError(), "launching the busy kernel");
+  }
 
   double elapsed() override {
     check_event(cudaEventRecord(stop_, stream_), "cudaEventRecord");
