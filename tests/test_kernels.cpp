@@ -1177,6 +1177,10 @@ TEST(CudaStorageMap, RefusesRangesOutsideItsBuffersByAddress) {
     return "";
   };
   EXPECT_NE(message(handle.data() + 50, 11).find("not inside a buffer"), std::string::npos);
+  // The error says how far past its buffer the range reaches.
+  EXPECT_NE(
+      message(handle.data() + 50, 11).find("holds 60 elements, and this reaches elements 50 to 61"),
+      std::string::npos);
   EXPECT_NE(message(handle.data() + 61, 1), "");
   EXPECT_NE(message(handle.data() - 1, 1), "");
   const char* unaligned = reinterpret_cast<const char*>(handle.data()) + 2;
@@ -1184,7 +1188,8 @@ TEST(CudaStorageMap, RefusesRangesOutsideItsBuffersByAddress) {
   // Released buffers resolve no more, and a second release is refused.
   const StoredBuffer removed = map.remove(handle.data());
   EXPECT_EQ(removed.data, static_cast<void*>(storage.data()));
-  EXPECT_NE(message(handle.data(), 1), "");
+  EXPECT_NE(message(handle.data() + 3, 1).find("lies in the released buffer"), std::string::npos)
+      << message(handle.data() + 3, 1);
   EXPECT_THROW(map.remove(handle.data()), Error);
   EXPECT_TRUE(map.empty());
 }

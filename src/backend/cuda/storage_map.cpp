@@ -38,6 +38,13 @@ StoredBuffer StorageMap::remove(const void* handle) {
         "cuda backend: release of " + address_text(handle) + ", which it did not allocate");
   StoredBuffer buffer = found->second;
   buffers_.erase(found);
+  const std::pair<uintptr_t, size_t> entry{found->first, buffer.count};
+  if (released_.size() < kReleasedKept) {
+    released_.push_back(entry);
+  } else {
+    released_[released_next_] = entry;
+  }
+  released_next_ = (released_next_ + 1) % kReleasedKept;
   return buffer;
 }
 
@@ -57,12 +64,31 @@ Resolved StorageMap::find(const void* pointer, size_t count) {
   return {};
 }
 
+std::string StorageMap::whereabouts(const void* pointer, size_t count) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  for (const auto& [handle, elements] : released_) {
+    if (address >= handle && address < handle + elements * sizeof(float)) {
+      return "it lies in the released buffer " + address_text(reinterpret_cast<void*>(handle)) +
+             " of " + std::to_string(elements) + " elements";
+    }
+  }
+  auto above = buffers_.upper_bound(address);
+  if (above == buffers_.begin()) return "no buffer lies below it";
+  --above;
+  const uintptr_t offset = address - above->first;
+  return "the buffer below, " + address_text(reinterpret_cast<void*>(above->first)) + ", holds " +
+         std::to_string(above->second.count) + " elements, and this reaches elements " +
+         std::to_string(offset / sizeof(float)) + " to " +
+         std::to_string(offset / sizeof(float) + count);
+}
+
 Resolved StorageMap::resolve(const void* pointer, size_t count) {
   const std::lock_guard lock(mutex_);
   const Resolved found = find(pointer, count);
   if (found.buffer != nullptr) return found;
-  throw Error("cuda backend: " + address_text(pointer) + " (" + std::to_string(count) +
-              " elements) is not inside a buffer this backend allocated");
+  throw Error(
+      "cuda backend: " + address_text(pointer) + " (" + std::to_string(count) +
+      " elements) is not inside a buffer this backend allocated: " + whereabouts(pointer, count));
 }
 
 bool StorageMap::holds(const void* pointer) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace malleus::backend::cuda {
 
@@ -67,8 +68,14 @@ class StorageMap {
  private:
   // The buffer holding `pointer` and the element index, or a null buffer; the lock held.
   Resolved find(const void* pointer, size_t count);
+  // What resolve's error says of `pointer`: the buffer below it, or a released one it lay in.
+  std::string whereabouts(const void* pointer, size_t count);
   mutable std::mutex mutex_;
   std::map<uintptr_t, StoredBuffer> buffers_;  // by the handle's address
+  // The handles and sizes of the last buffers removed, for the error of a pointer into one.
+  static constexpr size_t kReleasedKept = 256;
+  std::vector<std::pair<uintptr_t, size_t>> released_;
+  size_t released_next_ = 0;
 };
 
 // Bytes one element takes in `storage`.
