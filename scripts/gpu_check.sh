@@ -251,7 +251,10 @@ python_module() {
   libdir=$(ompi_info --path libdir 2> /dev/null | awk '{print $NF}')
   mpi=$(ls "$libdir"/libmpi.so.40 2> /dev/null || ldconfig -p | awk '/libmpi.so.40 /{print $NF; exit}')
   rm -rf .gpu-python && mkdir -p .gpu-python && cp -r python/malleus .gpu-python/
-  g++ -O2 -std=c++20 -shared -fPIC $includes -I src -I "$carry/include" python/src/*.cpp \
+  # Without the MPI-2 C++ bindings, as the build here (src/comm/CMakeLists.txt): their symbols are
+  # in libmpi_cxx, which the module does not link.
+  g++ -O2 -std=c++20 -shared -fPIC -DOMPI_SKIP_MPICXX=1 -DMPICH_SKIP_MPICXX=1 $includes -I src \
+    -I "$carry/include" python/src/*.cpp \
     -o ".gpu-python/malleus/_malleus$suffix" \
     -Wl,--start-group "$carry"/static/libmalleus_*.a -Wl,--end-group "$mpi" \
     "$carry/lib/libopenblas.so.0" "$carry/lib/libgomp.so.1" "$carry/lib/libxxhash.so.0" -lpthread \
