@@ -54,9 +54,15 @@ class Arena {
     sizes_.erase(it);
   }
 
-  bool holds(const void* pointer) const {
-    const auto* p = static_cast<const char*>(pointer);
-    return p >= base_ && p < base_ + top_;
+  // Inside a buffer allocated and not yet released: what a GPU backend's pointers must be (the
+  // CUDA backend's storage map refuses the rest, a released buffer's included).
+  bool holds(const void* pointer) {
+    auto* p = const_cast<char*>(static_cast<const char*>(pointer));
+    std::lock_guard lock(mutex_);
+    auto above = sizes_.upper_bound(p);
+    if (above == sizes_.begin()) return false;
+    --above;
+    return p < above->first + above->second;
   }
 
   // While a call runs: the arena readable and writable (nested calls and threads counted).

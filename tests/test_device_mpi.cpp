@@ -245,6 +245,20 @@ TEST(DeviceMpi, DataParallelAndPipelineRunsEqualTheCpuBackend) {
   expect_same_run(plans, whole);
 }
 
+// Micro-batches of 2 sequences, dealt evenly and then unevenly over the pipelines (what the
+// trainer's controller switches to around a straggler), then one tensor-parallel pipeline.
+TEST(DeviceMpi, UnevenMicroBatchCountsEqualTheCpuBackend) {
+  const int n = Communicator::world().size();
+  if (n != 2) GTEST_SKIP() << "plans for 2 ranks";
+  const auto model = malleus::testing::parallel_test_model();
+  const auto even = plan::uniform_plan(model, 2, 1, 1, 16, 2);
+  auto uneven = even;
+  uneven.pipelines[0].micro_batches = 6;
+  uneven.pipelines[1].micro_batches = 2;
+  const auto tp = plan::uniform_plan(model, 1, 2, 1, 16, 2);
+  expect_same_run({even, uneven, tp, even}, options_on(false));
+}
+
 // Tensor parallel groups (activations all-reduced inside layers, started non-blocking when
 // sub-pipelined), a plan that leaves a rank idle (its probe), and a switch between them.
 TEST(DeviceMpi, TensorParallelAndIdleRanksEqualTheCpuBackend) {
