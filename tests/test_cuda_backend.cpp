@@ -585,6 +585,29 @@ TEST_F(CudaBackend, ABf16TrainingStepStaysNearTheCpu) {
   }
 }
 
+// A plan switch gives back every activation and workspace buffer (Backend::decommit_all), the
+// token buffers (plain device memory, outside the bf16 storage map) among them: each reads as
+// zeros afterwards, in both math modes.
+TEST_F(CudaBackend, GivingBackActivationsZeroesTokenAndValueBuffers) {
+  for (const CudaMath math : {CudaMath::kExact, CudaMath::kBf16}) {
+    auto gpu = make_cuda_backend(math);
+    Buffer<float, int32_t> tokens(*gpu, 512, MemoryKind::kActivations);
+    Buffer<float> values(*gpu, 300, MemoryKind::kActivations);
+    const std::vector<int32_t> ids(512, 7);
+    const std::vector<float> ones(300, 1.0f);
+    gpu->copy_tokens_from_host(tokens.data(), ids.data(), ids.size());
+    gpu->copy_from_host(values.data(), ones.data(), ones.size());
+    EXPECT_NO_THROW(gpu->decommit_all(MemoryKind::kActivations));
+    std::vector<float> read(300, -1.0f);
+    gpu->copy_to_host(read.data(), values.data(), read.size());
+    EXPECT_EQ(read, std::vector<float>(300, 0.0f));
+    std::vector<int32_t> ids_read(512, -1);
+    const size_t bytes = ids_read.size() * sizeof(int32_t);
+    gpu->device_memory()->to_host(ids_read.data(), tokens.data(), bytes, 1, bytes);
+    EXPECT_EQ(ids_read, std::vector<int32_t>(512, 0));
+  }
+}
+
 // An injected straggler's extra work (RegionTimer::keep_busy) runs on the device, so the events
 // that time a region count it, as they count a slow device's own kernels.
 TEST_F(CudaBackend, TheEventTimerCountsTheBusyWorkItQueues) {

@@ -243,12 +243,12 @@ class CudaBackend final : public Backend<float> {
   }
   int32_t* allocate_tokens(size_t count) override {
     auto* tokens = static_cast<int32_t*>(zeroed(count * sizeof(int32_t)));
-    tokens_.insert(tokens);
+    tokens_.emplace(reinterpret_cast<char*>(tokens), count * sizeof(int32_t));
     return tokens;
   }
   void release(void* pointer) override {
     // Called from destructors (Buffer's): reported, not thrown.
-    if (tokens_.erase(pointer) > 0) return cuda::free_quietly(pointer);
+    if (tokens_.erase(static_cast<char*>(pointer)) > 0) return cuda::free_quietly(pointer);
     try {
       owned_.erase(pointer);
       StoredBuffer b = storage_->remove(pointer);
@@ -260,6 +260,13 @@ class CudaBackend final : public Backend<float> {
   // The device memory stays allocated (plain cudaMalloc, no cuMemMap reservations); the range is
   // zeroed so that it reads as the CPU backend's discarded pages do.
   void discard_pages(void* data, size_t bytes) override {
+    if (bytes == 0) return;
+    // Token buffers are plain device memory, outside the storage map (a plan switch gives back
+    // every activation buffer, the micro-batch's tokens included).
+    if (in_token_buffer(data)) {
+      cuda_check(cudaMemsetAsync(data, 0, bytes, nullptr), "cudaMemsetAsync");
+      return;
+    }
     const size_t count = bytes / sizeof(float);
     if (count == 0) return;
     const Span span = written(static_cast<float*>(data), count);
@@ -549,6 +556,13 @@ class CudaBackend final : public Backend<float> {
 
  private:
   bool bf16_storage() const { return math_ == CudaMath::kBf16; }
+  bool in_token_buffer(const void* pointer) const {
+    const auto* p = static_cast<const char*>(pointer);
+    auto above = tokens_.upper_bound(const_cast<char*>(p));
+    if (above == tokens_.begin()) return false;
+    --above;
+    return p < above->first + above->second;
+  }
   // Whether a buffer of this precision is stored in bf16.
   bool narrow(Precision precision) const {
     return bf16_storage() && precision == Precision::kCompute;
@@ -619,8 +633,8 @@ class CudaBackend final : public Backend<float> {
   // One map for every CUDA backend of the process: an engine's switch (Engine::switch_to) copies
   // from the old engine's buffers into the new one's, each made by its own backend.
   std::shared_ptr<cuda::StorageMap> storage_ = process_storage();
-  std::set<const void*> owned_;  // the handles of the buffers this backend allocated
-  std::set<void*> tokens_;
+  std::set<const void*> owned_;     // the handles of the buffers this backend allocated
+  std::map<char*, size_t> tokens_;  // token buffers (cudaMalloc'd, not mapped): start, bytes
   cuda::KernelScratch scratch_;
   Scratch<float> staging_;   // fp32 copies of bf16 ranges on their way to and from the host
   Scratch<float> delta_;     // attention backward's rowsum(dout ⊙ out)
