@@ -239,8 +239,8 @@ TEST_F(CudaBackend, FusedAddAndRmsNormMatchesTheCpu) {
 
 // The bytes the memory ledger holds for the allocation at `data`.
 int64_t booked(Backend<float>& backend, const void* data, MemoryKind kind) {
-  for (const auto& [address, bytes] : backend.allocations().of_kind(kind)) {
-    if (address == data) return bytes;
+  for (const Allocations::Allocation& a : backend.allocations().of_kind(kind)) {
+    if (a.data == data) return a.booked;
   }
   return -1;
 }

@@ -1082,6 +1082,35 @@ TEST(MemoryLedger, BuffersBookTheirBytesByKindAndThePeakRemembersTheHighest) {
   EXPECT_EQ(ledger.peak_total(), before.total());
 }
 
+// A backend may store fewer or more bytes than the address range it hands out (a GPU's bf16
+// storage: half). Ranges are given in addresses and book their share of what is stored; the
+// whole range is what of_kind reports, so giving back everything touches every element.
+TEST(MemoryLedger, RangesBookTheirShareOfWhatTheBackendStores) {
+  MemoryLedger& ledger = memory_ledger();
+  const MemoryFigures before = ledger.current();
+  std::vector<float> narrow(1000), wide(1000);
+  Allocations allocations;
+  allocations.add(narrow.data(), 4000, 2000, MemoryKind::kActivations);  // bf16 behind floats
+  allocations.add(wide.data(), 4000, 6000, MemoryKind::kParameters);     // fp32 and a bf16 copy
+  const auto booked = [&](MemoryKind kind) { return ledger.current()[kind] - before[kind]; };
+  EXPECT_EQ(booked(MemoryKind::kActivations), 2000);
+  allocations.uncommit(narrow.data() + 500, 2000);  // the second half of the floats
+  EXPECT_EQ(booked(MemoryKind::kActivations), 1000);
+  allocations.uncommit(wide.data(), 400);  // 100 floats
+  EXPECT_EQ(booked(MemoryKind::kParameters), 5400);
+  allocations.commit(wide.data(), 400);
+  EXPECT_EQ(booked(MemoryKind::kParameters), 6000);
+  EXPECT_THROW(allocations.uncommit(narrow.data() + 900, 800), Error);  // past its end
+  const auto found = allocations.of_kind(MemoryKind::kActivations);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].data, static_cast<void*>(narrow.data()));
+  EXPECT_EQ(found[0].span, 4000);
+  EXPECT_EQ(found[0].booked, 1000);
+  allocations.remove(narrow.data());
+  allocations.remove(wide.data());
+  EXPECT_EQ(ledger.current().total(), before.total());
+}
+
 // Whether the kernel gives transparent huge pages to mappings that ask (THP "always" or
 // "madvise"); false where it has none.
 bool huge_pages_offered() {

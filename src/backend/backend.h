@@ -178,9 +178,9 @@ class Backend {
   }
   // Gives back every allocation of `kind` (its values are lost).
   void decommit_all(MemoryKind kind) {
-    for (const auto& [data, bytes] : allocations_.of_kind(kind)) {
-      allocations_.uncommit(data, bytes);
-      discard_pages(data, static_cast<size_t>(bytes));
+    for (const Allocations::Allocation& a : allocations_.of_kind(kind)) {
+      allocations_.uncommit(a.data, a.span);
+      discard_pages(a.data, static_cast<size_t>(a.span));
     }
   }
 
@@ -239,7 +239,8 @@ class Buffer {
     } else {
       data_ = backend.allocate_tokens(count);
     }
-    backend.allocations().add(data_, static_cast<int64_t>(bytes), kind);
+    backend.allocations().add(data_, static_cast<int64_t>(count * sizeof(Element)),
+                              static_cast<int64_t>(bytes), kind);
   }
   ~Buffer() { reset(); }
   Buffer(Buffer&& other) noexcept { *this = std::move(other); }

@@ -89,9 +89,10 @@ void MemoryBooking::resize(int64_t bytes) {
   if (bytes_ > 0) memory_ledger().add(kind_, bytes_);
 }
 
-void Allocations::add(const void* data, int64_t bytes, MemoryKind kind) {
+void Allocations::add(const void* data, int64_t span, int64_t bytes, MemoryKind kind) {
   std::lock_guard lock(mutex_);
   Entry& entry = entries_[static_cast<const char*>(data)];
+  entry.span = span;
   entry.bytes = bytes;
   entry.kind = kind;
   entry.booking = MemoryBooking(kind, deferring_ ? 0 : bytes);
@@ -102,26 +103,28 @@ void Allocations::remove(const void* data) {
   entries_.erase(static_cast<const char*>(data));
 }
 
-Allocations::Entry& Allocations::containing(const void* data, int64_t bytes) {
+Allocations::Entry& Allocations::containing(const void* data, int64_t span) {
   const char* begin = static_cast<const char*>(data);
   auto it = entries_.upper_bound(begin);
   check(it != entries_.begin(), "memory ledger: a range outside every allocation");
   --it;
-  check(begin + bytes <= it->first + it->second.bytes,
+  check(begin + span <= it->first + it->second.span,
         "memory ledger: a range runs past the end of its allocation");
   return it->second;
 }
 
-void Allocations::commit(const void* data, int64_t bytes) {
+void Allocations::commit(const void* data, int64_t span) {
   std::lock_guard lock(mutex_);
-  Entry& entry = containing(data, bytes);
+  Entry& entry = containing(data, span);
+  const int64_t bytes = entry.share(span);
   check(entry.booking.bytes() + bytes <= entry.bytes, "memory ledger: booked past an allocation");
   entry.booking.resize(entry.booking.bytes() + bytes);
 }
 
-void Allocations::uncommit(const void* data, int64_t bytes) {
+void Allocations::uncommit(const void* data, int64_t span) {
   std::lock_guard lock(mutex_);
-  Entry& entry = containing(data, bytes);
+  Entry& entry = containing(data, span);
+  const int64_t bytes = entry.share(span);
   check(entry.booking.bytes() >= bytes, "memory ledger: gave back more than was booked");
   entry.booking.resize(entry.booking.bytes() - bytes);
 }
@@ -132,12 +135,12 @@ void Allocations::commit_all() {
   deferring_ = false;
 }
 
-std::vector<std::pair<void*, int64_t>> Allocations::of_kind(MemoryKind kind) const {
+std::vector<Allocations::Allocation> Allocations::of_kind(MemoryKind kind) const {
   std::lock_guard lock(mutex_);
-  std::vector<std::pair<void*, int64_t>> found;
+  std::vector<Allocation> found;
   for (const auto& [address, entry] : entries_) {
     if (entry.kind == kind && entry.booking.bytes() > 0) {
-      found.emplace_back(const_cast<char*>(address), entry.bytes);
+      found.push_back({const_cast<char*>(address), entry.span, entry.booking.bytes()});
     }
   }
   return found;

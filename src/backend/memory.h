@@ -84,30 +84,43 @@ class MemoryBooking {
 // piece: it gives back ranges of the old engine's buffers as soon as they have been sent and
 // books ranges of the new engine's buffers as they are written, so the ledger follows it
 // (layout/staged_redistribution.h).
+//
+// Ranges are addresses as the callers see them (count x sizeof(float) for a buffer of floats);
+// what is booked is what the backend stores for them, which may differ (a GPU's bf16 storage
+// books half, an fp32 buffer with a bf16 copy half as much again): a range books its share.
 class Allocations {
  public:
-  // Books the allocation [data, data + bytes) under `kind`, unless deferring.
-  void add(const void* data, int64_t bytes, MemoryKind kind);
+  struct Allocation {
+    void* data = nullptr;
+    int64_t span = 0;    // bytes of address range
+    int64_t booked = 0;  // bytes booked now
+  };
+  // Books the allocation of `span` bytes of address range at `data`, which stores `bytes`, under
+  // `kind`, unless deferring.
+  void add(const void* data, int64_t span, int64_t bytes, MemoryKind kind);
   // Unbooks what is still booked of the allocation at `data`.
   void remove(const void* data);
   // While deferring, added allocations are booked only by commit() and commit_all(): an engine
   // built for a migration holds nothing until the state arrives.
   void set_deferring(bool deferring) { deferring_ = deferring; }
-  // Books / unbooks `bytes` inside one allocation (the caller keeps the ranges disjoint).
-  void commit(const void* data, int64_t bytes);
-  void uncommit(const void* data, int64_t bytes);
+  // Books / unbooks the share of the address range [data, data + span) inside one allocation
+  // (the caller keeps the ranges disjoint).
+  void commit(const void* data, int64_t span);
+  void uncommit(const void* data, int64_t span);
   // Books every allocation in full and ends deferring.
   void commit_all();
-  // Every allocation of `kind` with something booked, as (address, bytes).
-  std::vector<std::pair<void*, int64_t>> of_kind(MemoryKind kind) const;
+  // Every allocation of `kind` with something booked.
+  std::vector<Allocation> of_kind(MemoryKind kind) const;
 
  private:
   struct Entry {
+    int64_t span = 0;
     int64_t bytes = 0;
     MemoryKind kind = MemoryKind::kWorkspace;
     MemoryBooking booking;
+    int64_t share(int64_t range) const { return span == bytes ? range : range * bytes / span; }
   };
-  Entry& containing(const void* data, int64_t bytes);
+  Entry& containing(const void* data, int64_t span);
   mutable std::mutex mutex_;
   std::map<const char*, Entry> entries_;  // by first byte
   bool deferring_ = false;
