@@ -4,6 +4,7 @@
 // tests mount a small tmpfs (root only) and skip, saying why, where mounting is not allowed.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -271,6 +272,30 @@ TEST(StopSignals, AWriteBlockedOnAFullPipeReturnsWhenSigtermComes) {
         std::this_thread::sleep_for(std::chrono::milliseconds(300));
         ::kill(pid, SIGTERM);
       });
+  EXPECT_EQ(status, 0) << (status == -1 ? "the write blocked" : "see the child's code");
+}
+
+TEST(StopSignals, AWriteBlockedOnAFullPipeReturnsWhenSigtermReachesAnotherThread) {
+  // The kernel may hand a process's SIGTERM to any of its threads (MPI's, OpenMP's): the main
+  // thread's blocked write must return all the same.
+  const int status = run_child(
+      [] {
+        if (fill_stdout_with_a_pipe() != 2) return 2;
+        train::StopSignals stop;
+        std::thread other([] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          ::pthread_kill(::pthread_self(), SIGTERM);  // delivered to this thread
+        });
+        const std::string line = "step     3/100 | loss 4.2\n";
+        const ssize_t n = ::write(1, line.data(), line.size());  // blocks until woken
+        const int error = errno;
+        other.join();
+        return n < 0 && (error == EINTR || error == EAGAIN) &&
+                       train::StopSignals::received() == SIGTERM
+                   ? 0
+                   : 4;
+      },
+      10);
   EXPECT_EQ(status, 0) << (status == -1 ? "the write blocked" : "see the child's code");
 }
 

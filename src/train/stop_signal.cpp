@@ -1,6 +1,7 @@
 #include "train/stop_signal.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -19,6 +20,16 @@ constexpr int kSignals[] = {SIGTERM, SIGINT, SIGUSR1};
 
 volatile std::sig_atomic_t g_received = 0;
 struct sigaction g_previous[sizeof kSignals / sizeof kSignals[0]];
+struct sigaction g_previous_wake;
+// The thread that made the StopSignals: the one that trains and writes the output.
+pthread_t g_main;
+
+// Sent to the main thread when a stop signal reached another one, only to interrupt a call it is
+// blocked in (its handler does nothing; no SA_RESTART).
+int wake_signal() {
+  return SIGRTMIN + 5;
+}
+void wake(int) {}
 
 // stdout and stderr non-blocking where they are pipes or sockets. Async-signal-safe: fstat and
 // fcntl only.
@@ -42,6 +53,11 @@ void record(int signal) {
   // the checkpoint (CliMpi.SignalsToMpirunStopTheJobWithACheckpointSlow failed so, rarely). A
   // write already blocked when the signal comes returns EINTR (no SA_RESTART).
   if (signal == SIGTERM || signal == SIGINT) unblock_pipes();
+  // The kernel gives a process's signal to any thread not blocking it: MPI's, OpenMP's, the
+  // watchdog's. A write the main thread is blocked in would then not return (its O_NONBLOCK comes
+  // too late for a write already waiting), and the kill would come before the checkpoint (the
+  // signal test failed so under a loaded ctest). pthread_kill is async-signal-safe.
+  if (!pthread_equal(pthread_self(), g_main)) pthread_kill(g_main, wake_signal());
   errno = saved_errno;
 }
 
@@ -49,6 +65,12 @@ void record(int signal) {
 
 StopSignals::StopSignals() {
   g_received = 0;
+  g_main = pthread_self();
+  struct sigaction wakes;
+  std::memset(&wakes, 0, sizeof wakes);
+  wakes.sa_handler = wake;
+  sigemptyset(&wakes.sa_mask);
+  ::sigaction(wake_signal(), &wakes, &g_previous_wake);
   struct sigaction action;
   std::memset(&action, 0, sizeof action);
   action.sa_handler = record;
@@ -67,6 +89,7 @@ StopSignals::~StopSignals() {
   for (size_t i = 0; i < sizeof kSignals / sizeof kSignals[0]; ++i) {
     ::sigaction(kSignals[i], &g_previous[i], nullptr);
   }
+  ::sigaction(wake_signal(), &g_previous_wake, nullptr);
 }
 
 void StopSignals::unblock_output() {
