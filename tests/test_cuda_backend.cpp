@@ -150,6 +150,37 @@ TEST_F(CudaBackend, ElementwiseOpsAndSumSquaresMatchTheCpu) {
       1e-6);
 }
 
+// A strided piece in one call (Backend::copy_rows, one 2-D copy): columns 7..7+50 of a 300 x 90
+// matrix out to a packed buffer and back into another matrix's columns, between buffers of the
+// same storage and (bf16 mode, an exact-precision source) of different storage.
+TEST_F(CudaBackend, CopyRowsMovesAStridedPieceLikeTheCpu) {
+  const size_t rows = 300, cols = 90, count = 50, first = 7;
+  const Host x = random_vector(rows * cols, 41);
+  for (const CudaMath math : {CudaMath::kExact, CudaMath::kBf16}) {
+    compare(
+        [&](Side& s) {
+          float* matrix = s.put(x);
+          float* exact = s.put_exact(x);
+          float* packed = s.poisoned(rows * count);
+          float* packed_exact = s.poisoned(rows * count);
+          s.backend->copy_rows(packed, matrix + first,
+                               {.count = count, .rows = rows, .source_stride = cols,
+                                .destination_stride = count});
+          s.backend->copy_rows(packed_exact, exact + first,
+                               {.count = count, .rows = rows, .source_stride = cols,
+                                .destination_stride = count});
+          float* back = s.put(Host(rows * cols, 0.0f));
+          s.backend->copy_rows(back + first, packed,
+                               {.count = count, .rows = rows, .source_stride = count,
+                                .destination_stride = cols});
+          return Outputs{{"packed", s.get(packed, rows * count)},
+                         {"packed from exact", s.get(packed_exact, rows * count)},
+                         {"unpacked", s.get(back, rows * cols)}};
+        },
+        math == CudaMath::kExact ? 0.0 : 4e-3, math);
+  }
+}
+
 TEST_F(CudaBackend, SumSquaresIsTheSameEveryRun) {
   auto backend = make_cuda_backend(CudaMath::kExact);
   const Host x = random_vector(3000017, 3);

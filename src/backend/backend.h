@@ -81,6 +81,18 @@ class Backend {
   // ---- elementwise and reductions ------------------------------------------------------------
   virtual void fill_zero(T* x, size_t count) = 0;
   virtual void copy(T* destination, const T* source, size_t count) = 0;
+  // `rows` runs of `count` elements, run r from source + r × source_stride to destination + r ×
+  // destination_stride (strides in elements): a strided piece of a tensor (a column shard) in one
+  // call, which a GPU makes one 2-D copy. By default, a copy() per run.
+  struct Rows {
+    size_t count = 0, rows = 0, source_stride = 0, destination_stride = 0;
+  };
+  virtual void copy_rows(T* destination, const T* source, const Rows& shape) {
+    for (size_t r = 0; r < shape.rows; ++r) {
+      copy(destination + r * shape.destination_stride, source + r * shape.source_stride,
+           shape.count);
+    }
+  }
   virtual void add(T* y, const T* x, size_t count) = 0;  // y += x
   virtual void scale(T* x, T factor, size_t count) = 0;  // x *= factor
   virtual double sum_squares(const T* x, size_t count) = 0;

@@ -374,20 +374,22 @@ template <typename T>
 void pack_piece(backend::Backend<T>& backend, const T* local_buffer, const model::TensorSpec& local,
                 const Piece& piece, T* out) {
   const PieceRuns runs = piece_runs(local, piece);
-  for (int64_t r = 0; r < runs.rows; ++r) {
-    backend.copy(out + r * runs.length, local_buffer + runs.offset + r * runs.stride,
-                 size_t(runs.length));
-  }
+  backend.copy_rows(out, local_buffer + runs.offset,
+                    {.count = size_t(runs.length),
+                     .rows = size_t(runs.rows),
+                     .source_stride = size_t(runs.stride),
+                     .destination_stride = size_t(runs.length)});
 }
 
 template <typename T>
 void unpack_piece(backend::Backend<T>& backend, const T* in, const model::TensorSpec& local,
                   const Piece& piece, T* local_buffer) {
   const PieceRuns runs = piece_runs(local, piece);
-  for (int64_t r = 0; r < runs.rows; ++r) {
-    backend.copy(local_buffer + runs.offset + r * runs.stride, in + r * runs.length,
-                 size_t(runs.length));
-  }
+  backend.copy_rows(local_buffer + runs.offset, in,
+                    {.count = size_t(runs.length),
+                     .rows = size_t(runs.rows),
+                     .source_stride = size_t(runs.length),
+                     .destination_stride = size_t(runs.stride)});
 }
 
 std::optional<int64_t> contiguous_offset(const model::TensorSpec& local, const Piece& piece) {
