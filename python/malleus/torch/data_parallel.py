@@ -32,7 +32,7 @@ import torch.distributed as dist
 import malleus
 
 from .buckets import GradientBuckets
-from .distributed import broadcast_text, comm_device
+from .distributed import broadcast_text, check_wrapper_args, comm_device, positive_int
 from .plans import plan_of_split, split_of_plan
 from .timing import ComputeTimer, IdleProbe
 
@@ -50,12 +50,6 @@ class StepResult:
     step_s: float               # wall time of the step on this rank, from its first micro-batch
     decision: Optional[malleus.Decision] = None  # when the controller was asked
     next_split: List[int] = field(default_factory=list)  # what the next step runs
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"malleus.torch: {name} must be a positive int, got {value!r}")
-    return value
 
 
 # The step's figures summed over the ranks: the loss sum, the units, the ranks that counted their
@@ -92,15 +86,7 @@ class DataParallel(torch.nn.Module):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"malleus.torch: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("malleus.torch: torch.distributed is not initialized (call "
-                               "torch.distributed.init_process_group or "
-                               "malleus.torch.init_from_env first)")
-        _positive_int("global_batch", global_batch)
-        _positive_int("micro_batch", micro_batch)
-        if global_batch % micro_batch:
-            raise ValueError(f"malleus.torch: global_batch {global_batch} is not a multiple of "
-                             f"micro_batch {micro_batch}")
+        check_wrapper_args(global_batch, micro_batch, total_steps)
         if not bucket_mb > 0:
             raise ValueError(f"malleus.torch: bucket_mb must be positive, got {bucket_mb!r}")
         if loss_reduction not in ("mean", "sum"):
@@ -108,8 +94,6 @@ class DataParallel(torch.nn.Module):
                              f"{loss_reduction!r}")
         if units is not None and not callable(units):
             raise TypeError("malleus.torch: units must be a callable (micro_batch) -> int")
-        if total_steps is not None:
-            _positive_int("total_steps", total_steps)
         self.module, self.optimizer = module, optimizer
         self.group = process_group
         self.rank = dist.get_rank(self.group)
@@ -122,7 +106,7 @@ class DataParallel(torch.nn.Module):
         self.units_fn, self.loss_reduction = units, loss_reduction
         self.config = malleus.model_config(model_config)
         self.seq_len = seq_len if seq_len is not None else self.config["max_seq_len"]
-        _positive_int("seq_len", self.seq_len)
+        positive_int("seq_len", self.seq_len)
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
         self.comm_device = comm_device(self.group)
         # Where the module computes, whatever the group's backend: its compute is timed there

@@ -94,6 +94,30 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIME
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` when it is a positive int (not a bool); else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"malleus.torch: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_wrapper_args(global_batch, micro_batch, total_steps=None):
+    """The checks every malleus.torch wrapper makes of its arguments before any work:
+    torch.distributed initialized, positive batch sizes (the global batch a multiple of the
+    micro-batch) and, when given, a positive run length."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("malleus.torch: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group or "
+                           "malleus.torch.init_from_env first)")
+    positive_int("global_batch", global_batch)
+    positive_int("micro_batch", micro_batch)
+    if global_batch % micro_batch:
+        raise ValueError(f"malleus.torch: global_batch {global_batch} is not a multiple of "
+                         f"micro_batch {micro_batch}")
+    if total_steps is not None:
+        positive_int("total_steps", total_steps)
+
+
 def comm_device(group=None) -> torch.device:
     """Where the group's collectives take their tensors: the current GPU under NCCL, else the
     CPU."""

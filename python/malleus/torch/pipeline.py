@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 import malleus
 
-from .distributed import broadcast_text, comm_device
+from .distributed import broadcast_text, check_wrapper_args, comm_device, positive_int
 from .pipeline_blocks import Blocks, Mover, migrate
 from .pipeline_plan import BlockPlan, block_ends, even_plan
 from .pipeline_schedule import Peers, one_f_one_b
-from .timing import IdleProbe
+from .timing import ComputeTimer, IdleProbe
 
 __all__ = ["PipelineParallel", "PipelineStepResult"]
 
@@ -54,41 +54,6 @@ class PipelineStepResult:
     switched: bool = False      # a new plan runs from the next step
     migrate_s: float = 0.0      # wall time of the switch (moving blocks, new groups)
     next_plan: str = ""         # the summary of the plan the next step runs
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"malleus.torch: {name} must be a positive int, got {value!r}")
-    return value
-
-
-class _Timer:
-    """Elapsed time of compute sections: perf_counter around synchronous CPU work, CUDA events on
-    the compute stream on a GPU (summed once, at the end of the step)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.seconds, self.events = cuda, 0.0, []
-
-    def __enter__(self):
-        if self.cuda:
-            self.events.append((torch.cuda.Event(enable_timing=True),
-                                torch.cuda.Event(enable_timing=True)))
-            self.events[-1][0].record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.events[-1][1].record()
-        else:
-            self.seconds += time.perf_counter() - self._t0
-
-    def total(self) -> float:
-        if self.cuda and self.events:
-            self.events[-1][1].synchronize()
-            self.seconds += sum(b.elapsed_time(e) for b, e in self.events) / 1000.0
-            self.events = []
-        return self.seconds
 
 
 class PipelineParallel:
@@ -124,12 +89,11 @@ class PipelineParallel:
         if model_config is None:
             model_config = dict(malleus.model_config("demo"), num_layers=max(1, len(blocks) - 2))
         self.config = malleus.model_config(model_config)
-        self.seq_len = _positive_int("seq_len", seq_len if seq_len is not None
+        self.seq_len = positive_int("seq_len", seq_len if seq_len is not None
                                      else self.config["max_seq_len"])
         block_ends(len(blocks), self.config["num_layers"])
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
         self.device = comm_device()
-        self.cuda = self.device.type == "cuda"
         self.blocks = Blocks(blocks, self.device)
         self._check_devices()
         self._mover = Mover(self.blocks, self.device)
@@ -172,17 +136,7 @@ class PipelineParallel:
         if not callable(loss_fn):
             raise TypeError("malleus.torch: loss_fn must be a function (output, targets) -> "
                             "(loss_sum, units)")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("malleus.torch: torch.distributed is not initialized (call "
-                               "torch.distributed.init_process_group or "
-                               "malleus.torch.init_from_env first)")
-        _positive_int("global_batch", global_batch)
-        _positive_int("micro_batch", micro_batch)
-        if global_batch % micro_batch:
-            raise ValueError(f"malleus.torch: global_batch {global_batch} is not a multiple of "
-                             f"micro_batch {micro_batch}")
-        if total_steps is not None:
-            _positive_int("total_steps", total_steps)
+        check_wrapper_args(global_batch, micro_batch, total_steps)
 
     def _check_devices(self):
         for b, tensors in enumerate(self.blocks.tensors):
@@ -334,7 +288,7 @@ class PipelineParallel:
     def _compute(self, role, data):
         """This rank's share of the step: its stage's micro-batches in 1F1B order, or the idle
         probe. Returns (loss sum, loss units, compute seconds)."""
-        timer = _Timer(self.cuda)
+        timer = ComputeTimer(self.device)
         if role.idle:
             with timer:
                 self._run_probe()

@@ -13,32 +13,48 @@ __all__ = ["ComputeTimer", "IdleProbe"]
 
 
 class ComputeTimer:
-    """Elapsed compute between ``start()`` and ``stop()``: ``time.perf_counter`` around
-    synchronous CPU work, ``torch.cuda.Event`` pairs on ``device``'s current stream on a GPU
-    (the device the module computes on, whatever the process group's backend: gloo reduces CUDA
-    tensors too, and two processes sharing one GPU must use it)."""
+    """Compute time in sections: ``with timer:`` around each one (``start()`` and ``stop()`` for
+    a single one), ``total()`` for their sum. ``time.perf_counter`` around synchronous CPU work;
+    on a GPU a ``torch.cuda.Event`` pair on ``device``'s current stream per section, read once,
+    in ``total()``, so that sections do not wait for the device (the device the module computes
+    on, whatever the process group's backend: gloo reduces CUDA tensors too, and two processes
+    sharing one GPU must use it)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self._begin = self._end = None
-        self._t0 = 0.0
+        self._seconds, self._events, self._t0 = 0.0, [], 0.0
 
-    def start(self):
+    def __enter__(self):
         if self.cuda:
-            self._begin = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._begin.record(torch.cuda.current_stream(self.device))
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pair[0].record(torch.cuda.current_stream(self.device))
+            self._events.append(pair)
         else:
             self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._events[-1][1].record(torch.cuda.current_stream(self.device))
+        else:
+            self._seconds += time.perf_counter() - self._t0
+
+    def total(self) -> float:
+        """Seconds in the sections so far (on a GPU, once the device has finished them)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(b.elapsed_time(e) for b, e in self._events) / 1000.0
+            self._events = []
+        return self._seconds
+
+    def start(self):
+        self.__enter__()
 
     def stop(self) -> float:
-        """Seconds since ``start()``."""
-        if self.cuda:
-            self._end.record(torch.cuda.current_stream(self.device))
-            self._end.synchronize()
-            return self._begin.elapsed_time(self._end) / 1000.0
-        return time.perf_counter() - self._t0
+        """Ends the section ``start()`` began; the seconds of every section so far."""
+        self.__exit__(None, None, None)
+        return self.total()
 
 
 class IdleProbe:
