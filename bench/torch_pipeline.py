@@ -29,11 +29,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from torch_straggler import launch_worker  # noqa: E402
 LAYERS, FIT_LAYERS = 12, 10
 
 
@@ -102,18 +103,7 @@ def worker(a):
 
 def run_once(a, mode, load, cores):
     """One run of `mode` under `load` ("none" or "straggler"): its figures."""
-    from malleus.torch import run
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
-                "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                "--global-batch", str(a.global_batch), "--seq-len", str(a.seq_len),
-                "--cores", ",".join(map(str, cores)), "--load", load]
-        status = run.launch(argv, 2, cores=cores, timeout=900)
-        if status:
-            raise SystemExit(f"{mode} run failed with status {status}")
-        with open(out) as f:
-            return json.load(f)
+    return launch_worker(__file__, a, mode, load, cores)
 
 
 def main():

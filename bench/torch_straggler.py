@@ -125,21 +125,27 @@ while time.time() < end:
 """
 
 
-def run_once(a, mode, load, cores):
-    """One run of `mode` under `load` ("none", "straggler" or "moving:MS"): its figures."""
+def launch_worker(script, a, mode, load, cores, extra=()):
+    """Runs `script --worker` on 2 ranks pinned to `cores` for one `mode` under `load`, with
+    the common arguments from `a` and `extra`: the figures its rank 0 wrote. Shared with
+    torch_pipeline.py."""
     from malleus.torch import run
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
+        argv = [sys.executable, os.path.abspath(script), "--worker", "--mode", mode,
                 "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
                 "--global-batch", str(a.global_batch), "--seq-len", str(a.seq_len),
-                "--bucket-mb", str(a.bucket_mb),
-                "--cores", ",".join(map(str, cores)), "--load", load]
+                "--cores", ",".join(map(str, cores)), "--load", load, *extra]
         status = run.launch(argv, 2, cores=cores, timeout=900)
         if status:
             raise SystemExit(f"{mode} run failed with status {status}")
         with open(out) as f:
             return json.load(f)
+
+
+def run_once(a, mode, load, cores):
+    """One run of `mode` under `load` ("none", "straggler" or "moving:MS"): its figures."""
+    return launch_worker(__file__, a, mode, load, cores, ["--bucket-mb", str(a.bucket_mb)])
 
 
 def main():
