@@ -53,15 +53,19 @@ double Monitor::peer_seed(size_t rank, const std::string& geometry, const std::s
     return it == st.references.end() ? 0.0 : it->second.value;
   };
   const RankState& own = ranks_[rank];
+  // Where the two devices are compared, in order: first where this rank came from, then every
+  // other geometry it has a reference for.
+  std::vector<std::string> compared = {from};
+  for (const auto& [g, ref] : own.references) {
+    if (g != from && g != geometry) compared.push_back(g);
+  }
   std::vector<double> seeds;
   for (size_t p = 0; p < ranks_.size(); ++p) {
     const double theirs = p == rank ? 0 : known(ranks_[p], geometry);
     if (theirs <= 0) continue;
-    // The two devices compared where both have a reference: first where this rank came from.
+    // The two devices compared where both have a reference.
     double scale = 1;
-    std::vector<std::string> shared = {from};
-    for (const auto& [g, ref] : own.references) shared.push_back(g);
-    for (const std::string& g : shared) {
+    for (const std::string& g : compared) {
       const double mine = known(own, g), peer = known(ranks_[p], g);
       if (g != geometry && mine > 0 && peer > 0) {
         scale = mine / peer;
