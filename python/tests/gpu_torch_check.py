@@ -1,14 +1,17 @@
 """malleus.torch on one GPU (issue 35): DataParallel over NCCL with a world of one process, and
-over gloo with two processes sharing the GPU. In both, every step's loss and the parameters after
-the last step equal one process training on the whole global batch in one forward (on the same
-device), and each rank's compute is timed with CUDA events.
+over gloo with two processes sharing the GPU; PipelineParallel over NCCL with a world of one (the
+blocks on the GPU; two processes cannot share one GPU under NCCL, and gloo's point-to-point takes
+CPU tensors). In each, every step's loss and the parameters after the last step equal one process
+training on the whole global batch in one forward (on the same device), and each rank's compute
+is timed with CUDA events.
 
     PYTHONPATH=build/python /usr/bin/python3 python/tests/gpu_torch_check.py [--device cpu]
 
 Exit status 0 when every check passed or none could run (no CUDA device: it says "skipped"), 1
 when one failed. One line per check, then "gpu_torch_check: N passed, M failed" last.
-``--device cpu`` runs the same checks on the CPU over gloo (the launcher, the workers, the
-comparison and the report; what the CPU test suite runs, python_gpu_torch_check_cpu).
+``--device cpu`` runs the same checks on the CPU over gloo, the pipeline on two processes (the
+launcher, the workers, the comparison and the report; what the CPU test suite runs,
+python_gpu_torch_check_cpu).
 
 Tolerance on a GPU: the sums run in another order (per micro-batch, then across ranks) and cuBLAS
 may pick other kernels for other shapes, so losses agree to a relative 2e-5 and parameters to an
@@ -27,14 +30,19 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import pipeline_common as pc  # noqa: E402
 import torch_common as tc  # noqa: E402
 
 STEPS = 4
 TOLERANCE = {"cuda": (2e-5, 1e-4), "cpu": (1e-6, 2e-6)}  # (loss rtol, parameter atol)
 
 
-def reference(device, steps):
-    """One process, the whole global batch in one forward, on `device`: (losses, parameters)."""
+def reference(kind, device, steps):
+    """One process, the whole global batch in one forward, on `device`: (losses, parameters on
+    the CPU) of the test model (`kind` "data") or of its blocks run in order ("pipeline")."""
+    if kind == "pipeline":
+        losses, states = pc.reference_run(steps, device)
+        return losses, [v for block in states[-1] for v in block.values()]
     model = tc.make_model().to(device)
     opt = tc.make_optimizer(model)
     losses = []
@@ -66,45 +74,58 @@ def count_timing_events():
     torch.cuda.Event = CountingEvent
 
 
-def worker(device, backend, out, steps):
-    """One rank (started by malleus.torch.run's launcher): DataParallel on `device` over
-    `backend`; rank 0 saves the losses, the final parameters and the timing events made."""
+def worker(kind, device, backend, out, steps):
+    """One rank (started by malleus.torch.run's launcher): DataParallel (`kind` "data") or
+    PipelineParallel ("pipeline") on `device` over `backend`; rank 0 saves the losses, the final
+    parameters and the timing events made."""
     import malleus.torch as mt
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        count_timing_events()  # DataParallel makes its timing events with torch.cuda.Event
+        count_timing_events()  # the wrappers make their timing events with torch.cuda.Event
     mt.init_from_env(backend)
-    model = tc.make_model().to(device)
-    dp = mt.DataParallel(model, tc.make_optimizer(model), global_batch=tc.GLOBAL_BATCH,
-                         micro_batch=tc.MICRO_BATCH, seq_len=tc.SEQ, replan=False,
-                         bucket_mb=0.004)  # several buckets even for this small model
     losses, compute_s = [], []
-    for inputs, targets in tc.batches(steps):
-        r = dp.step((inputs.to(device), targets.to(device)), tc.loss_sum)
-        losses.append(r.loss)
-        compute_s.append(r.compute_s)
+    if kind == "pipeline":
+        pp = mt.PipelineParallel([b.to(device) for b in pc.make_blocks()], pc.make_optimizer,
+                                 pc.loss_fn, global_batch=pc.GLOBAL_BATCH,
+                                 micro_batch=pc.MICRO_BATCH, seq_len=tc.SEQ,
+                                 model_config=pc.config(), replan=False)
+        for data in tc.batches(steps):
+            r = pp.step(data)
+            losses.append(r.loss)
+            compute_s.append(r.compute_s)
+        state = pp.gather(0)
+        params = [v.cpu() for block in state for v in block.values()] if state else []
+    else:
+        model = tc.make_model().to(device)
+        dp = mt.DataParallel(model, tc.make_optimizer(model), global_batch=tc.GLOBAL_BATCH,
+                             micro_batch=tc.MICRO_BATCH, seq_len=tc.SEQ, replan=False,
+                             bucket_mb=0.004)  # several buckets even for this small model
+        for inputs, targets in tc.batches(steps):
+            r = dp.step((inputs.to(device), targets.to(device)), tc.loss_sum)
+            losses.append(r.loss)
+            compute_s.append(r.compute_s)
+        params = [p.detach().cpu().clone() for p in model.parameters()]
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "compute_s": compute_s, "events": TIMING_EVENTS,
-                    "params": [p.detach().cpu().clone() for p in model.parameters()],
-                    "backend": dist.get_backend()}, out)
+                    "params": params, "backend": dist.get_backend()}, out)
     dist.destroy_process_group()
 
 
-def check(name, device, backend, nproc, ref, steps):
+def check(name, kind, device, backend, nproc, steps):
     """Runs one configuration; returns the failures (empty: passed) and prints its line."""
     from malleus.torch import run
     loss_rtol, param_atol = TOLERANCE[device]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
-        status = run.launch([sys.executable, os.path.abspath(__file__), "--worker", device,
-                             backend, out, str(steps)], nproc, timeout=300)
+        status = run.launch([sys.executable, os.path.abspath(__file__), "--worker", kind,
+                             device, backend, out, str(steps)], nproc, timeout=300)
         if status != 0:
             print(f"FAIL {name}: a rank exited with status {status}", flush=True)
             return [f"{name}: exit status {status}"]
         result = torch.load(out)
     failures = []
-    losses, params = ref
+    losses, params = reference(kind, device, steps)
     loss_err = max(abs(g - w) / abs(w) for g, w in zip(result["losses"], losses))
     param_err = max(float((a - b).abs().max()) for a, b in zip(result["params"], params))
     if len(result["losses"]) != steps or loss_err > loss_rtol:
@@ -130,8 +151,8 @@ def check(name, device, backend, nproc, ref, steps):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        device, backend, out, steps = sys.argv[2:6]
-        worker(device, backend, out, int(steps))
+        kind, device, backend, out, steps = sys.argv[2:7]
+        worker(kind, device, backend, out, int(steps))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -143,11 +164,16 @@ def main():
         return 0
     print(f"gpu_torch_check: torch {torch.__version__} on "
           f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'the CPU'}", flush=True)
-    ref = reference(args.device, args.steps)
     one = "nccl" if args.device == "cuda" else "gloo"
-    results = [check(f"world of one over {one}", args.device, one, 1, ref, args.steps),
-               check("two processes on one device over gloo", args.device, "gloo", 2, ref,
+    results = [check(f"world of one over {one}", "data", args.device, one, 1, args.steps),
+               check("two processes on one device over gloo", "data", args.device, "gloo", 2,
                      args.steps)]
+    if args.device == "cuda":
+        results.append(check("pipeline, world of one over nccl", "pipeline", "cuda", "nccl", 1,
+                             args.steps))
+    else:
+        results.append(check("pipeline of two stages over gloo", "pipeline", "cpu", "gloo", 2,
+                             args.steps))
     failed = sum(1 for failures in results if failures)
     print(f"gpu_torch_check: {len(results) - failed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1

@@ -20,7 +20,8 @@ class Embed(torch.nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        return torch.cumsum(x, dim=1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
+        return torch.cumsum(x, dim=1) / torch.arange(1, x.shape[1] + 1,
+                                                     device=x.device).view(1, -1, 1)
 
 
 class Layer(torch.nn.Module):
@@ -64,23 +65,24 @@ def loss_fn(logits, targets):
     return loss, int((targets != tc.IGNORE).sum())
 
 
-def reference_run(steps):
+def reference_run(steps, device="cpu"):
     """One process, the whole global batch in one forward through the blocks in order, the mean
-    over its counted tokens: (losses, every block's state after every step)."""
-    blocks = make_blocks()
+    over its counted tokens, on `device`: (losses, every block's state after every step, on the
+    CPU)."""
+    blocks = [b.to(device) for b in make_blocks()]
     opt = make_optimizer([p for b in blocks for p in b.parameters()])
     losses, states = [], []
     for inputs, targets in tc.batches(steps):
         opt.zero_grad()
-        x = inputs
+        x = inputs.to(device)
         for b in blocks:
             x = b(x)
-        loss = F.cross_entropy(x.reshape(-1, tc.VOCAB), targets.reshape(-1),
+        loss = F.cross_entropy(x.reshape(-1, tc.VOCAB), targets.to(device).reshape(-1),
                                ignore_index=tc.IGNORE)
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        states.append([{k: v.detach().clone() for k, v in b.state_dict().items()}
+        states.append([{k: v.detach().cpu().clone() for k, v in b.state_dict().items()}
                        for b in blocks])
     return losses, states
 
