@@ -163,16 +163,16 @@ TEST_F(CudaBackend, CopyRowsMovesAStridedPieceLikeTheCpu) {
           float* exact = s.put_exact(x);
           float* packed = s.poisoned(rows * count);
           float* packed_exact = s.poisoned(rows * count);
-          s.backend->copy_rows(packed, matrix + first,
-                               {.count = count, .rows = rows, .source_stride = cols,
-                                .destination_stride = count});
-          s.backend->copy_rows(packed_exact, exact + first,
-                               {.count = count, .rows = rows, .source_stride = cols,
-                                .destination_stride = count});
+          s.backend->copy_rows(
+              packed, matrix + first,
+              {.count = count, .rows = rows, .source_stride = cols, .destination_stride = count});
+          s.backend->copy_rows(
+              packed_exact, exact + first,
+              {.count = count, .rows = rows, .source_stride = cols, .destination_stride = count});
           float* back = s.put(Host(rows * cols, 0.0f));
-          s.backend->copy_rows(back + first, packed,
-                               {.count = count, .rows = rows, .source_stride = count,
-                                .destination_stride = cols});
+          s.backend->copy_rows(
+              back + first, packed,
+              {.count = count, .rows = rows, .source_stride = count, .destination_stride = cols});
           return Outputs{{"packed", s.get(packed, rows * count)},
                          {"packed from exact", s.get(packed_exact, rows * count)},
                          {"unpacked", s.get(back, rows * cols)}};
