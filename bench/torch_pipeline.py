@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from torch_straggler import launch_worker  # noqa: E402
+from torch_straggler import launch_worker, measure_rounds, side_by_side  # noqa: E402
 LAYERS, FIT_LAYERS = 12, 10
 
 
@@ -131,17 +131,15 @@ def main():
         raise SystemExit("needs 2 cores")
     print(f"load average before: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     modes = ("fixed", "malleus")
-    results = {(m, s): [] for m in modes for s in (False, True)}
     started = time.time()
-    for rnd in range(a.rounds):
-        for straggler in (False, True):
-            for mode in modes:
-                r = run_once(a, mode, "straggler" if straggler else "none", cores)
-                results[(mode, straggler)].append(r["tokens_per_s"])
-                print(f"round {rnd + 1} {'straggler' if straggler else 'healthy  '} {mode:8s} "
-                      f"{r['tokens_per_s']:7.0f} tok/s  blocks per rank {r['blocks']} "
-                      f"({r['plan']}) rates {[round(x, 2) for x in r['rates']]} switches "
-                      f"{r['switches']} moving {r['migrate_s']:.2f} s", flush=True)
+
+    def line(rnd, straggler, mode, r):
+        print(f"round {rnd} {'straggler' if straggler else 'healthy  '} {mode:8s} "
+              f"{r['tokens_per_s']:7.0f} tok/s  blocks per rank {r['blocks']} "
+              f"({r['plan']}) rates {[round(x, 2) for x in r['rates']]} switches "
+              f"{r['switches']} moving {r['migrate_s']:.2f} s", flush=True)
+
+    results = measure_rounds(a, modes, lambda mode, load: run_once(a, mode, load, cores), line)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}; "
           f"{time.time() - started:.0f} s")
@@ -149,9 +147,9 @@ def main():
         print(f"medians of {a.rounds} (tok/s): {mode} healthy {med[(mode, False)]:.0f}, "
               f"3x straggler {med[(mode, True)]:.0f}")
     ideal = max(med[("malleus", False)], med[("fixed", False)]) * (1 + 1 / 3) / 2
-    print(f"healthy malleus / fixed: {med[('malleus', False)] / med[('fixed', False)]:.3f} "
-          f"(target >= 0.97)")
-    print(f"straggler malleus / fixed: {med[('malleus', True)] / med[('fixed', True)]:.2f} "
+    print(f"healthy malleus / fixed: {side_by_side(results, 'malleus', 'fixed', False):.3f} "
+          f"(median of the rounds' ratios; target >= 0.97)")
+    print(f"straggler malleus / fixed: {side_by_side(results, 'malleus', 'fixed', True):.2f} "
           f"(target >= 1.3)")
     print(f"straggler malleus / ideal ({ideal:.0f}): {med[('malleus', True)] / ideal:.2f} "
           f"(target >= 0.85)")

@@ -143,6 +143,29 @@ def launch_worker(script, a, mode, load, cores, extra=()):
             return json.load(f)
 
 
+def measure_rounds(a, modes, run, line):
+    """`a.rounds` rounds of every mode, healthy and then under the straggler, the modes side by
+    side; their order alternates between rounds (ABBA), so a machine drifting faster or slower
+    favours none. `run(mode, load)` gives a run's figures, printed by `line(round, straggler,
+    mode, figures)`. Returns {(mode, straggler): [tokens/s of each round]}. Shared with
+    torch_pipeline.py."""
+    results = {(m, s): [] for m in modes for s in (False, True)}
+    for rnd in range(a.rounds):
+        order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
+        for straggler in (False, True):
+            for mode in order:
+                r = run(mode, "straggler" if straggler else "none")
+                results[(mode, straggler)].append(r["tokens_per_s"])
+                line(rnd + 1, straggler, mode, r)
+    return results
+
+
+def side_by_side(results, mode, base, straggler):
+    """The median over rounds of `mode`'s tokens/s over `base`'s in the same round."""
+    return statistics.median(x / y for x, y in zip(results[(mode, straggler)],
+                                                   results[(base, straggler)]))
+
+
 def run_once(a, mode, load, cores):
     """One run of `mode` under `load` ("none", "straggler" or "moving:MS"): its figures."""
     return launch_worker(__file__, a, mode, load, cores, ["--bucket-mb", str(a.bucket_mb)])
@@ -177,16 +200,12 @@ def main():
     if not set(modes) <= {"ddp", "malleus", "malleus-serial", "malleus-keep"}:
         raise SystemExit(f"--modes: of ddp, malleus, malleus-serial and malleus-keep, got "
                          f"{a.modes}")
-    results = {(m, s): [] for m in modes for s in (False, True)}
-    for rnd in range(a.rounds):
-        for straggler in (False, True):
-            for mode in modes:
-                r = run_once(a, mode, "straggler" if straggler else "none", cores)
-                results[(mode, straggler)].append(r["tokens_per_s"])
-                print(f"round {rnd + 1} {'straggler' if straggler else 'healthy  '} {mode:14s} "
-                      f"{r['tokens_per_s']:8.0f} tok/s  split {r['last_split']} rates "
-                      f"{[round(x, 2) for x in r['last_rates']] if r['last_rates'] else '-'}",
-                      flush=True)
+    def line(rnd, straggler, mode, r):
+        print(f"round {rnd} {'straggler' if straggler else 'healthy  '} {mode:14s} "
+              f"{r['tokens_per_s']:8.0f} tok/s  split {r['last_split']} rates "
+              f"{[round(x, 2) for x in r['last_rates']] if r['last_rates'] else '-'}", flush=True)
+
+    results = measure_rounds(a, modes, lambda mode, load: run_once(a, mode, load, cores), line)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
     for mode in modes:
@@ -194,15 +213,15 @@ def main():
               f"3x straggler {med[(mode, True)]:.0f}")
     if "ddp" in modes and "malleus" in modes:
         ideal = med[("malleus", False)] * (1 + 1 / 3) / 2
-        print(f"healthy malleus.torch / DDP: {med[('malleus', False)] / med[('ddp', False)]:.3f} "
-              f"(target >= 1.0)")
-        print(f"straggler malleus.torch / DDP: {med[('malleus', True)] / med[('ddp', True)]:.2f} "
+        print(f"healthy malleus.torch / DDP: {side_by_side(results, 'malleus', 'ddp', False):.3f} "
+              f"(median of the rounds' ratios; target >= 1.0)")
+        print(f"straggler malleus.torch / DDP: {side_by_side(results, 'malleus', 'ddp', True):.2f} "
               f"(target >= 1.5)")
         print(f"straggler malleus.torch / ideal ({ideal:.0f}): "
               f"{med[('malleus', True)] / ideal:.2f} (target >= 0.85)")
     if "malleus-serial" in modes and "malleus" in modes:
         print(f"healthy overlap / serial: "
-              f"{med[('malleus', False)] / med[('malleus-serial', False)]:.3f}")
+              f"{side_by_side(results, 'malleus', 'malleus-serial', False):.3f}")
 
 
 if __name__ == "__main__":
