@@ -36,9 +36,9 @@ StoredBuffer StorageMap::remove(const void* handle) {
   const auto found = buffers_.find(reinterpret_cast<uintptr_t>(handle));
   check(found != buffers_.end(),
         "cuda backend: release of " + address_text(handle) + ", which it did not allocate");
+  const std::pair<uintptr_t, size_t> entry{found->first, found->second.count};
   StoredBuffer buffer = found->second;
   buffers_.erase(found);
-  const std::pair<uintptr_t, size_t> entry{found->first, buffer.count};
   if (released_.size() < kReleasedKept) {
     released_.push_back(entry);
   } else {
