@@ -844,7 +844,11 @@ TEST_F(RecoverySlow, LinkDownMidMigrationLeavesTheHostOutAndTheRunFinishesFromMe
   bed.cut();
   bed.cut_to_first_step();
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
-  expect_left_out_and_finished(dir, run, job.output(), "migration", slow_link_flags(dir, ""));
+  // As in the mid-step case: the migration's last messages may be in the socket buffers before
+  // the cut, and the ranks then wait in the memory save that follows it (seen once in CI: phase
+  // "checkpoint" at the migration's step, everything else as here).
+  expect_left_out_and_finished(dir, run, job.output(), "migration|checkpoint",
+                               slow_link_flags(dir, ""));
 }
 
 // ---- A link that comes back, and links that drop packets (watchdog/partition.h's rule) ----
