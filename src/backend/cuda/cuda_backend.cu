@@ -326,12 +326,12 @@ class CudaBackend final : public Backend<float> {
     const Span to = written(destination, extent(shape.destination_stride));
     if (from.bf16 != to.bf16) {  // a conversion per run
       for (size_t r = 0; r < shape.rows; ++r) {
-        cuda::convert(advanced(to, r * shape.destination_stride),
-                      advanced(from, r * shape.source_stride), shape.count);
+        cuda::convert(to.offset(r * shape.destination_stride), from.offset(r * shape.source_stride),
+                      shape.count);
       }
       return;
     }
-    const size_t element = to.bf16 ? sizeof(bf16) : sizeof(float);
+    const size_t element = stored_bytes(to, 1);
     cuda_check(cudaMemcpy2DAsync(to.data, shape.destination_stride * element, from.data,
                                  shape.source_stride * element, shape.count * element, shape.rows,
                                  cudaMemcpyDeviceToDevice, nullptr),
@@ -588,11 +588,6 @@ class CudaBackend final : public Backend<float> {
   }
   // Whether an fp32 buffer of this kind keeps a bf16 copy for the products.
   bool shadowed(MemoryKind kind) const { return bf16_storage() && kind == MemoryKind::kParameters; }
-  // The span `elements` further on.
-  static Span advanced(const Span& span, size_t elements) {
-    return {static_cast<char*>(span.data) + elements * (span.bf16 ? sizeof(bf16) : sizeof(float)),
-            span.bf16};
-  }
   static size_t stored_bytes(const Span& span, size_t count) {
     return count * (span.bf16 ? sizeof(bf16) : sizeof(float));
   }
