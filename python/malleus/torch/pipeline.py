@@ -90,7 +90,7 @@ class PipelineParallel:
             model_config = dict(malleus.model_config("demo"), num_layers=max(1, len(blocks) - 2))
         self.config = malleus.model_config(model_config)
         self.seq_len = positive_int("seq_len", seq_len if seq_len is not None
-                                     else self.config["max_seq_len"])
+                                    else self.config["max_seq_len"])
         block_ends(len(blocks), self.config["num_layers"])
         self.total_steps, self.horizon_steps = total_steps, horizon_steps
         self.device = comm_device()
