@@ -907,6 +907,23 @@ TEST(MemoryFolder, AFolderOthersCanWriteOrALinkIsRefusedNamingPathAndOwner) {
   EXPECT_NO_THROW(check_memory_base(base.path()));  // as /dev/shm is
 }
 
+TEST(MemoryFolder, AStepFolderRemovedWhileListedIsSkippedAWritableOneStillRefused) {
+  // The running job removes old steps while a restart lists them (host_memory_copies): a
+  // folder gone between the listing and the check is no error; one others can write still is.
+  malleus::testing::ScratchDir dir;
+  const MemoryBase base(dir / "shm");
+  const fs::path root = memory_checkpoint_root(dir / "run");
+  make_private_dir(root, "memory checkpoints");
+  EXPECT_FALSE(check_private_dir_if_present(root / "step_00000004", "memory checkpoint"));
+  make_private_dir(root / "step_00000005", "memory checkpoint");
+  EXPECT_TRUE(check_private_dir_if_present(root / "step_00000005", "memory checkpoint"));
+  fs::permissions(root / "step_00000005", fs::perms::others_write, fs::perm_options::add);
+  EXPECT_CONTAINS(malleus::testing::error_of([&] {
+                    check_private_dir_if_present(root / "step_00000005", "memory checkpoint");
+                  }),
+                  "mode 0702");
+}
+
 TEST(MemoryFolder, AnotherUsersFolderIsRefusedNamingItsOwner) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root, to give a folder to another user";
   malleus::testing::ScratchDir dir;

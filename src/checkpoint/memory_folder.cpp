@@ -104,8 +104,9 @@ std::string user_name(uint32_t uid) {
   return "uid " + std::to_string(uid);
 }
 
-void check_private_dir(const fs::path& dir, const std::string& what) {
-  const struct stat st = stat_of(dir, what);
+namespace {
+
+void check_private_stat(const fs::path& dir, const std::string& what, const struct stat& st) {
   check(!S_ISLNK(st.st_mode),
         what + " " + dir.string() + " is a symbolic link (owned by " + owner_text(st.st_uid) +
             "), not a folder: refusing it (remove it, or set $MALLEUS_MEMORY_CHECKPOINT_DIR)");
@@ -120,6 +121,23 @@ void check_private_dir(const fs::path& dir, const std::string& what) {
             octal_mode(st.st_mode) +
             ": group or others can write to it, so its content may not be the run's: refusing "
             "it (remove it; malleus makes these folders 0700)");
+}
+
+}  // namespace
+
+void check_private_dir(const fs::path& dir, const std::string& what) {
+  check_private_stat(dir, what, stat_of(dir, what));
+}
+
+bool check_private_dir_if_present(const fs::path& dir, const std::string& what) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    const int error = errno;
+    if (error == ENOENT) return false;
+    throw Error(what + " " + dir.string() + ": " + std::strerror(error));
+  }
+  check_private_stat(dir, what, st);
+  return true;
 }
 
 void make_private_dir(const fs::path& dir, const std::string& what) {

@@ -34,6 +34,9 @@ inline constexpr double kAbandonedAfterS = 600;
 // Throws Error naming `dir` (as `what`) and its owner unless it is a directory, not a symbolic
 // link, owned by the effective user, that neither group nor others can write.
 void check_private_dir(const std::filesystem::path& dir, const std::string& what);
+// As above, but false when `dir` no longer exists (a step folder the running job removed
+// between a listing and this check).
+bool check_private_dir_if_present(const std::filesystem::path& dir, const std::string& what);
 // Creates `dir` with mode 0700 (its parent must exist), or checks an existing one as above.
 void make_private_dir(const std::filesystem::path& dir, const std::string& what);
 // Throws Error naming `base` and its owner unless it is a directory owned by the effective user

@@ -158,7 +158,8 @@ HostMemoryCopies host_memory_copies(const fs::path& root) {
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::optional<int64_t> step = checkpoint_dir_step(entry.path());
     if (!step || !entry.is_directory(ec)) continue;
-    check_private_dir(entry.path(), "memory checkpoint");
+    // The running job removes old steps as it writes new ones: one may go while this lists.
+    if (!check_private_dir_if_present(entry.path(), "memory checkpoint")) continue;
     copies.steps.push_back(step_copies(entry.path(), *step));
   }
   std::sort(copies.steps.begin(), copies.steps.end(),
