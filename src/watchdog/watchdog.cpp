@@ -422,7 +422,9 @@ void Watchdog::judge(double waited_s, double limit_s) {
   if (!p.healed.empty()) {
     std::lock_guard lock(mutex_);
     if (extended_limit_s_ == 0) {
-      extended_limit_s_ = 2 * waited_s;
+      // Each of the collective's stalled connections resumes within about the outage of the
+      // link's return, and they may resume one after another: twice as long again.
+      extended_limit_s_ = 3 * waited_s;
       std::fprintf(
           stderr,
           "warning: [rank %d] watchdog: %s has taken %s s, over its limit of %s s, but the "

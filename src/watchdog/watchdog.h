@@ -15,9 +15,10 @@
 //   - a link no probe crossed for `cut_after_s`: the hosts on the far side of it are cut off; they
 //     are named with their ranks (a partition);
 //   - a link whose probes fail but not for `cut_after_s` yet: it waits, at most that long;
-//   - a link that was down in this phase and came back: the phase gets as long again as it has
-//     waited (TCP resends on a timeout that doubles, so a connection that stalled for T resumes
-//     within about T of the link's return), once;
+//   - a link that was down in this phase and came back: the phase gets twice as long again as it
+//     has waited, once (TCP resends on a timeout that doubles, so a connection that stalled for T
+//     resumes within about T of the link's return, and a collective's connections may resume one
+//     after another);
 //   - else the ranks that did not arrive: a heartbeat that went stale (the process is not
 //     running) or a rank still in an earlier phase; or nobody, when all wait at the same point.
 //     A rank still in an earlier phase is waited for until that phase's own limit (its watchdog
