@@ -12,6 +12,7 @@
 #include "common/files.h"
 #include "common/format.h"
 #include "common/slurm_lists.h"
+#include "common/system.h"
 #include "device/device.h"
 #include "layout/grad_sync_plan.h"
 #include "layout/layout.h"
@@ -78,6 +79,28 @@ std::string open_devices(const TrainConfig& c, const comm::Communicator& world,
   // How the device's buffers meet MPI: staged through host memory, or given to a CUDA-aware MPI.
   if (device.memory) line += "\ncommunication: " + comm::transport_text(*device.memory);
   return line;
+}
+
+EngineSetup set_up_engine(const TrainConfig& config, const model::ModelConfig& model,
+                          const comm::Communicator& world) {
+  config.validate("training config");
+  check(config.seq_len <= model.max_seq_len, "\"seq_len\" " + std::to_string(config.seq_len) +
+                                                 " exceeds the model's max_seq_len " +
+                                                 std::to_string(model.max_seq_len));
+  EngineSetup setup;
+  setup.plan = resolve_plan(config, model, world.size());
+  setup.options = engine_options(config, world.size());
+  setup.devices_line = open_devices(config, world, &setup.options);
+  // Collective: each rank's host, which the memory check needs too (where the memory copies go).
+  setup.options.hosts = runtime::host_indices(world);
+  if (const int64_t available = available_memory_bytes(); available > 0) {
+    check_model_state_fits(model, setup.plan, world.rank(), config.distributed_optimizer, available,
+                           ranks_on_this_node(world.size()),
+                           config.memory_checkpoints ? &setup.options.hosts : nullptr);
+  }
+  setup.cores = runtime::CoreSharing::detect(world, setup.options.threads);
+  setup.options.core_lease = setup.cores.lease;
+  return setup;
 }
 
 elastic::StragglerSchedule injected_stragglers(const TrainConfig& c, int world_size) {

@@ -16,6 +16,7 @@
 #include "elastic/stragglers.h"
 #include "model/config.h"
 #include "plan/plan.h"
+#include "runtime/core_lease.h"
 #include "runtime/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "train/config.h"
@@ -53,6 +54,20 @@ runtime::EngineOptions engine_options(const TrainConfig& config, int world_size)
 // CPU.
 std::string open_devices(const TrainConfig& config, const comm::Communicator& world,
                          runtime::EngineOptions* options);
+
+// What a run's engine is built from, decided and checked in this order before anything is
+// allocated: the config and the plan; the engine's options with this rank's device opened; each
+// rank's host; the memory fit of the model state (with the memory copies when they are on); and
+// how the ranks share cores (runtime/core_lease.h: ranks that share cores take turns on them, so
+// each rank's measured compute time is its time on a whole core). Collective over `world`.
+struct EngineSetup {
+  plan::Plan plan;
+  runtime::EngineOptions options;  // hosts and core lease filled in
+  std::string devices_line;        // open_devices' line for the run's header
+  runtime::CoreSharing cores;
+};
+EngineSetup set_up_engine(const TrainConfig& config, const model::ModelConfig& model,
+                          const comm::Communicator& world);
 
 // The injected stragglers of a config. Throws Error when a spec or the trace names a rank outside
 // the job (built before the data is read, so a bad trace is reported first).

@@ -45,27 +45,11 @@ Trainer::Trainer(const TrainConfig& config, const model::ModelConfig& requested_
                 requested_model.vocab_size, model_config.vocab_size,
                 tokenizer_->describe().c_str());
   }
-  config_.validate("training config");
-  check(config.seq_len <= model_config.max_seq_len,
-        "\"seq_len\" " + std::to_string(config.seq_len) + " exceeds the model's max_seq_len " +
-            std::to_string(model_config.max_seq_len));
-  // The plan and the limits are checked completely before any rank allocates or communicates.
-  const plan::Plan plan = resolve_plan(config_, model_config, world_.size());
-  engine_options_ = engine_options(config_, world_.size());
-  devices_line_ = open_devices(config_, world_, &engine_options_);
-  // Collective: each rank's host, which the memory check needs too (where the memory copies go).
-  engine_options_.hosts = runtime::host_indices(world_);
-  // Before anything is allocated: the model state, and the memory copies when they are on, must
-  // fit this rank's share of the machine.
-  if (const int64_t available = available_memory_bytes(); available > 0) {
-    check_model_state_fits(model_config, plan, world_.rank(), config_.distributed_optimizer,
-                           available, ranks_on_this_node(world_.size()),
-                           config_.memory_checkpoints ? &engine_options_.hosts : nullptr);
-  }
-  // Ranks that share cores take turns on them, so each rank's measured compute time is its
-  // time on a whole core (runtime/core_lease.h).
-  cores_ = runtime::CoreSharing::detect(world_, engine_options_.threads);
-  engine_options_.core_lease = cores_.lease;
+  EngineSetup setup = set_up_engine(config_, model_config, world_);
+  engine_options_ = std::move(setup.options);
+  devices_line_ = std::move(setup.devices_line);
+  cores_ = std::move(setup.cores);
+  const plan::Plan& plan = setup.plan;
   // On several hosts, the links between them are monitored too, per node of the cluster the
   // controller plans for (ranks fill nodes in order, as `--map-by ppr:K:node` starts them).
   checkpoints_.start_memory_checkpoints(engine_options_.hosts);
