@@ -143,16 +143,16 @@ def launch_worker(script, a, mode, load, cores, extra=()):
             return json.load(f)
 
 
-def measure_rounds(a, modes, run, line):
-    """`a.rounds` rounds of every mode, healthy and then under the straggler, the modes side by
-    side; their order alternates between rounds (ABBA), so a machine drifting faster or slower
-    favours none. `run(mode, load)` gives a run's figures, printed by `line(round, straggler,
-    mode, figures)`. Returns {(mode, straggler): [tokens/s of each round]}. Shared with
-    torch_pipeline.py."""
-    results = {(m, s): [] for m in modes for s in (False, True)}
+def measure_rounds(a, modes, run, line, loads=(False, True)):
+    """`a.rounds` rounds of every mode, healthy and then under the straggler (`loads`: which of
+    the two), the modes side by side; their order alternates between rounds (ABBA), so a machine
+    drifting faster or slower favours none. `run(mode, load)` gives a run's figures, printed by
+    `line(round, straggler, mode, figures)`. Returns {(mode, straggler): [tokens/s of each
+    round]}. Shared with torch_pipeline.py."""
+    results = {(m, s): [] for m in modes for s in loads}
     for rnd in range(a.rounds):
         order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
-        for straggler in (False, True):
+        for straggler in loads:
             for mode in order:
                 r = run(mode, "straggler" if straggler else "none")
                 results[(mode, straggler)].append(r["tokens_per_s"])
