@@ -404,6 +404,37 @@ TEST(Controller, DecidesWithTheSharedSwitchRule) {
   EXPECT_EQ(metrics::describe(late.record), "re-plan declined at step 99: " + late.record.reason);
 }
 
+TEST(Controller, ASlowdownEveryRankSharesMovesNoWork) {
+  // Seen in a healthy benchmark on a shared 2-core machine: both ranks read 1.24 and 1.33 (the
+  // machine slowed), and the controller moved a layer for a difference within its hysteresis.
+  EXPECT_EQ(elastic::relative_to_least_slowed({1.3, 2.6, 1.3}),
+            (std::vector<double>{1.0, 2.0, 1.0}));
+  EXPECT_EQ(elastic::relative_to_least_slowed({0.9, 3.0}), (std::vector<double>{0.9, 3.0}));
+  EXPECT_TRUE(elastic::relative_to_least_slowed({}).empty());
+  const auto model = model::load_model_config("demo");
+  const plan::CostModel cost(model, elastic::local_cluster("cpu-local", 4),
+                             plan::BatchConfig{16, 1, 128});
+  const auto current = plan::uniform_plan(model, 4, 1, 1, 16, 1, 4);
+  elastic::Controller controller(cost, elastic::ControllerOptions{});
+  const auto observe = [&](const std::vector<double>& rates) {
+    return controller.decide({.current = current,
+                              .rates = rates,
+                              .monitored_steps = 100,
+                              .step = 10,
+                              .remaining_steps = 90},
+                             elastic::Transport::alone());
+  };
+  // Every rank 1.3-1.4 times slower: not asked, as if healthy.
+  EXPECT_FALSE(observe({1.3, 1.35, 1.4, 1.3}).has_value());
+  // A 3x straggler on that slowed machine is planned for as 3x the others.
+  const std::optional<elastic::Decision> d = observe({1.3, 3.9, 1.3, 1.3});
+  ASSERT_TRUE(d.has_value());
+  ASSERT_EQ(d->record.rates.size(), 4u);
+  EXPECT_NEAR(d->record.rates[1], 3.0, 1e-12);
+  EXPECT_EQ(d->record.rates[0], 1.0);
+  EXPECT_TRUE(d->plan.has_value()) << d->record.reason;
+}
+
 TEST(Controller, DecidesOverAnyTransportTheSameWay) {
   // decide() over a broadcast of the caller's (the Python package's torch.distributed): rank 0
   // proposes, what it broadcasts is the plan every rank switches to with the record of the

@@ -48,6 +48,15 @@ std::vector<double> Controller::effective(const std::vector<double>& rates) cons
   return e;
 }
 
+std::vector<double> relative_to_least_slowed(std::vector<double> rates) {
+  if (rates.empty()) return rates;
+  const double least = *std::min_element(rates.begin(), rates.end());
+  if (least > 1.0) {
+    for (double& r : rates) r /= least;
+  }
+  return rates;
+}
+
 bool Controller::trigger(const std::vector<double>& rates, int monitored_steps,
                          int64_t remaining_steps, const std::vector<double>& link_rates) {
   // Every rank sees the same rates (the monitors all-gather them), so the trigger agrees
@@ -115,8 +124,12 @@ Transport Transport::over(comm::Communicator& world) {
                    }};
 }
 
-std::optional<Decision> Controller::decide(const ControllerInput& in, const Transport& transport) {
+std::optional<Decision> Controller::decide(const ControllerInput& input,
+                                           const Transport& transport) {
   check(transport.broadcast != nullptr, "controller: no transport for rank 0's decision");
+  ControllerInput in = input;
+  in.rates = relative_to_least_slowed(input.rates);
+  in.step_rates = relative_to_least_slowed(input.step_rates);
   predicted_.clear();
   predictions_ = 0;
   if (transport.root) {

@@ -100,6 +100,12 @@ struct ControllerInput {
   bool always = false;  // ask the planner whether or not the rates moved (tools and tests)
 };
 
+// `rates` counted from the least slowed rank when every rank reads slowed (each divided by the
+// smallest, when that is above 1); unchanged otherwise. A slowdown every rank shares (the
+// machine's own swings, a cluster-wide clock or power cap) moves no work between ranks: the best
+// plan depends on how the ranks compare, not on how fast all of them are.
+std::vector<double> relative_to_least_slowed(std::vector<double> rates);
+
 class Controller {
  public:
   // `cost` models this job's cluster (its devices are the ranks), model and batch.
@@ -107,8 +113,10 @@ class Controller {
 
   // Collective over `transport` when the planner is asked (every rank calls it each step with the
   // same input): nullopt when the rates did not move enough to ask (trigger()), the decision
-  // otherwise. Rank 0 counts the step into the record of its last switch (the realised gain, on
-  // `step_rates`), proposes, applies the hold, and broadcasts the plan with the record.
+  // otherwise. The compute rates are taken relative to the least slowed rank
+  // (relative_to_least_slowed). Rank 0 counts the step into the record of its last switch (the
+  // realised gain, on `step_rates`), proposes, applies the hold, and broadcasts the plan with the
+  // record.
   std::optional<Decision> decide(const ControllerInput& input, const Transport& transport);
   // Called once per step (decide() calls it): whether to ask the planner. Compute rates: when one
   // moved by the hysteresis from the rate last planned for. Link rates (per node of the cost
