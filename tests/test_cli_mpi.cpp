@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -319,14 +320,22 @@ TEST(CliMpi, SignalsToMpirunStopTheJobWithACheckpointSlow) {
                     "--mca odls_base_sigkill_timeout 3"),
         dir / "job.out");
     ASSERT_TRUE(job.wait_for_output("step     2/", kTimeoutS)) << job.output();
+    const auto killed = std::chrono::steady_clock::now();
     ::kill(job.pid(), signal);
     const int status = job.wait(kTimeoutS);
     const std::string out = job.output();
+    std::printf("%s: the job ended %.2f s after the signal\n", strsignal(signal),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count());
     EXPECT_NE(status, 0) << out;
     EXPECT_NE(status, -1) << "still running\n" << out;
     // The checkpoint (the only one: --checkpoint-every 0) is of the last step the run made.
     const int last = last_metrics_step(dir / "run");
     ASSERT_GE(last, 2) << out;
+    ASSERT_TRUE(fs::exists(dir / "run" / "checkpoints" / "latest"))
+        << strsignal(signal) << ": no checkpoint; stop.json: "
+        << (fs::exists(dir / "run" / "stop.json") ? read_file(dir / "run" / "stop.json") : "none")
+        << "\n"
+        << out;
     EXPECT_EQ(read_file(dir / "run" / "checkpoints" / "latest"), checkpoint_name(last) + "\n")
         << strsignal(signal) << "\n"
         << out;

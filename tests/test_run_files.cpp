@@ -299,6 +299,31 @@ TEST(StopSignals, AWriteBlockedOnAFullPipeReturnsWhenSigtermReachesAnotherThread
   EXPECT_EQ(status, 0) << (status == -1 ? "the write blocked" : "see the child's code");
 }
 
+TEST(StopSignals, ASecondSigtermDoesNotEndTheStopButASecondCtrlCDoes) {
+  // Under Slurm a rank started by mpirun gets SIGTERM from its step and again from mpirun's kill
+  // sequence: the second must not end the save the first one started.
+  for (const int signal : {SIGTERM, SIGUSR1}) {
+    const int status = run_child(
+        [signal] {
+          train::StopSignals stop;
+          ::raise(signal);
+          ::raise(signal);  // would end the process with the default action
+          return train::StopSignals::received() == signal ? 0 : 4;
+        },
+        20);
+    EXPECT_EQ(status, 0) << "signal " << signal << ": " << status;
+  }
+  const int status = run_child(
+      [] {
+        train::StopSignals stop;
+        ::raise(SIGINT);
+        ::raise(SIGINT);
+        return 5;  // not reached
+      },
+      20);
+  EXPECT_EQ(status, 100 + SIGINT);
+}
+
 TEST(StopSignals, SigusrOneLeavesTheOutputBlockingForAReaderThatStillReads) {
   // mpirun forwards SIGUSR1 and goes on reading: the step and stop lines are not to be dropped.
   const int status = run_child(

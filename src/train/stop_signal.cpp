@@ -75,12 +75,15 @@ StopSignals::StopSignals() {
   std::memset(&action, 0, sizeof action);
   action.sa_handler = record;
   sigemptyset(&action.sa_mask);
-  // SA_RESETHAND: the handler runs once; the same signal again ends the process.
   // No SA_RESTART: a write blocked on a pipe no one reads (a terminated mpirun stops forwarding
   // output, and the ranks' stdout fills up) returns, so the rank gets to its stop. Regular-file
   // I/O is not interrupted by signals, and MPI retries its own interrupted calls.
-  action.sa_flags = SA_RESETHAND;
+  // SIGINT with SA_RESETHAND: a second Ctrl-C ends the process at once. SIGTERM and SIGUSR1 are
+  // recorded however often they come: a rank can get each from more than one launcher (Slurm's
+  // step and mpirun's kill sequence both send SIGTERM), and a second one must not end the save
+  // the first one started; the launcher's SIGKILL ends a stop that takes too long.
   for (size_t i = 0; i < sizeof kSignals / sizeof kSignals[0]; ++i) {
+    action.sa_flags = kSignals[i] == SIGINT ? SA_RESETHAND : 0;
     ::sigaction(kSignals[i], &action, &g_previous[i]);
   }
 }

@@ -3,8 +3,9 @@
 // interrupted), SIGINT (Ctrl-C) and SIGUSR1 (which mpirun forwards to every rank at once, and
 // Slurm's --signal can send ahead of a time limit) only record the signal. The trainer checks it
 // at every step boundary, agrees on it with the other ranks, saves a checkpoint of the step it
-// stopped at and returns the signal, and the command exits with 128 + signal. A second signal of
-// the same kind gets the default action: the process ends at once.
+// stopped at and returns the signal, and the command exits with 128 + signal. A second SIGINT
+// ends the process at once; SIGTERM and SIGUSR1 again change nothing (Slurm and mpirun may each
+// send one): a stop that takes too long ends at the launcher's SIGKILL.
 #pragma once
 
 #include <cstdint>
