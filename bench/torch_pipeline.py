@@ -129,7 +129,7 @@ def main():
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(a, name)}")
     names = a.loads.split(",")
-    if not names or not set(names) <= {"healthy", "straggler"}:
+    if not set(names) <= {"healthy", "straggler"}:
         raise SystemExit(f"--loads: expected healthy, straggler or both, got {a.loads!r}")
     loads = tuple(s for s in (False, True) if ("straggler" if s else "healthy") in names)
     cores = sorted(os.sched_getaffinity(0))[:2]

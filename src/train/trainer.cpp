@@ -7,7 +7,6 @@
 #include <functional>
 
 #include "common/error.h"
-#include "common/system.h"
 #include "metrics/metrics.h"
 #include "train/stop_signal.h"
 #include "train/watchdog.h"
