@@ -153,6 +153,9 @@ class GradientBuckets:
             self._works.append(dist.all_reduce(self._separate, group=self.group, async_op=True))
         for w in self._works:
             w.wait()
+        # Done with: a finished gloo work kept to the interpreter's exit outlives its process
+        # group, and its destruction then can abort the process.
+        self._works = []
         summed = self._separate if self._separate is not None else \
             self.flats[-1][-self.stats_len:]
         summed = summed.double().cpu().tolist()
