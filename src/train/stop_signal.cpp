@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <termios.h>
 
 #include <cerrno>
 #include <csignal>
@@ -31,12 +32,25 @@ int wake_signal() {
 }
 void wake(int) {}
 
-// stdout and stderr non-blocking where they are pipes or sockets. Async-signal-safe: fstat and
-// fcntl only.
+// Whether `fd` is a terminal other than this process's controlling one: mpirun gives each rank's
+// stdout a pseudo-terminal of its own (the rank has no controlling terminal), which stops being
+// read like a pipe. A user's own terminal is read while it shows the stop. Async-signal-safe:
+// tcgetattr and tcgetpgrp.
+bool foreign_terminal(int fd) {
+  struct termios mode;
+  return ::tcgetattr(fd, &mode) == 0 && ::tcgetpgrp(fd) < 0;
+}
+
+// stdout and stderr non-blocking where they are pipes, sockets or a terminal no one may be
+// reading (foreign_terminal). Async-signal-safe: fstat, fcntl and foreign_terminal only.
 void unblock_pipes() {
   for (int fd : {1, 2}) {
     struct stat st;
-    if (::fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))) continue;
+    if (::fstat(fd, &st) != 0) continue;
+    if (!S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode) &&
+        !(S_ISCHR(st.st_mode) && foreign_terminal(fd))) {
+      continue;
+    }
     const int flags = ::fcntl(fd, F_GETFL);
     if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   }
@@ -47,11 +61,13 @@ void record(int signal) {
   const int saved_errno = errno;
   if (g_received == 0) g_received = signal;
   // mpirun stops reading its ranks' output as soon as it is terminated or interrupted, seconds
-  // before it passes SIGTERM on, so a rank's output pipe may be full by then. Were it made
-  // non-blocking only on the way out, a line written after the signal and before that (the
-  // step's own line) would block forever once the pipe filled, and the kill would come before
-  // the checkpoint (CliMpi.SignalsToMpirunStopTheJobWithACheckpointSlow failed so, rarely). A
-  // write already blocked when the signal comes returns EINTR (no SA_RESTART).
+  // before it passes SIGTERM on, so a rank's output pipe (stderr) or pseudo-terminal (stdout)
+  // may be full by then. Were it made non-blocking only on the way out, a line written after the
+  // signal and before that (the step's own line) would block forever once the pipe filled, and
+  // the kill would come before the checkpoint (CliMpi.SignalsToMpirunStopTheJobWithACheckpointSlow
+  // failed so, rarely). A write already blocked when the signal comes returns EINTR, or the count
+  // it wrote (no SA_RESTART); stdio then writes the rest, which must not block again (the same
+  // test failed so, 2 times in 50, while stdout's pseudo-terminal was left blocking).
   if (signal == SIGTERM || signal == SIGINT) unblock_pipes();
   // The kernel gives a process's signal to any thread not blocking it: MPI's, OpenMP's, the
   // watchdog's. A write the main thread is blocked in would then not return (its O_NONBLOCK comes

@@ -48,11 +48,12 @@ class StopSignals {
   static int received();
   // "SIGTERM", "SIGINT", ...
   static std::string name(int signal);
-  // Makes stdout and stderr non-blocking when they are pipes or sockets, for the way out: a
-  // terminated mpirun no longer reads its ranks' output, and a rank must not hang writing it.
-  // What no one reads is lost; a terminal or a file is left alone. The handler of SIGTERM and
-  // SIGINT does this itself, at once: a line written between the signal and the stop must not
-  // block either.
+  // Makes stdout and stderr non-blocking when they are pipes, sockets or a terminal that is not
+  // this process's controlling one (mpirun gives each rank's stdout a pseudo-terminal), for the
+  // way out: a terminated mpirun no longer reads its ranks' output, and a rank must not hang
+  // writing it. What no one reads is lost; the user's own terminal and a file are left alone. The
+  // handler of SIGTERM and SIGINT does this itself, at once: a line written between the signal
+  // and the stop must not block either.
   static void unblock_output();
 };
 
