@@ -790,9 +790,9 @@ TEST_F(RecoverySlow, LinkDownMidStepLeavesTheHostOutAndTheRunFinishesFromMemory)
 
 namespace {
 
-// The demo model (3.5M parameters) at 16 tokens a sample, across the bed with host 1's link at
-// 100 Mbit/s: a memory save sends each rank's 10 MiB shard to the other host and a migration moves
-// optimizer shards between the hosts, so each lasts a second or two and can be cut in the middle.
+// The demo model (3.5M parameters) at 16 tokens a sample, across the bed with host 1's link
+// shaped: a memory save sends each rank's 10 MiB shard to the other host and a migration moves
+// optimizer shards between the hosts, so each lasts a second or so and can be cut in the middle.
 std::string slow_link_flags(const ScratchDir& dir, const std::string& extra) {
   return "--model demo --seq-len 16 --micro-batch 1 --global-batch 12 --threads 1 "
          "--warmup-steps 1 --min-lr-ratio 1 --val-data '' --checkpoint-every 100 --steps " +
@@ -806,15 +806,18 @@ std::string slow_link_flags(const ScratchDir& dir, const std::string& extra) {
 TEST_F(RecoverySlow, LinkDownMidCheckpointLeavesTheHostOutAndTheRunFinishesFromMemory) {
   CutBed bed(dir, run);
   if (bed.skipped()) GTEST_SKIP() << "network namespaces cannot be made here";
-  bed.bed("shape 1 100mbit");
+  // At 200 Mbit/s a save lasts about a second: time to see it under way and cut it, and a limit
+  // for the phase (10 x the median save) near the watchdog's floor.
+  bed.bed("shape 1 200mbit");
   BackgroundCommand& job = bed.launch(slow_link_flags(dir, " --no-replan"));
-  ASSERT_TRUE(wait_for_step(job, 3)) << job.output();
-  // A memory save under way: a step directory on host 0 without its manifest yet.
+  ASSERT_TRUE(wait_for_step(job, 2)) << job.output();
+  // A memory save under way, after two complete ones: a step directory on host 0 without its
+  // manifest yet.
   const fs::path copies = TwoHosts::memory_root(0, run);
   ASSERT_TRUE(poll_until([&] {
     std::error_code ec;
     for (const auto& s : fs::directory_iterator(copies, ec)) {
-      if (checkpoint::checkpoint_dir_step(s.path()).value_or(0) > 3 &&
+      if (checkpoint::checkpoint_dir_step(s.path()).value_or(0) > 2 &&
           !fs::exists(s.path() / "manifest.json")) {
         return true;
       }
