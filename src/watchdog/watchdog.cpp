@@ -157,11 +157,16 @@ std::map<std::string, std::vector<Endpoint>> probe_targets(
     if (h && !h->probe.empty() && !leaders.count(h->host)) leaders[h->host] = &*h;
   }
   std::map<std::string, std::vector<Endpoint>> targets;
-  const auto own = std::find_if(leaders.begin(), leaders.end(),
-                                [&](const auto& l) { return l.second->rank == rank; });
-  if (own == leaders.end()) return targets;  // not a leader
-  for (const auto& [host, leader] : leaders) {
-    if (host != own->first) targets[host] = leader->probe;
+  const auto own = std::find_if(heartbeats.begin(), heartbeats.end(),
+                                [&](const auto& h) { return h && h->rank == rank; });
+  if (own == heartbeats.end() || !leaders.count((*own)->host)) return targets;
+  const Heartbeat& leader = *leaders.at((*own)->host);
+  // The leader probes for its host; another rank only while the leader is not held where it is
+  // (it finished the step and waits in the next phase, which is not overdue).
+  const bool leads = leader.rank == rank;
+  if (!leads && leader.phase == (*own)->phase && leader.step == (*own)->step) return targets;
+  for (const auto& [host, other] : leaders) {
+    if (host != (*own)->host) targets[host] = other->probe;
   }
   return targets;
 }

@@ -117,11 +117,15 @@ std::vector<std::optional<Heartbeat>> read_heartbeats(const std::filesystem::pat
 
 // The hosts of a job, rank 0's first, from its ranks' heartbeats.
 std::vector<std::string> job_hosts(const std::vector<std::optional<Heartbeat>>& heartbeats);
-// For the leader of `host` (its lowest rank): the other hosts' leaders' probe endpoints; empty for
-// any other rank.
+// The other hosts' leaders' probe endpoints (a host's leader: its lowest rank), for the leader of
+// `rank`'s host, and for another rank of it whose heartbeat is in another phase or step than its
+// leader's: a rank held in a step whose leader moved on to the next phase (a collective's last
+// bytes to it still in flight on a link that drops them) probes for its host, as the leader's own
+// phase is not overdue. Empty for any other rank.
 std::map<std::string, std::vector<Endpoint>> probe_targets(
     const std::vector<std::optional<Heartbeat>>& heartbeats, int rank);
-// The reports of the hosts' leaders among the heartbeats that are not older than `stale_after_s`.
+// For each host, the report of its lowest rank that probed (the leader's, or one held where the
+// leader is not), among the heartbeats that are not older than `stale_after_s`.
 std::vector<HostReport> leader_reports(const std::vector<std::optional<Heartbeat>>& heartbeats,
                                        double now, double stale_after_s);
 
