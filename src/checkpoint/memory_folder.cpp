@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "checkpoint/memory_checkpoint.h"
@@ -33,14 +34,20 @@ std::string octal_mode(mode_t mode) {
   return text;
 }
 
-// lstat of `path`; throws Error naming it as `what` when it cannot be read.
-struct stat stat_of(const fs::path& path, const std::string& what) {
+// lstat of `path`, or nothing when it does not exist; throws Error naming it as `what` when it
+// cannot be read otherwise. One lstat: what it says of the path is what is checked.
+std::optional<struct stat> stat_if_present(const fs::path& path, const std::string& what) {
   struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) {
-    const int error = errno;
-    throw Error(what + " " + path.string() + ": " + std::strerror(error));
-  }
-  return st;
+  if (::lstat(path.c_str(), &st) == 0) return st;
+  const int error = errno;
+  if (error == ENOENT) return std::nullopt;
+  throw Error(what + " " + path.string() + ": " + std::strerror(error));
+}
+
+// lstat of `path`; throws Error naming it as `what` when it cannot be read or does not exist.
+struct stat stat_of(const fs::path& path, const std::string& what) {
+  if (const auto st = stat_if_present(path, what)) return *st;
+  throw Error(what + " " + path.string() + ": " + std::strerror(ENOENT));
 }
 
 // The newest modification time of `root` and its entries, in seconds since the epoch.
@@ -130,14 +137,9 @@ void check_private_dir(const fs::path& dir, const std::string& what) {
 }
 
 bool check_private_dir_if_present(const fs::path& dir, const std::string& what) {
-  struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0) {
-    const int error = errno;
-    if (error == ENOENT) return false;
-    throw Error(what + " " + dir.string() + ": " + std::strerror(error));
-  }
-  check_private_stat(dir, what, st);
-  return true;
+  const auto st = stat_if_present(dir, what);
+  if (st) check_private_stat(dir, what, *st);
+  return st.has_value();
 }
 
 void make_private_dir(const fs::path& dir, const std::string& what) {
