@@ -197,23 +197,30 @@ TEST(RunDirectory, AnotherRunsFilesAreRefusedUnlessResumingThem) {
 
 namespace {
 
-// A pipe whose write end is this process's stdout, filled until a write would block (which the
-// returned count of refused writes, 2, proves). The read end stays open and unread.
-int fill_stdout_with_a_pipe() {
-  int fds[2];
-  if (::pipe(fds) != 0) return -1;
-  const int flags = ::fcntl(fds[1], F_GETFL);
-  ::fcntl(fds[1], F_SETFL, flags | O_NONBLOCK);
-  // Lines, then single bytes into what is left of the last page (the kernel merges small
-  // writes into it), until not even a byte fits.
+// Fills `fd` (a pipe or a terminal no one reads) until a write would block, which the returned
+// count of refused writes, 2, proves; leaves it blocking, as mpirun's are. Lines, then single bytes
+// into what is left of the last page (the kernel merges small writes into it), until not even a
+// byte fits.
+int fill_until_full(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   const std::string line(200, 'x');
   int refused = 0;
   for (size_t size : {line.size(), size_t{1}}) {
-    while (::write(fds[1], line.data(), size) > 0) {
+    while (::write(fd, line.data(), size) > 0) {
     }
     refused += errno == EAGAIN ? 1 : 0;
   }
-  ::fcntl(fds[1], F_SETFL, flags);  // blocking again, as mpirun's pipes are
+  ::fcntl(fd, F_SETFL, flags);
+  return refused;
+}
+
+// A pipe whose write end is this process's stdout, full (fill_until_full's count). The read end
+// stays open and unread.
+int fill_stdout_with_a_pipe() {
+  int fds[2];
+  if (::pipe(fds) != 0) return -1;
+  const int refused = fill_until_full(fds[1]);
   ::dup2(fds[1], 1);
   return refused;
 }
@@ -349,18 +356,10 @@ struct PseudoTerminal {
   }
 };
 
-// In the child: the terminal's slave as stdout, filled until a write would block; blocking again.
+// In the child: the terminal's slave as stdout, full (fill_until_full).
 bool fill_stdout_with(const PseudoTerminal& terminal) {
   ::close(terminal.master);
-  if (::dup2(terminal.slave, 1) < 0) return false;
-  const int flags = ::fcntl(1, F_GETFL);
-  ::fcntl(1, F_SETFL, flags | O_NONBLOCK);
-  const std::string line(200, 'x');
-  while (::write(1, line.data(), line.size()) > 0) {
-  }
-  const bool full = errno == EAGAIN;
-  ::fcntl(1, F_SETFL, flags);
-  return full;
+  return ::dup2(terminal.slave, 1) >= 0 && fill_until_full(1) == 2;
 }
 
 }  // namespace
