@@ -43,7 +43,7 @@ bool foreign_terminal(int fd) {
 
 // stdout and stderr non-blocking where they are pipes, sockets or a terminal no one may be
 // reading (foreign_terminal). Async-signal-safe: fstat, fcntl and foreign_terminal only.
-void unblock_pipes() {
+void unblock_unread_output() {
   for (int fd : {1, 2}) {
     struct stat st;
     if (::fstat(fd, &st) != 0) continue;
@@ -56,7 +56,7 @@ void unblock_pipes() {
   }
 }
 
-// Async-signal-safe: a store to a sig_atomic_t, and for SIGTERM and SIGINT unblock_pipes().
+// Async-signal-safe: a store to a sig_atomic_t, and for SIGTERM and SIGINT unblock_unread_output().
 void record(int signal) {
   const int saved_errno = errno;
   if (g_received == 0) g_received = signal;
@@ -68,7 +68,7 @@ void record(int signal) {
   // failed so, rarely). A write already blocked when the signal comes returns EINTR, or the count
   // it wrote (no SA_RESTART); stdio then writes the rest, which must not block again (the same
   // test failed so, 2 times in 50, while stdout's pseudo-terminal was left blocking).
-  if (signal == SIGTERM || signal == SIGINT) unblock_pipes();
+  if (signal == SIGTERM || signal == SIGINT) unblock_unread_output();
   // The kernel gives a process's signal to any thread not blocking it: MPI's, OpenMP's, the
   // watchdog's. A write the main thread is blocked in would then not return (its O_NONBLOCK comes
   // too late for a write already waiting), and the kill would come before the checkpoint (the
@@ -112,7 +112,7 @@ StopSignals::~StopSignals() {
 }
 
 void StopSignals::unblock_output() {
-  unblock_pipes();
+  unblock_unread_output();
 }
 
 int StopSignals::received() {
