@@ -294,12 +294,15 @@ void Engine::update(float lr, float clip, double slowdown) {
   CoreLease::Hold turn(lease());
   backend::RegionTimer& timer = backend_->region_timer();
   if (slowdown > 1) timer.begin();
+  double waited = 0;
   if (shard_) {
-    distributed_update(lr, clip);
+    waited = distributed_update(lr, clip);
   } else {
     optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr, clip);
   }
-  if (slowdown > 1) timer.keep_busy((slowdown - 1) * timer.elapsed());
+  // Slowed by its own compute only: the all-gathers' waits are not the device's (a peer late to
+  // one, or a lossy link's resend, would come back (slowdown − 1) times over).
+  if (slowdown > 1) timer.keep_busy((slowdown - 1) * std::max(0.0, timer.elapsed() - waited));
 }
 
 size_t Engine::activation_bytes() const {
@@ -489,8 +492,9 @@ std::pair<double, double> Engine::probe_links() {
 // Each rank updates its slice of every chunk (parameters packed as the gradients were, moments
 // and summed gradients from its shard), range by range within tensors, so norm gains keep their
 // exemption from weight decay; then the members gather each other's slices.
-void Engine::distributed_update(float lr, float grad_scale) {
+double Engine::distributed_update(float lr, float grad_scale) {
   const auto& sync = state_->grad_sync();
+  double waited = 0;
   optimizer_->begin_step();
   std::vector<int> counts, displacements;
   for (const layout::ShardChunk& chunk : shard_->chunks) {
@@ -511,8 +515,11 @@ void Engine::distributed_update(float lr, float grad_scale) {
     }
     if (chunk.group >= 0) {
       slice_parts(chunk, &counts, &displacements);
+      backend_->region_timer().settle();  // the update's compute queued so far is not waiting
+      const auto start = std::chrono::steady_clock::now();
       all_gather_in_place(state_->grad_sync_comm(static_cast<size_t>(chunk.group)), packed, counts,
                           displacements, lease());
+      waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
     at = 0;
     for (int p : chunk.pieces) {
@@ -521,6 +528,7 @@ void Engine::distributed_update(float lr, float grad_scale) {
       at += piece.elements;
     }
   }
+  return waited;
 }
 
 float* Engine::pack_buffer(size_t elements) {

@@ -168,8 +168,8 @@ class Engine {
   void init_parameters(uint64_t seed);
   // `slowdown` ≥ 1 makes this rank an injected straggler: at the end of each of its compute
   // sections (and of its optimizer step) it keeps computing — busy work, not sleep — for
-  // (slowdown − 1) × the section's elapsed time, inside the timed section; it reports nothing
-  // else, so the monitor measures it like any other slowdown.
+  // (slowdown − 1) × the section's compute time (its waits for other ranks left out), inside the
+  // timed section; it reports nothing else, so the monitor measures it like any other slowdown.
   //
   // `before_update`, when given, runs just before the optimizer changes the parameters and
   // moments (the forward, backward and gradient sync have only read them): a checkpoint copying
@@ -285,8 +285,9 @@ class Engine {
   // returns this rank's (seconds, bytes).
   std::pair<double, double> probe_links();
   double local_norm_squares();
-  // The distributed optimizer's update of this rank's slices, then the all-gather of parameters.
-  void distributed_update(float lr, float grad_scale);
+  // The distributed optimizer's update of this rank's slices, then the all-gather of parameters;
+  // returns the wall seconds spent in the all-gathers.
+  double distributed_update(float lr, float grad_scale);
   // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
   // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).
   template <typename Section>
