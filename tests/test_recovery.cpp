@@ -199,6 +199,28 @@ TEST(Watchdog, LeavesPhasesThatEndInTimeAlone) {
   EXPECT_EQ(own["phase"], "step");
 }
 
+// A phase's start is in the heartbeat at once, not at the next beat: a short phase (a 0.5 s
+// migration) is seen by the other ranks' diagnosis, and by a test that acts in it.
+TEST(Watchdog, APhasesStartIsInTheHeartbeatBeforeTheNextBeat) {
+  ScratchDir dir;
+  watchdog::Watchdog watchdog(dir.path(), 0, 1,
+                              {.floor_s = 60, .multiple = 10, .beat_interval_s = 30});
+  const auto path = watchdog::heartbeat_dir(dir.path()) / "rank_00000.json";
+  for (const auto& [phase, step] : {std::pair{"step", 1}, {"migration", 1}, {"step", 2}}) {
+    const auto start = std::chrono::steady_clock::now();
+    watchdog.enter(phase, step);
+    Json beat;
+    while (std::chrono::steady_clock::now() - start < std::chrono::seconds(5)) {
+      beat = read_json_file(path.string());
+      if (beat["phase"] == phase && beat["step"] == step) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(beat["phase"], phase);
+    EXPECT_EQ(beat["step"], step);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << phase;
+  }
+}
+
 // ---- The probes between hosts and the partition rule ----
 
 namespace {

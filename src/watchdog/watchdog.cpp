@@ -331,7 +331,9 @@ void Watchdog::enter(const std::string& phase, int64_t step) {
     stop_probing = probing_;
     probing_ = false;
     extended_limit_s_ = 0;
+    beat_due_ = true;
   }
+  wake_.notify_all();
   if (stop_probing && prober_) prober_->set_targets({});
 }
 
@@ -377,7 +379,11 @@ void Watchdog::loop() {
   const auto interval = std::chrono::duration<double>(options_.beat_interval_s);
   auto last_tick = Clock::now();
   std::unique_lock lock(mutex_);
-  while (!wake_.wait_for(lock, interval, [this] { return stopping_; })) {
+  while (true) {
+    // Every interval, and as soon as a phase begins.
+    wake_.wait_for(lock, interval, [this] { return stopping_ || beat_due_; });
+    if (stopping_) break;
+    beat_due_ = false;
     const auto now = Clock::now();
     const double gap = std::chrono::duration<double>(now - last_tick).count();
     last_tick = now;

@@ -4,13 +4,13 @@
 // each rank
 //
 // - writes the rank's heartbeat (step, phase, when the phase began, when it last beat, where its
-//   probe listener is) into <run>/heartbeats/rank_<r>.json every `beat_interval` seconds;
+//   probe listener is) into <run>/heartbeats/rank_<r>.json every `beat_interval` seconds and
+//   as each phase begins (so the others, and a test that acts in a phase, see it at once);
 // - checks whether the rank's current phase (a training step, a migration, an evaluation, a
-// checkpoint) has
-//   lasted longer than its limit, max(floor, multiple × the median of that phase's earlier
-//   durations). From half the limit on, the leader rank of each host (its lowest) probes the
-//   other hosts' leaders over the job's network (watchdog/probe.h) and writes what it found into
-//   its heartbeat;
+//   checkpoint) has lasted longer than its limit, max(floor, multiple × the median of that
+//   phase's earlier durations). From half the limit on, the leader rank of each host (its
+//   lowest) probes the other hosts' leaders over the job's network (watchdog/probe.h) and writes
+//   what it found into its heartbeat;
 // - at the limit, judges from every rank's heartbeat (watchdog/partition.h):
 //   - a link no probe crossed for `cut_after_s`: the hosts on the far side of it are cut off; they
 //     are named with their ranks (a partition);
@@ -170,7 +170,8 @@ class Watchdog {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;
-  std::string phase_;  // empty: not in a watched phase yet
+  bool beat_due_ = false;  // a phase began since the last beat
+  std::string phase_;      // empty: not in a watched phase yet
   int64_t step_ = 0;
   Clock::time_point phase_start_;
   double phase_since_unix_ = 0;
