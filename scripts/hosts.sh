@@ -126,8 +126,11 @@ cmd_up() {
     # above it); and with slow start after idle, every step's burst would start from the initial
     # window up to the ssthresh the throttled period left, so a recovered link would read 3-5
     # times slower for the rest of the run. No cached metrics of a throttled period either.
-    ip netns exec "$ns" sysctl -qw net.ipv4.tcp_congestion_control=cubic \
-      net.ipv4.tcp_slow_start_after_idle=0 net.ipv4.tcp_no_metrics_save=1 2> /dev/null || true
+    # CUBIC on the link's route: a namespace may not make it its default where the machine's
+    # net.ipv4.tcp_allowed_congestion_control leaves it out (here: reno bbr), a route may.
+    ip -n "$ns" route replace "$subnet.0/24" dev eth0 src "$(address "$i")" congctl cubic
+    ip netns exec "$ns" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0 \
+      net.ipv4.tcp_no_metrics_save=1 2> /dev/null || true
     local cpus
     cpus=$(cpus_of "$i" "$n")
     if [[ $cpus != "0-$(($(nproc --all) - 1))" ]]; then
