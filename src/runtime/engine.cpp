@@ -296,7 +296,7 @@ void Engine::update(float lr, float clip, double slowdown) {
   if (slowdown > 1) timer.begin();
   double waited = 0;
   if (shard_) {
-    waited = distributed_update(lr, clip);
+    waited = distributed_update(lr, clip, slowdown > 1);
   } else {
     optimizer_->step(model_->layout(), model_->params(), model_->grads(), lr, clip);
   }
@@ -492,7 +492,7 @@ std::pair<double, double> Engine::probe_links() {
 // Each rank updates its slice of every chunk (parameters packed as the gradients were, moments
 // and summed gradients from its shard), range by range within tensors, so norm gains keep their
 // exemption from weight decay; then the members gather each other's slices.
-double Engine::distributed_update(float lr, float grad_scale) {
+double Engine::distributed_update(float lr, float grad_scale, bool time_waits) {
   const auto& sync = state_->grad_sync();
   double waited = 0;
   optimizer_->begin_step();
@@ -515,11 +515,15 @@ double Engine::distributed_update(float lr, float grad_scale) {
     }
     if (chunk.group >= 0) {
       slice_parts(chunk, &counts, &displacements);
-      backend_->region_timer().settle();  // the update's compute queued so far is not waiting
+      // The update's compute queued so far is not waiting: settled first (a device sync, so only
+      // where the waits are asked for).
+      if (time_waits) backend_->region_timer().settle();
       const auto start = std::chrono::steady_clock::now();
       all_gather_in_place(state_->grad_sync_comm(static_cast<size_t>(chunk.group)), packed, counts,
                           displacements, lease());
-      waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (time_waits) {
+        waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
     }
     at = 0;
     for (int p : chunk.pieces) {

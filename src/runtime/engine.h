@@ -286,8 +286,9 @@ class Engine {
   std::pair<double, double> probe_links();
   double local_norm_squares();
   // The distributed optimizer's update of this rank's slices, then the all-gather of parameters;
-  // returns the wall seconds spent in the all-gathers.
-  double distributed_update(float lr, float grad_scale);
+  // with `time_waits` (an injected straggler's update), returns the wall seconds spent in the
+  // all-gathers, else 0.
+  double distributed_update(float lr, float grad_scale, bool time_waits);
   // Runs `section` holding the core lease and returns its elapsed time less the time inside TP
   // collectives, after keeping busy for (slowdown − 1) × that time (an emulated slow device).
   template <typename Section>
