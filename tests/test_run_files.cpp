@@ -356,10 +356,29 @@ struct PseudoTerminal {
   }
 };
 
-// In the child: the terminal's slave as stdout, full (fill_until_full).
+// Whether one more byte fits in `fd` without blocking (it is written if it does).
+bool a_byte_fits(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  const bool fits = ::write(fd, "x", 1) == 1;
+  ::fcntl(fd, F_SETFL, flags);
+  return fits;
+}
+
+// In the child: the terminal's slave as stdout, full (fill_until_full). A pseudo-terminal hands
+// what was written to its master's buffer on a kernel worker, after the write returns, so room
+// can appear after the first refusal (this test failed so once under the suite's load): it is
+// full when a pause of 20 ms makes no room, up to 2 s.
 bool fill_stdout_with(const PseudoTerminal& terminal) {
   ::close(terminal.master);
-  return ::dup2(terminal.slave, 1) >= 0 && fill_until_full(1) == 2;
+  if (::dup2(terminal.slave, 1) < 0) return false;
+  int refused = fill_until_full(1);
+  for (int pause = 0; pause < 100; ++pause) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!a_byte_fits(1)) return refused == 2;
+    refused = fill_until_full(1);
+  }
+  return false;
 }
 
 }  // namespace
