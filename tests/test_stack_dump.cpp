@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -46,6 +47,35 @@ TEST(StackDump, SaysSoWhenTheThreadDoesNotAnswer) {
   deaf.join();  // the signal stays pending on a thread that ends: nothing runs it
   EXPECT_NE(stack.find("did not answer within"), std::string::npos) << stack;
   EXPECT_LT(waited, 5s);
+}
+
+TEST(StackDump, TheKernelSaysWhetherAThreadSleepsOrRunsAndHowMuchCpuItHad) {
+  std::atomic<bool> stop{false};
+  std::atomic<pid_t> sleeping{0}, spinning{0};
+  std::thread sleeper([&] {
+    sleeping = ::gettid();
+    while (!stop) std::this_thread::sleep_for(10ms);
+  });
+  std::thread spinner([&] {
+    spinning = ::gettid();
+    const auto until = std::chrono::steady_clock::now() + 300ms;
+    while (!stop && std::chrono::steady_clock::now() < until) {
+    }
+    while (!stop) std::this_thread::sleep_for(1ms);
+  });
+  while (sleeping == 0 || spinning == 0) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(400ms);  // the spinner has had its CPU and sleeps again
+  const std::string asleep = malleus::kernel_state_of(sleeping, "> ");
+  const std::string spun = malleus::kernel_state_of(spinning);
+  stop = true;
+  sleeper.join();
+  spinner.join();
+  EXPECT_EQ(asleep.rfind("> kernel: state S (sleeping)", 0), 0u) << asleep;
+  EXPECT_NE(asleep.find("s of CPU (user"), std::string::npos) << asleep;
+  // 300 ms of spinning is at least 0.1 s of CPU even on a loaded machine's share of a core.
+  const double cpu_s = std::stod(spun.substr(spun.find(", ") + 2));
+  EXPECT_GE(cpu_s, 0.1) << spun;
+  EXPECT_NE(malleus::kernel_state_of(999'999'999).find("is gone"), std::string::npos);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <execinfo.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -12,9 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <thread>
+#include <vector>
 
 namespace malleus {
 
@@ -63,7 +67,59 @@ std::string describe_frame(void* address) {
   return line;
 }
 
+// The whole of a /proc file, or "" when it cannot be read.
+std::string read_proc(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return in ? text.str() : std::string();
+}
+
+const char* state_name(char state) {
+  switch (state) {
+    case 'R':
+      return "running";
+    case 'S':
+      return "sleeping";
+    case 'D':
+      return "uninterruptible, in the kernel";
+    case 'T':
+      return "stopped";
+    case 't':
+      return "stopped by a tracer";
+    case 'Z':
+      return "a zombie";
+    default:
+      return "other";
+  }
+}
+
 }  // namespace
+
+std::string kernel_state_of(pid_t tid, const std::string& indent) {
+  const std::string task = "/proc/self/task/" + std::to_string(tid) + "/";
+  const std::string stat = read_proc(task + "stat");
+  // After the command name in parentheses: state, then 10 fields, then utime and stime in ticks.
+  const size_t paren = stat.rfind(')');
+  std::vector<std::string> fields;
+  if (paren != std::string::npos) {
+    std::istringstream rest(stat.substr(paren + 1));
+    for (std::string f; rest >> f && fields.size() < 13;) fields.push_back(f);
+  }
+  if (fields.size() < 13) return indent + "kernel: (thread " + std::to_string(tid) + " is gone)\n";
+  const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
+  const double user_s = std::stod(fields[11]) / tick, system_s = std::stod(fields[12]) / tick;
+  const std::string wchan = read_proc(task + "wchan");
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "kernel: state %c (%s)%s%s, %.2f s of CPU (user %.2f s, system %.2f s)\n",
+                fields[0][0], state_name(fields[0][0]), wchan.empty() || wchan == "0" ? "" : " in ",
+                wchan == "0" ? "" : wchan.c_str(), user_s + system_s, user_s, system_s);
+  std::string text = indent + line;
+  std::istringstream stack(read_proc(task + "stack"));  // root only
+  for (std::string frame; std::getline(stack, frame);) text += indent + "  " + frame + "\n";
+  return text;
+}
 
 void prepare_stack_dumps() {
   static std::once_flag once;

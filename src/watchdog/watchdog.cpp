@@ -294,6 +294,7 @@ Watchdog::Watchdog(const fs::path& run_dir, int rank, int world_size, WatchdogOp
   phase_since_unix_ = unix_now();
   phase_start_ = Clock::now();
   training_thread_ = ::pthread_self();
+  training_tid_ = ::gettid();
   prepare_stack_dumps();
   beat();
   thread_ = std::thread([this] { loop(); });
@@ -469,9 +470,13 @@ void Watchdog::judge(double waited_s, double limit_s) {
   report_hang(waited_s, limit_s, d, partition);
 }
 
+std::string Watchdog::training_thread_report() const {
+  return stack_of(training_thread_) + kernel_state_of(training_tid_);
+}
+
 void Watchdog::end_after_verdict() {
   // Where this rank's training thread waits, as report_hang prints it.
-  const std::string stack = stack_of(training_thread_);
+  const std::string stack = training_thread_report();
   std::fprintf(stderr, "[rank %d] watchdog: the training thread's stack:\n%s", rank_,
                stack.c_str());
   std::fprintf(stderr,
@@ -497,8 +502,8 @@ void Watchdog::report_hang(double waited_s, double limit_s, const HangDiagnosis&
                              one_decimal(waited_s) + " s, over its limit of " +
                              one_decimal(limit_s) + " s";
   // Where this rank's training thread waits (common/stack_dump.h): with every rank's, the call
-  // the job is stuck in.
-  const std::string stack = stack_of(training_thread_);
+  // the job is stuck in; and the kernel's view of it (in a system call, or denied its core).
+  const std::string stack = training_thread_report();
   std::fprintf(stderr, "[rank %d] watchdog: the training thread's stack:\n%s", rank_,
                stack.c_str());
   std::error_code ec;

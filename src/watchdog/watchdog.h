@@ -35,6 +35,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <sys/types.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -156,6 +157,8 @@ class Watchdog {
   void judge(double waited_s, double limit_s);
   void start_probing();
   // Once another rank wrote hang.json: ends this process too (a host mpirun cannot reach).
+  // The training thread's stack and what the kernel says of it, for stderr.
+  std::string training_thread_report() const;
   [[noreturn]] void end_after_verdict();
   // `details`: stale_after_s and the partition's findings, for hang.json.
   [[noreturn]] void report_hang(double waited_s, double limit_s, const HangDiagnosis& d,
@@ -179,6 +182,7 @@ class Watchdog {
   double extended_limit_s_ = 0;  // a healed link's extension of this phase's limit (0: none)
   std::map<std::string, std::vector<double>> durations_;  // the latest of each phase, newest last
   pthread_t training_thread_{};  // the thread that made the watchdog: its stack goes in a report
+  pid_t training_tid_ = 0;       // the same thread, as the kernel names it
   std::thread thread_;
 };
 
