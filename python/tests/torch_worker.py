@@ -152,7 +152,7 @@ def fault(out, how):
     except RuntimeError as e:
         with open(out, "w") as f:
             f.write(str(e))
-        sys.exit(1)
+        tc.exit_without_finalizing(1)
 
 
 def main():
@@ -170,6 +170,7 @@ def main():
     else:
         straggler(out, *(int(x) for x in sys.argv[3:7]))
     dist.destroy_process_group()
+    tc.exit_without_finalizing(0)
 
 
 if __name__ == "__main__":
