@@ -133,6 +133,9 @@ CommandResult run_in_own_session(const ScratchDir& dir, const std::string& scrip
   return run_command(MALLEUS_SOURCE_DIR "/tests/own_session.sh bash " + path.string());
 }
 
+// A step that took this long stalled: the busy-core runs' steps take 0.3-1 s.
+constexpr double kStalledStepS = 20;
+
 // `malleus train` on 2 ranks bound one per core, with busy processes on rank 1's core from
 // step `from` to step `to` (scripts/slow_rank.sh). The script waits for both and stops the
 // slower on the way out; the busy processes carry a time limit of their own besides.
@@ -146,18 +149,29 @@ TrainingRun train_with_busy_core(const ScratchDir& dir, const std::string& name,
       mpirun(2, "--bind-to core --map-by core") + train_flags(dir, name, steps, 16) + " " + extra +
       "\nstatus=$?\nwait $slower\nexit $status";
   CommandResult r = run_in_own_session(dir, script);
-  // A hang the watchdog ended: seen once in CI (both ranks inside the step after the re-plan, no
-  // rank behind; not reproduced here in 30 runs, cause not found). Its output, each rank's stack
-  // included, is printed in full and the run is made once more, so that a rare hang neither hides
-  // what this test measures nor goes unseen; two in a row fail.
-  if (r.exit_code == malleus::watchdog::kHangExitCode) {
-    std::printf("  the run hung (the watchdog's exit %d); its output, then a second try:\n%s\n",
-                malleus::watchdog::kHangExitCode, r.output.c_str());
+  // A stall inside the re-plan's switch, seen in CI a few times in 30 runs of the tier and never
+  // alone: the watchdog ended it at 120 s (rank 1 in munmap as the old model was freed, rank 0
+  // waiting for it in the switch's all-reduce), or the switch took 83 s and the controller then
+  // rightly held still, so nothing was re-planned after the busy processes ended. Cause not
+  // found. The run's output (with the watchdog's stacks and the kernel's state of each rank's
+  // thread, if it hung) is printed in full and the run made once more, so that a rare stall
+  // neither hides what this test measures nor goes unseen; two in a row fail.
+  const auto stalled = [](const TrainingRun& run) {
+    return std::any_of(run.steps.begin(), run.steps.end(),
+                       [](const auto& s) { return s.second.time_s > kStalledStepS; });
+  };
+  TrainingRun run = read_run(dir / name, r.output);
+  if (r.exit_code == malleus::watchdog::kHangExitCode || stalled(run)) {
+    std::printf(
+        "  the run stalled (exit %d; steps take about a second, one over %.0f s); its "
+        "output, then a second try:\n%s\n%s\n",
+        r.exit_code, kStalledStepS, rate_table(run).c_str(), r.output.c_str());
     fs::remove_all(out);
     r = run_in_own_session(dir, script);
+    run = read_run(dir / name, r.output);
   }
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  return read_run(dir / name, r.output);
+  return run;
 }
 
 }  // namespace
