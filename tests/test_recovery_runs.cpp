@@ -36,6 +36,9 @@ using malleus::testing::ScratchDir;
 namespace {
 
 constexpr int kTimeoutS = 240;
+// Steps of the tiny run the kill and stop tests train: they act at step 5 or so (twice, by step
+// 10 or so, in the hostfile test), and what follows the restart only has to reach the end.
+constexpr int kSteps = 20;
 
 // How fast the tiny run steps: slowed, so that a test can act in mid-run, or at full speed.
 enum class Pace { kSlowed, kFull };
@@ -129,8 +132,6 @@ void expect_same_losses(const std::map<int64_t, double>& run,
 // started under `malleus launch` in the background (launch()), its output in dir/job.out.
 class RecoverySlow : public ::testing::Test {
  protected:
-  static constexpr int kSteps = 40;
-
   RecoverySlow() { malleus::testing::write_synthetic_corpus(dir / "data"); }
   // The job stopped first, then whatever memory copies it left (a run that lost a rank and was
   // not restarted leaves them) removed.
@@ -386,7 +387,8 @@ namespace {
 fs::path killed_with_memory_copies(const ScratchDir& dir, const fs::path& run) {
   BackgroundCommand job(kMpiEnvironment + "timeout " + std::to_string(kTimeoutS) + " " +
                             MALLEUS_MPIRUN + " --oversubscribe -np 4 " + MALLEUS_BINARY +
-                            " train " + tiny_flags(dir, "run", 40) + " --memory-checkpoint-every 1",
+                            " train " + tiny_flags(dir, "run", kSteps) +
+                            " --memory-checkpoint-every 1",
                         dir / "killed.out");
   EXPECT_TRUE(wait_for_step(job, 5)) << job.output();
   // Killed once the memory checkpoint of step 5 is complete: newer than the disk's of step 4.
