@@ -152,7 +152,9 @@ def fault(out, how):
     except RuntimeError as e:
         with open(out, "w") as f:
             f.write(str(e))
-        tc.exit_without_finalizing(1)
+        # Finalized as usual: the launcher must see rank 1's own status (3) first, and a rank
+        # that ends at once could come to its poll in the same round as rank 1.
+        sys.exit(1)
 
 
 def main():
