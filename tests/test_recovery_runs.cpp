@@ -25,6 +25,7 @@
 #include "metrics/metrics.h"
 #include "test_util.h"
 #include "train/resume.h"
+#include "train/stop_signal.h"
 #include "watchdog/watchdog.h"
 
 using namespace malleus;
@@ -377,6 +378,33 @@ TEST_F(RecoverySlow, AJobThatPrintsNothingIsEndedAfterTheStartTimeout) {
                           "ended it, not restarting"),
             std::string::npos)
       << r.output;
+}
+
+TEST_F(RecoverySlow, ASavedStopEndsWithItsSignalsStatusThoughSrunEndedTheLastRank) {
+  // Slurm's SIGUSR1 ahead of a time limit: every rank saves and exits 138, and the batch script
+  // requeues on 138. srun ends the ranks still exiting once the first has (seen in the Slurm
+  // test: one rank's 138, then "srun: ... Terminating StepId", then 143 for the job). The stand-in
+  // launcher is that job: the stop recorded (train::write_stop_record), status 143.
+  for (const bool saved : {true, false}) {
+    fs::create_directories(run);
+    train::write_stop_record(run, {.signal = "SIGUSR1",
+                                   .step = 3,
+                                   .checkpoint = (run / "checkpoints" / "step_00000003").string(),
+                                   .saved = saved,
+                                   .previous = ""});
+    const fs::path stand_in = dir / "srun";
+    write_file_atomic(stand_in, "#!/bin/bash\necho 'step     3/20 | loss 5.0'\nexit 143\n");
+    fs::permissions(stand_in, fs::perms::owner_all);
+    const auto r =
+        run_command("timeout 120 " MALLEUS_BINARY " launch --np 2 --mpirun " + stand_in.string() +
+                    " -- train " + tiny_flags(dir, "run", 20, Pace::kFull));
+    EXPECT_EQ(r.exit_code, saved ? 128 + SIGUSR1 : 143) << r.output;
+    EXPECT_NE(r.output.find(saved ? "launch: the job was stopped (exit status 138; its launcher "
+                                    "reported 143, ending ranks that were exiting)"
+                                  : "launch: the job was stopped (exit status 143)"),
+              std::string::npos)
+        << r.output;
+  }
 }
 
 namespace {

@@ -405,6 +405,14 @@ TEST(StopSignals, AWriteAfterSigtermReturnsThoughThePseudoTerminalIsFull) {
   }
 }
 
+TEST(StopSignals, EachStopSignalsNameGivesItsNumberBack) {
+  for (const int signal : {SIGTERM, SIGINT, SIGUSR1}) {
+    EXPECT_EQ(train::StopSignals::number(train::StopSignals::name(signal)), signal);
+  }
+  EXPECT_EQ(train::StopSignals::number("SIGKILL"), 0);  // no stop's
+  EXPECT_EQ(train::StopSignals::number(""), 0);
+}
+
 TEST(StopSignals, TheUsersOwnTerminalStaysBlocking) {
   // A terminal that is the process's controlling one is read by its user: the stop's lines are
   // shown, not dropped, and the shell gets its terminal back as it was.

@@ -639,14 +639,23 @@ class Supervisor {
     if (outcome.kind == Outcome::Kind::kFinished) return finished();
     if (forwarded.stop_forwarded || outcome.kind == Outcome::Kind::kStopped) {
       // Which step the stop saved, and where, as the job recorded it (its own lines may be lost).
-      if (const std::optional<train::StopRecord> stop = train::read_stop_record(run_dir_)) {
-        std::printf("launch: the job %s\n", train::describe_stop(*stop).c_str());
-      }
+      const std::optional<train::StopRecord> stop = train::read_stop_record(run_dir_);
+      if (stop) std::printf("launch: the job %s\n", train::describe_stop(*stop).c_str());
+      // A stop that saved its checkpoint ends every rank with 128 + its signal (138 for Slurm's
+      // SIGUSR1, which a batch script reads to requeue). srun may still report a SIGTERM (143):
+      // the first rank to exit makes it end the others, though they had saved and were exiting.
+      const int signal = stop && stop->saved ? train::StopSignals::number(stop->signal) : 0;
+      const int code = signal > 0 ? 128 + signal : (status == 0 ? 1 : status);
       std::printf(
-          "launch: the job was stopped (exit status %d); continue with: malleus launch "
+          "launch: the job was stopped (exit status %d%s); continue with: malleus launch "
           "... -- %s\n",
-          status, shell_words(restart_command(o_.command, run_dir_, 0)).c_str());
-      return status == 0 ? 1 : status;
+          code,
+          code == status ? ""
+                         : ("; its launcher reported " + std::to_string(status) +
+                            ", ending ranks that were exiting")
+                               .c_str(),
+          shell_words(restart_command(o_.command, run_dir_, 0)).c_str());
+      return code;
     }
     if (outcome.kind == Outcome::Kind::kFailed) {
       // Its error lines were forwarded already.

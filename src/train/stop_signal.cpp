@@ -132,6 +132,13 @@ std::string StopSignals::name(int signal) {
   }
 }
 
+int StopSignals::number(const std::string& name) {
+  for (const int signal : kSignals) {
+    if (StopSignals::name(signal) == name) return signal;
+  }
+  return 0;
+}
+
 std::filesystem::path stop_record_path(const std::filesystem::path& run_dir) {
   return run_dir / "stop.json";
 }

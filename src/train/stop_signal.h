@@ -48,6 +48,8 @@ class StopSignals {
   static int received();
   // "SIGTERM", "SIGINT", ...
   static std::string name(int signal);
+  // The signal `name` names, of those a stop takes; 0 for any other name.
+  static int number(const std::string& name);
   // Makes stdout and stderr non-blocking when they are pipes, sockets or a terminal that is not
   // this process's controlling one (mpirun gives each rank's stdout a pseudo-terminal), for the
   // way out: a terminated mpirun no longer reads its ranks' output, and a rank must not hang
