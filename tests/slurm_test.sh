@@ -59,11 +59,7 @@ fail() {
 nodes=2
 [[ $case_name != drain ]] || nodes=3
 status=0
-# The cluster's daemons, and so every job they start, on one core (the last this test may use):
-# its ranks wait for each other by polling, and would otherwise take every core from the tests
-# CTest runs beside this one.
-core=$(taskset -cp $$ | sed 's/.*: //; s/.*[,-]//')
-taskset -c "$core" "$slurm" up "$cluster" "$nodes" 2 || status=$?
+"$slurm" up "$cluster" "$nodes" 2 || status=$?
 ((status != 77)) || exit 77
 ((status == 0)) || fail "scripts/slurm.sh up exited with $status"
 eval "$("$slurm" env "$cluster")"
