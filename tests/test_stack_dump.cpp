@@ -1,4 +1,5 @@
-// common/stack_dump.h: another thread's stack, named.
+// common/stack_dump.h: another thread's stack, named, and the kernel's view of it;
+// common/proc_stat.h: the stat lines it reads.
 #include "common/stack_dump.h"
 
 #include <gtest/gtest.h>
@@ -8,8 +9,13 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include "common/proc_stat.h"
 
 namespace {
 
@@ -76,6 +82,22 @@ TEST(StackDump, TheKernelSaysWhetherAThreadSleepsOrRunsAndHowMuchCpuItHad) {
   const double cpu_s = std::stod(spun.substr(spun.find(", ") + 2));
   EXPECT_GE(cpu_s, 0.1) << spun;
   EXPECT_NE(malleus::kernel_state_of(999'999'999).find("is gone"), std::string::npos);
+}
+
+TEST(ProcStat, FieldsComeAfterACommandNameWithSpacesAndParentheses) {
+  char path[] = "/tmp/malleus-proc-stat-XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  std::ofstream(path) << "4242 (a (b) c) S 17 4242 4242 0 -1\n";
+  EXPECT_EQ(malleus::proc_stat_fields(path),
+            (std::vector<std::string>{"S", "17", "4242", "4242", "0", "-1"}));
+  std::remove(path);
+  EXPECT_TRUE(malleus::proc_stat_fields(path).empty());  // gone
+  const std::vector<std::string> self = malleus::proc_stat_fields("/proc/self/stat");
+  ASSERT_GT(self.size(), 19u);
+  EXPECT_EQ(self[0], "R");  // this thread reads it
+  EXPECT_EQ(self[1], std::to_string(::getppid()));
 }
 
 }  // namespace

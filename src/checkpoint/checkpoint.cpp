@@ -17,6 +17,7 @@
 #include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "common/proc_stat.h"
 #include "model/parameters.h"
 
 namespace malleus::checkpoint {
@@ -326,11 +327,9 @@ namespace {
 // half-written checkpoint must still be cleaned up.
 bool still_running(pid_t pid) {
   if (::kill(pid, 0) != 0 && errno != EPERM) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;  // no /proc: trust kill()
-  const size_t close = line.rfind(')');        // the command name may hold spaces
-  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+  const std::vector<std::string> fields =
+      proc_stat_fields("/proc/" + std::to_string(pid) + "/stat");
+  return fields.empty() || fields[0] != "Z";  // no /proc: trust kill()
 }
 
 }  // namespace

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <sstream>
 
@@ -17,6 +16,7 @@
 #include "common/files.h"
 #include "common/format.h"
 #include "common/json.h"
+#include "common/proc_stat.h"
 
 namespace malleus::checkpoint {
 
@@ -187,33 +187,17 @@ HostProcess this_process() {
   HostProcess p;
   p.pid = ::getpid();
   // A process's own start time: field 22 of /proc/self/stat.
-  std::ifstream in("/proc/self/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  if (paren != std::string::npos) {
-    std::istringstream fields(text.substr(paren + 2));
-    std::string field;
-    for (int i = 3; i <= 22 && (fields >> field); ++i) {
-      if (i == 22) p.start = std::atoll(field.c_str());
-    }
-  }
+  const std::vector<std::string> fields = proc_stat_fields("/proc/self/stat");
+  if (fields.size() > 19) p.start = std::atoll(fields[19].c_str());
   return p;
 }
 
 bool is_running(const HostProcess& process) {
   if (process.pid <= 0) return false;
-  std::ifstream in("/proc/" + std::to_string(process.pid) + "/stat");
-  if (!in) return false;
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  if (paren == std::string::npos) return false;
-  std::istringstream fields(text.substr(paren + 2));
-  std::string field;
-  int64_t start = -1;
-  for (int i = 3; i <= 22 && (fields >> field); ++i) {
-    if (i == 3 && (field == "Z" || field == "X")) return false;  // ended, not yet reaped
-    if (i == 22) start = std::atoll(field.c_str());
-  }
+  const std::vector<std::string> fields =
+      proc_stat_fields("/proc/" + std::to_string(process.pid) + "/stat");
+  if (fields.empty() || fields[0] == "Z" || fields[0] == "X") return false;  // ended, or not reaped
+  const int64_t start = fields.size() > 19 ? std::atoll(fields[19].c_str()) : -1;
   return start == process.start;
 }
 

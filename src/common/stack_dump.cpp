@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/proc_stat.h"
+
 namespace malleus {
 
 namespace {
@@ -98,17 +100,11 @@ const char* state_name(char state) {
 
 std::string kernel_state_of(pid_t tid, const std::string& indent) {
   const std::string task = "/proc/self/task/" + std::to_string(tid) + "/";
-  const std::string stat = read_proc(task + "stat");
-  // After the command name in parentheses: state, then 10 fields, then utime and stime in ticks.
-  const size_t paren = stat.rfind(')');
-  std::vector<std::string> fields;
-  if (paren != std::string::npos) {
-    std::istringstream rest(stat.substr(paren + 1));
-    for (std::string f; rest >> f && fields.size() < 13;) fields.push_back(f);
-  }
+  const std::vector<std::string> fields = proc_stat_fields(task + "stat");
   if (fields.size() < 13) return indent + "kernel: (thread " + std::to_string(tid) + " is gone)\n";
   const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
-  const double user_s = std::stod(fields[11]) / tick, system_s = std::stod(fields[12]) / tick;
+  const double user_s = std::strtod(fields[11].c_str(), nullptr) / tick;
+  const double system_s = std::strtod(fields[12].c_str(), nullptr) / tick;
   const std::string wchan = read_proc(task + "wchan");
   char line[512];
   std::snprintf(line, sizeof line,

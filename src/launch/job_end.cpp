@@ -7,12 +7,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "common/proc_stat.h"
 #include "watchdog/watchdog.h"
 
 namespace malleus::launch {
@@ -29,16 +29,10 @@ std::map<pid_t, pid_t> parents() {
   for (const auto& entry : fs::directory_iterator("/proc", ec)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "stat");
-    std::string stat;
-    if (!std::getline(in, stat)) continue;  // it ended meanwhile
-    const size_t close = stat.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(stat.substr(close + 1));
-    char state = 0;
-    long ppid = 0;
-    if (!(rest >> state >> ppid) || state == 'Z') continue;  // a zombie is ended already
-    parent[static_cast<pid_t>(std::stol(name))] = static_cast<pid_t>(ppid);
+    const std::vector<std::string> fields = proc_stat_fields((entry.path() / "stat").string());
+    if (fields.size() < 2 || fields[0] == "Z") continue;  // ended meanwhile, or a zombie already
+    parent[static_cast<pid_t>(std::stol(name))] =
+        static_cast<pid_t>(std::strtol(fields[1].c_str(), nullptr, 10));
   }
   return parent;
 }
