@@ -7,14 +7,13 @@
 #include <pthread.h>
 #include <sched.h>
 
-#include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <thread>
 #include <vector>
 
 #include "bench_args.h"
+#include "common/stats.h"
 
 namespace {
 
@@ -43,11 +42,6 @@ std::vector<double> rounds_per_second(int core, int seconds) {
   return counts;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return (v[(v.size() - 1) / 2] + v[v.size() / 2]) / 2;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -74,9 +68,9 @@ int main(int argc, char** argv) try {
     std::printf("\n");
   }
   for (size_t i = 0; i < cores.size(); ++i) {
-    const auto [slowest, fastest] = std::minmax_element(counts[i].begin(), counts[i].end());
+    const malleus::Summary s = malleus::summarize(counts[i]);
     std::printf("core %d: median %.0f rounds/s, slowest second %.0f, fastest %.0f: %.2fx\n",
-                cores[i], median(counts[i]), *slowest, *fastest, *fastest / *slowest);
+                cores[i], s.median, s.min, s.max, s.max / s.min);
   }
   return 0;
 } catch (const std::exception& e) {

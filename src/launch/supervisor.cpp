@@ -650,10 +650,10 @@ class Supervisor {
           "launch: the job was stopped (exit status %d%s); continue with: malleus launch "
           "... -- %s\n",
           code,
-          code == status ? ""
-                         : ("; its launcher reported " + std::to_string(status) +
-                            ", ending ranks that were exiting")
-                               .c_str(),
+          signal == 0 || code == status ? ""
+                                        : ("; its launcher reported " + std::to_string(status) +
+                                           ", ending ranks that were exiting")
+                                              .c_str(),
           shell_words(restart_command(o_.command, run_dir_, 0)).c_str());
       return code;
     }

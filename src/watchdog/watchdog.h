@@ -156,9 +156,9 @@ class Watchdog {
   // At the limit: ends the process naming who is to blame, or returns to wait longer.
   void judge(double waited_s, double limit_s);
   void start_probing();
-  // Once another rank wrote hang.json: ends this process too (a host mpirun cannot reach).
   // The training thread's stack and what the kernel says of it, for stderr.
   std::string training_thread_report() const;
+  // Once another rank wrote hang.json: ends this process too (a host mpirun cannot reach).
   [[noreturn]] void end_after_verdict();
   // `details`: stale_after_s and the partition's findings, for hang.json.
   [[noreturn]] void report_hang(double waited_s, double limit_s, const HangDiagnosis& d,
