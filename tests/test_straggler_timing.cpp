@@ -185,13 +185,17 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   // busy processes on its core than just before they started (the elapsed time of the same work
   // under the same plan), and how much longer the job's steps took (rank 1 paces every step of
   // the uniform plan, so they must be slower too; on a machine shared with other work, rank 0 may
-  // have paced the healthy steps, so this one is only a check that the slowdown is real).
-  const TrainingRun fixed = train_with_busy_core(dir, "fixed", kTo, kFrom, kTo, "--no-replan");
-  ASSERT_EQ(fixed.steps.size(), size_t{kTo}) << fixed.output;
+  // have paced the healthy steps, so this one is only a check that the slowdown is real). This
+  // run ends 5 slowed steps after the sliding median has turned (each about 3 s), sooner than
+  // the re-planning run below.
+  constexpr int kFixedTo = kFrom + 6;
+  const TrainingRun fixed =
+      train_with_busy_core(dir, "fixed", kFixedTo, kFrom, kFixedTo, "--no-replan");
+  ASSERT_EQ(fixed.steps.size(), size_t{kFixedTo}) << fixed.output;
   const double slowdown =
-      median_compute(fixed, 1, kFrom + 2, kTo) / median_compute(fixed, 1, 3, kFrom - 1);
+      median_compute(fixed, 1, kFrom + 2, kFixedTo) / median_compute(fixed, 1, 3, kFrom - 1);
   const double step_slowdown =
-      median_step_time(fixed, kFrom + 2, kTo) / median_step_time(fixed, 3, kFrom - 1);
+      median_step_time(fixed, kFrom + 2, kFixedTo) / median_step_time(fixed, 3, kFrom - 1);
   std::printf("  slowdown without re-planning: rank 1's compute %.2fx, the job's steps %.2fx\n",
               slowdown, step_slowdown);
   ASSERT_GT(step_slowdown, 1.5) << "two busy processes should slow rank 1, and the job, about 3x\n"
@@ -201,7 +205,7 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   // 1 before the busy processes start (CI measured 1.37), so it is the rise in the rate across
   // the same two windows that must match the rise in compute time.
   const double rate_rise =
-      median_rate(fixed, 1, kFrom + 2, kTo) / median_rate(fixed, 1, 3, kFrom - 1);
+      median_rate(fixed, 1, kFrom + 2, kFixedTo) / median_rate(fixed, 1, 3, kFrom - 1);
   EXPECT_NEAR(rate_rise, slowdown, 0.25 * slowdown) << rate_table(fixed);
 
   const TrainingRun run = train_with_busy_core(dir, "replan", kSteps, kFrom, kTo, "");
