@@ -11,7 +11,7 @@
 #   requeue  `scontrol requeue` mid-run: the job runs its script again, `malleus train` continues
 #            the run from the checkpoint the stop saved, with no argument changed, and every
 #            step's loss equals the uninterrupted run's.
-#   timelimit  examples/slurm/multinode.sbatch on 2 nodes with a 2-minute time limit: Slurm's
+#   timelimit  examples/slurm/multinode.sbatch on 2 nodes with a 1-minute time limit: Slurm's
 #            --signal=USR1 ahead of the limit stops the ranks with a checkpoint, the script requeues
 #            the job, and the requeued job continues the run with the losses of an uninterrupted
 #            run; a scancel then stops it through malleus launch, which reports the stop.
@@ -232,12 +232,13 @@ case $case_name in
     echo "drain: $(grep -F "$left" "$out" | head -n 1)"
     ;;
   timelimit)
-    # multinode.sbatch's --signal, with a 2-minute limit: SIGUSR1 to every rank 60 to 90 s before
-    # it (Slurm checks limits every 30 s and signals up to 30 s early), 30 to 60 s into the job;
-    # the ranks save and exit 138, and the script requeues the job. Once requeued, the limit is
+    # multinode.sbatch's --signal, with a 1-minute limit (Slurm's least): SIGUSR1 to every rank
+    # 20 to 50 s before it (Slurm checks limits every 30 s and signals up to 30 s early), 10 to
+    # 40 s into the job, which leaves the ranks at least 30 s to save and exit 138 and the script
+    # to requeue the job before a check finds the limit passed. Once requeued, the limit is
     # lifted; the test follows the requeued job 3 steps past its resume, then cancels it (a run
     # long enough to outlast the signal on any machine would take minutes to finish).
-    jid=$(submit --nodes=2 --ntasks-per-node=1 --time=2 --signal=USR1@60 "$multinode" \
+    jid=$(submit --nodes=2 --ntasks-per-node=1 --time=1 --signal=USR1@20 "$multinode" \
       "${tiny[@]}" "${slowed[@]}" --steps 100000 --checkpoint-every 100000)
     end=$((SECONDS + 240))
     until (($(job_field "$jid" Restarts) >= 1)); do
