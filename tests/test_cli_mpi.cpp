@@ -19,10 +19,12 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <vector>
 
 #include "checkpoint/memory_checkpoint.h"
 #include "common/files.h"
 #include "common/json.h"
+#include "common/proc_stat.h"
 #include "test_util.h"
 #include "train/stop_signal.h"
 
@@ -211,16 +213,9 @@ pid_t rank_pid(pid_t mpirun, int rank) {
   for (const auto& entry : fs::directory_iterator("/proc")) {
     const std::string name = entry.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');  // the command name may hold spaces
-    if (close == std::string::npos) continue;
-    char state = 0;
-    int parent = 0;
-    if (std::sscanf(line.c_str() + close + 1, " %c %d", &state, &parent) != 2 || parent != mpirun) {
-      continue;
-    }
+    const std::vector<std::string> fields =
+        malleus::proc_stat_fields((entry.path() / "stat").string());
+    if (fields.size() < 2 || fields[1] != std::to_string(mpirun)) continue;
     std::ifstream environ(entry.path() / "environ");
     const std::string wanted = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
     for (std::string var; std::getline(environ, var, '\0');) {
