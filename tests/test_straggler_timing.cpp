@@ -186,8 +186,8 @@ TEST(SlowStragglerTiming, ABusyProcessOnARanksCoreIsMeasuredReplannedAroundAndSe
   // under the same plan), and how much longer the job's steps took (rank 1 paces every step of
   // the uniform plan, so they must be slower too; on a machine shared with other work, rank 0 may
   // have paced the healthy steps, so this one is only a check that the slowdown is real). This
-  // run ends 5 slowed steps after the sliding median has turned (each about 3 s), sooner than
-  // the re-planning run below.
+  // run ends 5 slowed steps after the sliding median has turned, sooner than the re-planning run
+  // below.
   constexpr int kFixedTo = kFrom + 6;
   const TrainingRun fixed =
       train_with_busy_core(dir, "fixed", kFixedTo, kFrom, kFixedTo, "--no-replan");
