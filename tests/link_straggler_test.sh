@@ -25,8 +25,8 @@
 #
 # Usage: tests/link_straggler_test.sh MALLEUS_BINARY SOURCE_DIR
 # Environment: LINK_TEST_HOSTS (2), LINK_TEST_RANKS (2 per host), LINK_TEST_SHAPE_HOST (1),
-# LINK_TEST_GLOBAL_BATCH (16), LINK_TEST_STEPS (32), LINK_TEST_SHAPE_AT (8),
-# LINK_TEST_UNSHAPE_AT (20), LINK_TEST_RATE (268mbit). Exits 77 (CTest: skipped) where network
+# LINK_TEST_GLOBAL_BATCH (16), LINK_TEST_STEPS (44), LINK_TEST_SHAPE_AT (8),
+# LINK_TEST_UNSHAPE_AT (28), LINK_TEST_RATE (268mbit). Exits 77 (CTest: skipped) where network
 # namespaces cannot be made. Every process carries a time limit, and the namespaces are deleted
 # whatever happens.
 set -euo pipefail
@@ -34,8 +34,8 @@ malleus=$1 source_dir=$2
 hosts="$source_dir/scripts/hosts.sh"
 export MALLEUS_HOSTS_PREFIX=${MALLEUS_HOSTS_PREFIX:-ml} MALLEUS_HOSTS_SUBNET=${MALLEUS_HOSTS_SUBNET:-198.18.14}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-steps=${LINK_TEST_STEPS:-32} shape_at=${LINK_TEST_SHAPE_AT:-8}
-unshape_at=${LINK_TEST_UNSHAPE_AT:-20} rate=${LINK_TEST_RATE:-268mbit}
+steps=${LINK_TEST_STEPS:-44} shape_at=${LINK_TEST_SHAPE_AT:-8}
+unshape_at=${LINK_TEST_UNSHAPE_AT:-28} rate=${LINK_TEST_RATE:-268mbit}
 host_count=${LINK_TEST_HOSTS:-2} ranks=${LINK_TEST_RANKS:-2} shape_host=${LINK_TEST_SHAPE_HOST:-1}
 global_batch=${LINK_TEST_GLOBAL_BATCH:-16}
 np=$((host_count * ranks))
