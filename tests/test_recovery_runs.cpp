@@ -682,7 +682,7 @@ TEST_F(RecoverySlow, ShardWhoseHoldersAreBothGoneFallsBackToDiskNamingIt) {
 // ---- A host cut off on the bed (watchdog/partition.h, launch/job_end.h) ----
 //
 // `malleus launch` across the bed's 2 hosts × 2 ranks (the supervisor on host 0: it sees host 0's
-// memory), the tiny run with a memory checkpoint every step and the watchdog's floor at 10 s. Host
+// memory), the tiny run with a memory checkpoint every step and the watchdog's floor at 5 s. Host
 // 1's link goes down at a chosen point of a step: the watchdog's probes find host 1 cut off,
 // mpirun (which cannot reach host 1's daemon) is ended by the supervisor after its grace, and the
 // job restarts on host 0 from host 0's memory (its ranks' own shards and their peers' copies of
@@ -695,7 +695,11 @@ constexpr int kCutSteps = 24;
 // The demo model's runs across a shaped link are cut by step 3 or so; the rest, on host 0 alone,
 // only has to reach the end.
 constexpr int kSlowLinkSteps = 12;
-constexpr double kFloorS = 10;
+// The watchdog's floor: the tiny run's steps and saves take a fraction of a second, so 5 s; the
+// demo model's across a shaped link take seconds (3.5 s a step, saves included, at 200 Mbit/s),
+// so 10 s.
+constexpr double kFloorS = 5;
+constexpr double kSlowLinkFloorS = 10;
 
 // `malleus launch` on the bed (the hostfile of its 2 hosts in `hosts`), training `train`.
 std::string launch_on_bed(const fs::path& hosts, const std::string& train) {
@@ -707,7 +711,7 @@ std::string launch_on_bed(const fs::path& hosts, const std::string& train) {
          " --mpirun " MALLEUS_SOURCE_DIR "/scripts/bed_mpirun.sh --exit-grace 3 -- train " + train;
 }
 
-// The tiny run for the bed: memory checkpoints every step, the watchdog's floor at 10 s.
+// The tiny run for the bed: memory checkpoints every step, the watchdog's floor at kFloorS.
 std::string bed_flags(const ScratchDir& dir, const std::string& extra = "") {
   return tiny_flags(dir, "run", kCutSteps) + " --memory-checkpoint-every 1 --watchdog-floor " +
          std::to_string(static_cast<int>(kFloorS)) + extra;
@@ -757,13 +761,14 @@ class CutBed {
     bed("cut 1");
     cut_at_ = std::chrono::steady_clock::now();
   }
-  // Seconds from the cut to the first step of the restarted job (which says "| restarts 1").
-  double cut_to_first_step() {
+  // Seconds from the cut to the first step of the restarted job (which says "| restarts 1"), for
+  // a run whose watchdog floor is `floor_s`.
+  double cut_to_first_step(double floor_s) {
     EXPECT_TRUE(job_->wait_for_output("| restarts 1", kTimeoutS)) << job_->output();
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at_).count();
     std::printf("cut to the first step of the restarted job: %.1f s (watchdog floor %.0f s)\n", s,
-                kFloorS);
+                floor_s);
     return s;
   }
 
@@ -827,7 +832,7 @@ TEST_F(RecoverySlow, LinkDownMidStepLeavesTheHostOutAndTheRunFinishesFromMemory)
   ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
   ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
   bed.cut();
-  EXPECT_LT(bed.cut_to_first_step(), kFloorS + 20);
+  EXPECT_LT(bed.cut_to_first_step(kFloorS), kFloorS + 20);
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
   // A rank's sends end once in its socket buffers, and what it receives may have arrived before
   // the cut: rank 0 can finish the step and wait in the memory save that follows it.
@@ -845,7 +850,7 @@ std::string slow_link_flags(const ScratchDir& dir, const std::string& extra) {
          std::to_string(kSlowLinkSteps) + " --train-data '" +
          (dir / "data" / "train_*.bin").string() + "' --out " + (dir / "run").string() +
          " --memory-checkpoint-every 1 --watchdog-floor " +
-         std::to_string(static_cast<int>(kFloorS)) + extra;
+         std::to_string(static_cast<int>(kSlowLinkFloorS)) + extra;
 }
 
 }  // namespace
@@ -874,7 +879,7 @@ TEST_F(RecoverySlow, LinkDownMidCheckpointLeavesTheHostOutAndTheRunFinishesFromM
     return false;
   }));
   bed.cut();
-  bed.cut_to_first_step();
+  bed.cut_to_first_step(kSlowLinkFloorS);
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
   expect_left_out_and_finished(dir, run, job.output(), "checkpoint",
                                slow_link_flags(dir, " --no-replan"), kSlowLinkSteps);
@@ -902,7 +907,7 @@ TEST_F(RecoverySlow, LinkDownMidMigrationLeavesTheHostOutAndTheRunFinishesFromMe
     GTEST_SKIP() << "no migration was seen in progress before the run ended: nothing was cut";
   }
   bed.cut();
-  bed.cut_to_first_step();
+  bed.cut_to_first_step(kSlowLinkFloorS);
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
   // As in the mid-step case: the migration's last messages may be in the socket buffers before
   // the cut, and the ranks then wait in the memory save that follows it (seen once in CI: phase
@@ -919,11 +924,12 @@ TEST_F(RecoverySlow, ALinkThatComesBackWithinTheLimitCostsNoRestart) {
   BackgroundCommand& job = bed.launch(bed_flags(dir));
   ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
   ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
-  // Down for 7 s of a step whose limit is 10 s: past half the limit, so the probes see it fail;
-  // TCP's resends (their timeout doubling) may resume the collective only after the limit, when
-  // the probes connect again: healed, and the phase gets more time.
+  // Down for 0.7 of a step's limit (the floor): past half the limit, so the probes see it fail,
+  // but for less than the 3 s that makes a link cut; TCP's resends (their timeout doubling) may
+  // resume the collective only after the limit, when the probes connect again: healed, and the
+  // phase gets more time.
   bed.cut();
-  std::this_thread::sleep_for(std::chrono::seconds(7));
+  std::this_thread::sleep_for(std::chrono::duration<double>(0.7 * kFloorS));
   bed.bed("heal 1");
   ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
   const Metrics m = read_metrics(run);
