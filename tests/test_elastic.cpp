@@ -622,7 +622,8 @@ struct TracedRun {
   std::vector<int64_t> switches;
   std::vector<int64_t> held;      // steps where a proposal the switch rule would take was held back
   std::vector<plan::Plan> plans;  // the plan taken at each switch
-  plan::Plan last;                // the plan running at the end
+  std::vector<metrics::ReplanRecord> records;  // and the decision's record
+  plan::Plan last;                             // the plan running at the end
 
   // "step 9: <plan> step 29: <plan> ...", for failure messages.
   std::string story() const {
@@ -670,6 +671,7 @@ TracedRun run_trace(elastic::Controller& controller, const plan::CostModel& cost
     monitored = 0;
     run.switches.push_back(t);
     run.plans.push_back(current);
+    run.records.push_back(d->record);
   }
   run.last = current;
   return run;
@@ -767,6 +769,11 @@ TEST(Controller, AnUnevenPlanForAStragglerThatMovedReturnsToTheMeanRatePlan) {
   EXPECT_LE(run.switches.size(), 4u) << run.story();
   EXPECT_TRUE(controller.holding());
   EXPECT_FALSE(run.held.empty());
+  // The switch back says how its own plan, the one for the mean rates, was searched: in full (its
+  // request gives no earlier rates), not as the proposal for that step's rates was (from the
+  // running plan; or, when that failed, not at all: an empty search in runtime_np8's CI log).
+  EXPECT_EQ(run.records.back().search, "full") << run.story();
+  EXPECT_GT(run.records.back().planning_s, 0) << run.story();
 }
 
 // A straggler that ends with a transitional reading (rank 1 measured 1.28x for four steps while

@@ -317,6 +317,8 @@ Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
   const double multiple = std::ldexp(1.0, std::min(losses_, options_.max_backoff) - 1);
   if (c.regime == Regime::persistent) {
     c.plan = d.plan;
+    c.search = d.record.search;
+    c.planning_s = d.record.planning_s;
     c.rates = d.record.rates;
     c.steps = static_cast<double>(regimes().back());
     c.trips = 2.0 * multiple;
@@ -329,7 +331,11 @@ Controller::HoldCandidate Controller::hold_candidate(const plan::Plan& current,
       plan::PlanRequest request;
       request.rates = c.rates;
       request.current = current;
-      c.plan = strategy_->plan(cost_.with_link_rates(d.record.link_rates), request).plan;
+      plan::PlanResult result =
+          strategy_->plan(cost_.with_link_rates(d.record.link_rates), request);
+      c.plan = std::move(result.plan);
+      c.search = result.incremental ? "incremental" : "full";
+      c.planning_s = result.planning_seconds;
     } catch (const Error&) {
       // No plan for the mean rates: hold still.
     }
@@ -359,6 +365,9 @@ std::vector<double> Controller::hold(const plan::Plan& current, Decision& d) {
       // what it costs, over the recorded steps it was judged over.
       d.plan = c.plan;
       r.new_plan = c.plan->summary();
+      // Its own search: the proposal's (for the rates now) may have been another, or failed.
+      r.search = c.search;
+      r.planning_s = c.planning_s;
       put(r,
           {.current_step_s = step_time(current, r.rates, r.link_rates),
            .proposed_step_s = step_time(*c.plan, r.rates, r.link_rates),

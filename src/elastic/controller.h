@@ -174,6 +174,9 @@ class Controller {
     std::optional<plan::Plan> plan;
     std::vector<double> rates;
     double steps = 0, trips = 1;
+    // How `plan` was searched, and how long that took (the record of a switch to it says so).
+    std::string search;
+    double planning_s = 0;
   };
   HoldCandidate hold_candidate(const plan::Plan& current, const Decision& d) const;
   // The mean of the recorded rates, thresholded.
