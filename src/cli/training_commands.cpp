@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/memory_checkpoint.h"
@@ -93,13 +94,25 @@ class TrainOverrides {
 
 // Runs `body` with MPI up and returns what it returns. On error with several ranks, every rank
 // stops (MPI_Abort) so none is left waiting in a collective; a single rank just reports the
-// error.
+// error. On success the ranks meet in a barrier before MPI_Finalize: Open MPI 4.1's finalize can
+// crash in its TCP transport's teardown when ranks reach it apart (open-mpi/ompi#10313; seen
+// once here, rank 1 of a restarted job in mca_btl_tcp_finalize).
 template <typename Body>
 auto with_mpi(Body&& body) {
   comm::MpiSession session;
   comm::Communicator world = comm::Communicator::world();
+  const auto meet = [&world] {
+    if (world.size() > 1) world.barrier();
+  };
   try {
-    return body(world);
+    if constexpr (std::is_void_v<std::invoke_result_t<Body&, comm::Communicator&>>) {
+      body(world);
+      meet();
+    } else {
+      auto result = body(world);
+      meet();
+      return result;
+    }
   } catch (const std::exception& e) {
     if (world.size() == 1) throw;
     std::fprintf(stderr, "error: [rank %d] %s\n", world.rank(), e.what());
