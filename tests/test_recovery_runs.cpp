@@ -924,10 +924,10 @@ TEST_F(RecoverySlow, ALinkThatComesBackWithinTheLimitCostsNoRestart) {
   BackgroundCommand& job = bed.launch(bed_flags(dir));
   ASSERT_TRUE(wait_for_step(job, 6)) << job.output();
   ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
-  // Down for 0.7 of a step's limit (the floor): past half the limit, so the probes see it fail,
-  // but for less than the 3 s that makes a link cut; TCP's resends (their timeout doubling) may
-  // resume the collective only after the limit, when the probes connect again: healed, and the
-  // phase gets more time.
+  // Down for 0.7 of a step's limit (the floor): past half the limit, when the probes start, so
+  // they see it fail, for about 1 s, short of the 3 s without a probe that makes a link cut;
+  // TCP's resends (their timeout doubling) may resume the collective only after the limit, when
+  // the probes connect again: healed, and the phase gets more time.
   bed.cut();
   std::this_thread::sleep_for(std::chrono::duration<double>(0.7 * kFloorS));
   bed.bed("heal 1");
