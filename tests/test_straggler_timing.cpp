@@ -262,6 +262,22 @@ TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {
   // rank's median is 1 ± 0.25, and each step below 2, the smaller slowdown: the failure this test
   // is for, a rank taking turns with a slowed one reading that rank's 2x or 5x, fails both.
   const std::vector<double> truth = {2, 1, 5, 1};
+  // A step at which every rank reads above its own slowdown is a stall of the whole machine, not
+  // a rank reading its neighbour's: CI saw all four ranks at 1.25-2.66x their slowdown for two
+  // steps (a pause of ~0.1 s added to every rank's compute weighs 2.5x on a healthy rank's and
+  // 1.25x on the 5x rank's). The failure this test is for leaves the slowed ranks at their own
+  // rate, so it cannot hide there. Such steps are left out of the per-step checks, at most 3 of
+  // the 8; the medians keep them.
+  const auto stalled = [&](int s) {
+    for (size_t rank = 0; rank < 4; ++rank) {
+      if (run.steps.at(s).rates.at(rank) < 1.15 * truth[rank]) return false;
+    }
+    return true;
+  };
+  int stalls = 0;
+  for (int s = kFrom + 2; s <= kSteps; ++s) stalls += stalled(s) ? 1 : 0;
+  ASSERT_LE(stalls, 3) << "the whole machine stalled at " << stalls << " of the judged steps\n"
+                       << table;
   for (size_t rank = 0; rank < 4; ++rank) {
     const bool slow = truth[rank] > 1;
     EXPECT_NEAR(median_rate(run, rank, kFrom + 2, kSteps), truth[rank],
@@ -269,6 +285,7 @@ TEST(SlowStragglerTiming, TwoInjectedStragglersOnFourRanksAreEachMeasured) {
         << "rank " << rank << "\n"
         << table;
     for (int s = kFrom + 2; s <= kSteps; ++s) {
+      if (stalled(s)) continue;
       const double rate = run.steps.at(s).rates[rank];
       if (slow) {
         EXPECT_NEAR(rate, truth[rank], 0.35 * truth[rank])
