@@ -120,7 +120,8 @@ def straggler(out, steps, busy_from, busy_to, core):
                       f"{[round(x, 2) for x in r.rates]} "
                       f"compute {[round(x, 3) for x in r.compute_s]}"
                       + (f" -> {[len(b) for b in pp.blocks_per_rank]} (moved in "
-                         f"{r.migrate_s:.3f} s)" if r.switched else ""), flush=True)
+                         f"{r.migrate_s:.3f} s)" if r.switched else "")
+                      + (f" | asked: {r.decision.reason}" if r.decision else ""), flush=True)
     finally:
         if busy:
             stop(busy)

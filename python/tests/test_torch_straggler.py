@@ -8,11 +8,8 @@ rank 0 at 1.17 while the busy processes shared the other vCPU, a move back to [1
 rank 1 then at 1.19 for three steps, and [8, 8] one step past 2 windows).
 
 Judges elapsed time: CTest runs it alone, in a session of its own (tests/own_session.sh). Only
-rank 1 is loaded, so a run in which rank 0 read slower than QUIET (or either rank did before the
-busy processes began) saw load from outside the test (this 2-vCPU machine's cores are not always
-equal: rank 0 read 1.2-1.5 in some runs) and proves nothing either way: it is made again, up to
-TRIALS runs; a valid run that fails the checks fails the test, and no valid run skips it, with
-the rates seen."""
+rank 1 is loaded: a run that saw load from outside the test is made again
+(torch_common.check_a_quiet_run)."""
 
 import json
 import os
@@ -24,13 +21,11 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from malleus.torch import run  # noqa: E402
+import torch_common as tc  # noqa: E402
 
 STEPS, BUSY_FROM, BUSY_TO = 27, 9, 16
 EVEN = [8, 8]
 
-
-QUIET = 1.3   # a rate no unloaded rank should read
-TRIALS = 3
 WINDOW = 3    # the monitor's sliding window (malleus.torch's default)
 
 
@@ -45,28 +40,16 @@ def run_once(tmp, cores):
         return status, {e["step"]: e for e in json.load(f)}
 
 
-def quiet(log):
-    """Whether nothing but the test's busy processes loaded the ranks."""
-    return all(log[s]["rates"][0] <= QUIET for s in log) and \
-        all(max(log[s]["rates"]) <= QUIET for s in range(1, BUSY_FROM))
-
-
 @unittest.skipIf(len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"),
                  "needs 2 cores and taskset")
 class Straggler(unittest.TestCase):
     def test_replans_around_a_busy_core_and_back(self):
         cores = sorted(os.sched_getaffinity(0))[:2]
-        seen = []
-        for _ in range(TRIALS):
+
+        def run_in_tmp():
             with tempfile.TemporaryDirectory() as tmp:
-                status, log = run_once(tmp, cores)
-            self.assertEqual(status, 0)
-            if quiet(log):
-                return self.check(log)
-            seen.append([log[s]["rates"] for s in sorted(log)])
-            print(f"not a quiet run (rates over {QUIET} on an unloaded rank): made again",
-                  file=sys.stderr)
-        self.skipTest(f"no quiet run in {TRIALS}; rates per step: {seen}")
+                return run_once(tmp, cores)
+        tc.check_a_quiet_run(self, run_in_tmp, unloaded=0, busy_from=BUSY_FROM)
 
     def check(self, log):
         # Healthy before: the even split all along.
