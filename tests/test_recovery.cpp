@@ -111,11 +111,15 @@ TEST(Watchdog, GivesARankBehindItsOwnLimitBeforeEndingTheJob) {
   std::filesystem::create_directories(watchdog::heartbeat_dir(run));
   // This process is rank 0 of 2. It makes three steps of 0.3 s (a step's limit becomes
   // 10 x 0.3 = 3 s), then waits in step 3's checkpoint, whose limit is the 0.5 s floor. Rank 1 is
-  // alive (it keeps beating) but stays in step 3: it is given until its step's 3 s limit.
+  // alive (it keeps beating) but stays in step 3: it is given until its step's 3 s limit. Rank 1
+  // beats every 50 ms from this process's own thread; the watchdog's beat interval of 0.2 s calls
+  // a heartbeat stale after 0.6 s (3 intervals), which a thread that sleeps 50 ms does not reach
+  // on a loaded machine (at 0.05 s, 0.25 s: a first-tier run at -j 4 saw a 0.3 s gap, rank 1
+  // taken for dead).
   EXPECT_EXIT(
       {
         watchdog::Watchdog watchdog(run, 0, 2,
-                                    {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.05});
+                                    {.floor_s = 0.5, .multiple = 10, .beat_interval_s = 0.2});
         auto behind = beat(1, 1, "step", unix_now());
         for (int step = 1; step <= 3; ++step) {
           watchdog.enter("step", step);
