@@ -701,14 +701,18 @@ constexpr int kSlowLinkSteps = 12;
 constexpr double kFloorS = 5;
 constexpr double kSlowLinkFloorS = 10;
 
-// `malleus launch` on the bed (the hostfile of its 2 hosts in `hosts`), training `train`.
+// `malleus launch` on the bed (the hostfile of its 2 hosts in `hosts`), training `train`. A job
+// that prints nothing for 60 s (a restart across a link that still drops most packets) is ended
+// with the supervisor's message, well before the test's own limit.
 std::string launch_on_bed(const fs::path& hosts, const std::string& train) {
   const std::string base = checkpoint::memory_checkpoint_base().string();
   return MALLEUS_SOURCE_DIR "/tests/own_session.sh " + kBedEnvironment +
          "MALLEUS_HOSTS_SHM=" + base + " MALLEUS_MEMORY_CHECKPOINT_DIR=" + base +
          "/mr-h0 timeout " + std::to_string(kTimeoutS) + " " + MALLEUS_BINARY +
          " launch --hostfile " + hosts.string() +
-         " --mpirun " MALLEUS_SOURCE_DIR "/scripts/bed_mpirun.sh --exit-grace 2 -- train " + train;
+         " --mpirun " MALLEUS_SOURCE_DIR
+         "/scripts/bed_mpirun.sh --exit-grace 2 --start-timeout 60 -- train " +
+         train;
 }
 
 // The tiny run for the bed: memory checkpoints every step, the watchdog's floor at kFloorS.
@@ -760,6 +764,19 @@ class CutBed {
   void cut() {
     bed("cut 1");
     cut_at_ = std::chrono::steady_clock::now();
+  }
+  // The job's output and the watchdog's reports in the run (hang.json, hang-N.json: the partition
+  // its probes found), for a failure's message: what tells a link judged wrongly from a hang.
+  std::string story() const {
+    std::string s = job_ ? job_->output() : "";
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(run_, ec)) {
+      const std::string name = f.path().filename().string();
+      if (name.rfind("hang", 0) == 0 && f.path().extension() == ".json") {
+        s += "\n" + name + ": " + read_file(f.path());
+      }
+    }
+    return s;
   }
   // Seconds from the cut to the first step of the restarted job (which says "| restarts 1"), for
   // a run whose watchdog floor is `floor_s`.
@@ -833,7 +850,7 @@ TEST_F(RecoverySlow, LinkDownMidStepLeavesTheHostOutAndTheRunFinishesFromMemory)
   ASSERT_TRUE(poll_until([&] { return phase_of(run, 0) == "step"; }));
   bed.cut();
   EXPECT_LT(bed.cut_to_first_step(kFloorS), kFloorS + 20);
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   // A rank's sends end once in its socket buffers, and what it receives may have arrived before
   // the cut: rank 0 can finish the step and wait in the memory save that follows it.
   expect_left_out_and_finished(dir, run, job.output(), "step|checkpoint");
@@ -880,7 +897,7 @@ TEST_F(RecoverySlow, LinkDownMidCheckpointLeavesTheHostOutAndTheRunFinishesFromM
   }));
   bed.cut();
   bed.cut_to_first_step(kSlowLinkFloorS);
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   expect_left_out_and_finished(dir, run, job.output(), "checkpoint",
                                slow_link_flags(dir, " --no-replan"), kSlowLinkSteps);
 }
@@ -908,7 +925,7 @@ TEST_F(RecoverySlow, LinkDownMidMigrationLeavesTheHostOutAndTheRunFinishesFromMe
   }
   bed.cut();
   bed.cut_to_first_step(kSlowLinkFloorS);
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   // As in the mid-step case: the migration's last messages may be in the socket buffers before
   // the cut, and the ranks then wait in the memory save that follows it (seen once in CI: phase
   // "checkpoint" at the migration's step, everything else as here).
@@ -931,7 +948,7 @@ TEST_F(RecoverySlow, ALinkThatComesBackWithinTheLimitCostsNoRestart) {
   bed.cut();
   std::this_thread::sleep_for(std::chrono::duration<double>(0.7 * kFloorS));
   bed.bed("heal 1");
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   const Metrics m = read_metrics(run);
   EXPECT_TRUE(m.restarts.empty()) << job.output();
   EXPECT_FALSE(fs::exists(run / "hang.json")) << job.output();
@@ -955,7 +972,7 @@ TEST_F(RecoverySlow, ALinkThatDropsSomePacketsIsTrainedThroughOrCutNeverBlamedOn
   // 5 % of host 1's packets lost in each direction: TCP resends them, steps take longer; as a
   // rule none outlasts its limit, no phase is judged, and the run finishes on both hosts.
   bed.bed("loss 1 5");
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   const Metrics m = read_metrics(run);
   if (!m.restarts.empty()) {
     ASSERT_EQ(m.restarts.size(), 1u) << job.output();
@@ -975,7 +992,7 @@ TEST_F(RecoverySlow, ALinkThatDropsMostPacketsIsTreatedAsCut) {
   // 70 % lost each way: a collective stalls past its limit, and the probes that connect now and
   // then make the link lossy (or cut): host 1 is left out as if its link were down.
   bed.bed("loss 1 70");
-  ASSERT_EQ(job.wait(kTimeoutS), 0) << job.output();
+  ASSERT_EQ(job.wait(kTimeoutS), 0) << bed.story();
   const Metrics m = read_metrics(run);
   ASSERT_EQ(m.restarts.size(), 1u) << job.output();
   EXPECT_EQ(m.restarts[0].reason, "cut off") << job.output();
