@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +35,42 @@
 namespace malleus::testing {
 
 namespace fs = std::filesystem;
+
+// Open MPI 4 makes its session directory, <TMPDIR>/ompi.<host>.<uid>, when a job or a singleton
+// starts and removes it when the last one ends; two starts at the same moment (CTest runs tests
+// side by side) race on the mkdir, and the loser's MPI_Init fails ("A call to mkdir was unable to
+// create the desired directory ... File exists": seen once in the sanitizer run; Open MPI's
+// report of the race: open-mpi/ompi#8510). So a test process gives itself, and whatever it
+// starts, a TMPDIR of its own (its scratch directories, and Open MPI's session directories under
+// it), removed when it exits: not in a rank mpirun started (its session directory is mpirun's),
+// nor under MALLEUS_KEEP_SCRATCH=1 (which keeps scratch directories); a fork (a death test's
+// child) leaves it to the process that made it.
+class OwnTmpdir {
+ public:
+  OwnTmpdir() {
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) return;
+    if (const char* keep = std::getenv("MALLEUS_KEEP_SCRATCH"); keep && *keep == '1') return;
+    const char* base = std::getenv("TMPDIR");
+    std::string made = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/mt.XXXXXX";
+    if (::mkdtemp(made.data()) == nullptr) return;  // then the shared TMPDIR, as before
+    ::chmod(made.c_str(), 01777);  // as /tmp: tests run commands as another user too
+    path_ = made;
+    owner_ = ::getpid();
+    ::setenv("TMPDIR", path_.c_str(), 1);
+  }
+  ~OwnTmpdir() {
+    if (path_.empty() || ::getpid() != owner_) return;
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  OwnTmpdir(const OwnTmpdir&) = delete;
+  OwnTmpdir& operator=(const OwnTmpdir&) = delete;
+
+ private:
+  std::string path_;
+  pid_t owner_ = 0;
+};
+inline OwnTmpdir own_tmpdir;
 
 // Removes the memory copies (checkpoint/memory_folder.h: <base>/malleus-*/owner.json names the
 // run directory) of every run inside `dir`, as a test removes its run directories: tests leave no
