@@ -88,8 +88,10 @@ cmd_down() {
     rmdir "$dir" 2> /dev/null || { sleep 0.5; rmdir "$dir"; }
   done
   # Open MPI's session directories of the hosts (named after their host names), which a daemon
-  # killed above leaves behind.
+  # killed above leaves behind, and the hostfiles of jobs whose mpirun was killed (malleus launch
+  # ends a job mpirun cannot end with SIGKILL: cmd_mpirun never reaches its rm).
   rm -rf -- "${TMPDIR:-/tmp}/ompi.$prefix-h"[0-9]*".$(id -u)"
+  rm -f -- "${TMPDIR:-/tmp}/$prefix-hostfile."??????
   # The hosts' memory: lost with them.
   for dir in "$MALLEUS_HOSTS_SHM/$prefix"-h*; do
     [[ ! -d $dir ]] || [[ ! $dir =~ /$prefix-h[0-9]+$ ]] || rm -rf -- "$dir"
@@ -285,7 +287,7 @@ cmd_exec() {
 cmd_mpirun() {
   [[ -n $(hosts) ]] || die "mpirun: no hosts are up (scripts/hosts.sh up N)"
   local hostfile arg args=()
-  hostfile=$(mktemp "/tmp/$prefix-hostfile.XXXXXX")
+  hostfile=$(mktemp "${TMPDIR:-/tmp}/$prefix-hostfile.XXXXXX")
   cmd_hostfile > "$hostfile"
   # A hostfile of the caller's (malleus launch writes one per job) replaces the bed's.
   while (($# > 0)); do
