@@ -24,8 +24,9 @@ status=0
 ctest --test-dir build --output-on-failure --timeout 900 -j "$((2 * $(nproc)))" -LE timing ||
   status=$?
 timing=(ctest --test-dir build --output-on-failure --timeout 900)
+failed=build/Testing/Temporary/LastTestsFailed.log
+rm -f "$failed"  # only this run's failures are run again
 if ! "${timing[@]}" -L timing; then
-  failed=build/Testing/Temporary/LastTestsFailed.log
   if [[ -s $failed ]]; then
     names=$(cut -d: -f2 "$failed" | paste -sd ' ')
     echo "test.sh: timing tests failed at their first run, run once more alone: $names"
