@@ -10,16 +10,13 @@ time: CTest runs it alone, in a session of its own (tests/own_session.sh), so th
 sessions' load is not read as a slowdown of rank 0; only rank 1 is loaded, and a run that saw load
 from outside the test is made again (torch_common.check_a_quiet_run)."""
 
-import json
 import os
 import shutil
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from malleus.torch import run  # noqa: E402
 import torch_common as tc  # noqa: E402
 
 STEPS, BUSY_FROM, BUSY_TO = 24, 9, 16
@@ -36,18 +33,10 @@ def work(entry):
 class Straggler(unittest.TestCase):
     def test_moves_layers_off_a_busy_core_and_back(self):
         cores = sorted(os.sched_getaffinity(0))[:2]
-
-        def run_once():
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "log.json")
-                status = run.launch([sys.executable, os.path.join(HERE, "pipeline_worker.py"),
-                                     "straggler", out, str(STEPS), str(BUSY_FROM), str(BUSY_TO),
-                                     str(cores[1])], 2, cores=cores, timeout=600)
-                if status != 0:
-                    return status, None
-                with open(out) as f:
-                    return status, {e["step"]: e for e in json.load(f)}
-        tc.check_a_quiet_run(self, run_once, unloaded=0, busy_from=BUSY_FROM)
+        tc.check_a_quiet_run(
+            self, lambda: tc.straggler_run("pipeline_worker.py", STEPS, BUSY_FROM, BUSY_TO, cores,
+                                           600),
+            unloaded=0, busy_from=BUSY_FROM)
 
     def check(self, log):
         # Healthy before: the even split all along.

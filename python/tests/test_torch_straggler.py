@@ -11,16 +11,13 @@ Judges elapsed time: CTest runs it alone, in a session of its own (tests/own_ses
 rank 1 is loaded: a run that saw load from outside the test is made again
 (torch_common.check_a_quiet_run)."""
 
-import json
 import os
 import shutil
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from malleus.torch import run  # noqa: E402
 import torch_common as tc  # noqa: E402
 
 STEPS, BUSY_FROM, BUSY_TO = 27, 9, 16
@@ -29,27 +26,15 @@ EVEN = [8, 8]
 WINDOW = 3    # the monitor's sliding window (malleus.torch's default)
 
 
-def run_once(tmp, cores):
-    out = os.path.join(tmp, "log.json")
-    status = run.launch([sys.executable, os.path.join(HERE, "torch_worker.py"),
-                         "straggler", out, str(STEPS), str(BUSY_FROM), str(BUSY_TO),
-                         str(cores[1])], 2, cores=cores, timeout=400)
-    if status != 0:
-        return status, None
-    with open(out) as f:
-        return status, {e["step"]: e for e in json.load(f)}
-
-
 @unittest.skipIf(len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"),
                  "needs 2 cores and taskset")
 class Straggler(unittest.TestCase):
     def test_replans_around_a_busy_core_and_back(self):
         cores = sorted(os.sched_getaffinity(0))[:2]
-
-        def run_in_tmp():
-            with tempfile.TemporaryDirectory() as tmp:
-                return run_once(tmp, cores)
-        tc.check_a_quiet_run(self, run_in_tmp, unloaded=0, busy_from=BUSY_FROM)
+        tc.check_a_quiet_run(
+            self, lambda: tc.straggler_run("torch_worker.py", STEPS, BUSY_FROM, BUSY_TO, cores,
+                                           400),
+            unloaded=0, busy_from=BUSY_FROM)
 
     def check(self, log):
         # Healthy before: the even split all along.

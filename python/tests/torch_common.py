@@ -131,8 +131,27 @@ def quiet(log, unloaded, busy_from):
         all(max(log[s]["rates"]) <= QUIET for s in range(1, busy_from))
 
 
+def straggler_run(worker, steps, busy_from, busy_to, cores, timeout):
+    """`worker straggler OUT STEPS BUSY_FROM BUSY_TO CORE` (a worker of this folder) on 2 ranks
+    pinned to `cores`, busy processes on the second: (exit status, step -> its log entry, or
+    None where it failed)."""
+    import json
+    import tempfile
+    from malleus.torch import run
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "log.json")
+        status = run.launch([sys.executable, os.path.join(os.path.dirname(os.path.abspath(
+            __file__)), worker), "straggler", out, str(steps), str(busy_from), str(busy_to),
+            str(cores[1])], 2, cores=cores, timeout=timeout)
+        if status != 0:
+            return status, None
+        with open(out) as f:
+            return status, {e["step"]: e for e in json.load(f)}
+
+
 def check_a_quiet_run(test, run_once, unloaded, busy_from):
-    """Runs run_once() (-> (status, log)) until a quiet run, and test.check(log) on it."""
+    """Runs run_once() (-> (status, log), as straggler_run) until a quiet run, and
+    test.check(log) on it."""
     seen = []
     for _ in range(TRIALS):
         status, log = run_once()
