@@ -11,6 +11,13 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMALLEUS_SANITIZE=ON
   -DMALLEUS_WERROR=ON -DMALLEUS_BUILD_BENCH=OFF -DMALLEUS_BUILD_PYTHON=OFF > build-asan-configure.log ||
   { cat build-asan-configure.log; exit 1; }
 cmake --build build-asan --parallel "$(nproc)"
-# OpenMP's runtime keeps thread pools alive at exit; those are not our leaks.
+# OpenMP's runtime keeps thread pools alive at exit; those are not our leaks. A failure's output
+# is printed again at the end (scripts/failed_tests.py), where a CI page that shows only the log's
+# end has it.
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E "${SANITIZE_EXCLUDE:-Slow}"
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E "${SANITIZE_EXCLUDE:-Slow}" || {
+  status=$?
+  echo "sanitize.sh: the failed tests' output again, the last lines of each"
+  scripts/failed_tests.py build-asan
+  exit "$status"
+}

@@ -21,8 +21,13 @@ scripts/build.sh -DMALLEUS_WERROR=ON
 # In one run, CTest holds the other cores idle while a RUN_SERIAL test waits for the tests before
 # it to end.
 status=0
-ctest --test-dir build --output-on-failure --timeout 900 -j "$((2 * $(nproc)))" -LE timing ||
-  status=$?
+# The failed tests' last lines of output, printed again at the end (scripts/failed_tests.py).
+report=build/Testing/failed-output.txt
+rm -f "$report"
+if ! ctest --test-dir build --output-on-failure --timeout 900 -j "$((2 * $(nproc)))" -LE timing; then
+  status=1
+  scripts/failed_tests.py build >> "$report"
+fi
 timing=(ctest --test-dir build --output-on-failure --timeout 900)
 failed=build/Testing/Temporary/LastTestsFailed.log
 rm -f "$failed"  # only this run's failures are run again
@@ -34,9 +39,14 @@ if ! "${timing[@]}" -L timing; then
       echo "test.sh: passed only at their second run: $names"
     else
       status=1
+      scripts/failed_tests.py build >> "$report"
     fi
   else
     status=1
   fi
+fi
+if [[ -s $report ]]; then
+  echo "test.sh: the failed tests' output again, the last lines of each"
+  cat "$report"
 fi
 exit "$status"
