@@ -407,6 +407,44 @@ TEST_F(RecoverySlow, ASavedStopEndsWithItsSignalsStatusThoughSrunEndedTheLastRan
   }
 }
 
+TEST_F(RecoverySlow, AJobThatFailsAfterTheRunsLastStepWasSavedEndsAsFinished) {
+  // A rank that crashes in MPI_Finalize once the run's last checkpoint is on disk (Open MPI 4's
+  // TCP transport, now and then; a SEGV, which the sanitizer turns into exit status 1): the
+  // stand-in launcher runs the job under mpirun, then fails so. The run is complete, and launch
+  // ends as for a finished run, saying what it saw. A job that fails before the run is complete
+  // is a failure; so is one that fails beside a run finished before this supervision began.
+  const auto stand_in = [&](const std::string& name, const std::string& body) {
+    const fs::path path = dir / name / "mpirun";
+    fs::create_directories(path.parent_path());
+    write_file_atomic(path, "#!/bin/bash\n" + body + "echo 'error: stand-in crash' >&2\nexit 1\n");
+    fs::permissions(path, fs::perms::owner_all);
+    return kMpiEnvironment + "timeout 120 " MALLEUS_BINARY " launch --np 2 --mpirun " +
+           path.string() + " --mpirun-args=--oversubscribe -- train " +
+           tiny_flags(dir, "run", 4, Pace::kFull);
+  };
+  const std::string after_the_run = stand_in("after", MALLEUS_MPIRUN " \"$@\" || exit\n");
+  auto r = run_command(after_the_run);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launch: warning: the job failed (exit status 1) after the run's last "
+                          "step (4) was saved"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("launch: the run finished\n"), std::string::npos) << r.output;
+  // The same run directory, its last step saved before this supervision: the job's failure (the
+  // train command's own, or the stand-in's) is the job's.
+  r = run_command(after_the_run);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("without losing a rank: not restarting it"), std::string::npos)
+      << r.output;
+  fs::remove_all(run);
+  r = run_command(stand_in("before", ""));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("launch: the job failed (exit status 1) without losing a rank: not "
+                          "restarting it"),
+            std::string::npos)
+      << r.output;
+}
+
 namespace {
 
 // A 4-rank job under plain mpirun (no supervisor), memory checkpoints every step and disk ones

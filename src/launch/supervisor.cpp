@@ -452,7 +452,8 @@ class Supervisor {
         devices_(o),
         config_(resolved_config(o)),
         run_dir_(config_.at("out_dir").get<std::string>()),
-        command_(o.command) {
+        command_(o.command),
+        started_at_(unix_now()) {
     // The jobs' ranks name this process in their memory copies' owner record; copies of other
     // runs whose processes are all gone are removed now (checkpoint/memory_folder.h).
     ::setenv("MALLEUS_SUPERVISOR", checkpoint::supervisor_text().c_str(), 1);
@@ -659,11 +660,37 @@ class Supervisor {
     }
     if (outcome.kind == Outcome::Kind::kFailed) {
       // Its error lines were forwarded already.
+      if (const std::optional<int64_t> last = last_step_saved_since_start()) {
+        // Failed once the run was complete: a rank that crashed in MPI_Finalize (seen with Open
+        // MPI 4's TCP transport, a SEGV the sanitizer turns into exit status 1). As a rank lost
+        // there is, it ends as a finished run does (restart()).
+        std::fprintf(stderr,
+                     "launch: warning: the job failed (%s) after the run's last step (%lld) was "
+                     "saved\n",
+                     outcome.reason.c_str(), static_cast<long long>(*last));
+        return finished();
+      }
       std::fprintf(stderr, "launch: the job failed (%s) without losing a rank: not restarting it\n",
                    outcome.reason.c_str());
       return status;
     }
     return std::nullopt;
+  }
+
+  // The step of the run's newest checkpoint on disk when it is the run's last step and a job of
+  // this supervision wrote it (not a run finished before, in the same directory), else nothing.
+  std::optional<int64_t> last_step_saved_since_start() const {
+    const std::optional<fs::path> latest = checkpoint::latest_checkpoint(run_dir_ / "checkpoints");
+    if (!latest) return std::nullopt;
+    const int64_t step = checkpoint::checkpoint_dir_step(*latest).value_or(0);
+    struct stat info {};
+    if (step < config_.at("steps").get<int64_t>() || ::stat(latest->c_str(), &info) != 0 ||
+        static_cast<double>(info.st_mtim.tv_sec) +
+                1e-9 * static_cast<double>(info.st_mtim.tv_nsec) <
+            started_at_) {
+      return std::nullopt;
+    }
+    return step;
   }
 
   // After ranks were lost: the next job's command, resuming from the latest checkpoint on the
@@ -764,6 +791,7 @@ class Supervisor {
   ScratchDir scratch_;
   train::StopSignals stop_signals_;
   std::vector<std::string> command_;
+  const double started_at_;  // unix time
   int restarts_ = 0;
   std::optional<int64_t> restarted_from_;  // the checkpoint step of the last restart
   std::string last_reason_;
