@@ -4,7 +4,9 @@
 # directory under TMPDIR, and two mpiruns that start at the same moment can both try to create the
 # directory they share there: one of them fails (open-mpi/ompi#8510). The C++ test programs take
 # a TMPDIR of their own themselves (tests/test_util.h, OwnTmpdir); CTest starts the tests that are
-# an mpirun or a script through this.
+# an mpirun or a script through this. Under MALLEUS_KEEP_SCRATCH=1, which keeps a failed test's
+# scratch directories (made under TMPDIR, by the ranks of an MPI test too), COMMAND runs with the
+# caller's TMPDIR, as OwnTmpdir leaves it.
 #
 # Usage: tests/own_tmpdir.sh COMMAND [ARG...]
 set -euo pipefail
@@ -12,6 +14,7 @@ set -euo pipefail
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
   exit 2
 }
+[[ ${MALLEUS_KEEP_SCRATCH:-} != 1 ]] || exec "$@"
 dir=$(mktemp -d "${TMPDIR:-/tmp}/mt.XXXXXX")
 chmod 1777 "$dir"
 trap 'rm -rf "$dir"' EXIT
